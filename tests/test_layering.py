@@ -17,12 +17,16 @@ FORBIDDEN = {
     "nemo_dapo.megatron": tuple(m for m in HEAVY if m != "megatron") + ("nemo_dapo.local", "nemo_dapo.aligner"),
 }
 
+# Whatever a bare `import torch` loads (numpy, when installed) is the floor every layer stands on; the probe reports
+# only what importing the layer adds on top of it.
 PROBE = """
 import importlib, json, pkgutil, sys
+import torch
+base = set(sys.modules)
 pkg = importlib.import_module(sys.argv[1])
 for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
     importlib.import_module(m.name)
-print(json.dumps(sorted(sys.modules)))
+print(json.dumps(sorted(set(sys.modules) - base)))
 """
 
 

@@ -1,0 +1,311 @@
+"""DAPO policy loss: token-level clipped surrogate with decoupled clip bounds (Clip-Higher), optional dual-clip,
+optional truncated importance sampling, and the sequence-level baselines of the paper's ablation.
+
+Split invariance: every loss here is a sum over tokens divided by a GLOBAL normaliser that the caller computes once
+per optimizer step (summed over micro-batches and data-parallel ranks). The returned loss is then this micro-batch's
+contribution, and summing the contributions gives the mini-batch loss however the batch was split.
+
+Aggregation modes (``agg``) and their global normaliser:
+  "token-mean"              sum_{i,t} l_it / num_tokens                      (DAPO; num_tokens = valid tokens)
+  "seq-mean-token-mean"     sum_i mean_t(l_it) / num_seqs                    (original GRPO)
+  "seq-mean-token-sum"      sum_i sum_t(l_it) / num_seqs
+  "seq-mean-token-sum-norm" sum_i sum_t(l_it) / (num_seqs * max_len)        (Dr. GRPO; max_len a constant)
+num_seqs counts sequences with at least one valid token; ``loss_normalizer`` gives a micro-batch's share of either.
+
+Masks are float/bool [B, T] with 1 on valid response tokens. Padding positions of logp/old_logp may hold anything:
+they are selected away with ``torch.where``, never multiplied, so garbage there cannot turn into NaN.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from nemo_dapo.core.overlong import overlong_filter_mask
+from nemo_dapo.core.types import RolloutBatch
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+LOG_RATIO_CLAMP = 20.0
+
+# How to combine each metric over micro-batches and ranks. "sum": the metric is already this micro-batch's
+# contribution to the mini-batch mean (weighted like the loss, see _metric_mean), so plain sums give the mean.
+METRIC_REDUCTION = {
+    "clip_frac_low": "sum",  # tokens whose gradient the 1 - eps_low bound zeroed (A < 0, ratio < 1 - eps_low)
+    "clip_frac_high": "sum",  # tokens whose gradient the 1 + eps_high bound zeroed (A > 0, ratio > 1 + eps_high)
+    "dual_clip_frac": "sum",  # tokens capped by the dual clip (A < 0, ratio > clip_c)
+    "approx_kl": "sum",  # KL(old || new), k3 estimator (r - 1) - log r, non-negative
+    "ratio_mean": "sum",
+    "ratio_min": "min",  # +inf when the micro-batch has no valid token
+    "ratio_max": "max",  # -inf when the micro-batch has no valid token
+    "num_tokens": "sum",  # valid tokens of this micro-batch (local count)
+    "is_weight_mean": "sum",  # make_loss_fn with TIS only
+    "logp_mismatch": "sum",  # make_loss_fn with engine_logp present: mean |exp(engine - trainer) - 1|
+    "entropy": "sum",  # make_loss_fn only
+    "token_prob": "sum",  # make_loss_fn only: mean exp(logp)
+    "overlong_filtered": "sum",  # make_loss_fn with overlong_filter: rows masked out
+}
+
+
+def _check_agg(agg: str, num_tokens, num_seqs, max_len) -> None:
+    if agg not in AGG_MODES:
+        raise ValueError(f"agg={agg!r} is not one of {AGG_MODES}")
+    if agg == "token-mean" and num_tokens is None:
+        raise ValueError("agg='token-mean' needs num_tokens = the global valid-token count of the optimizer step")
+    if agg != "token-mean" and num_seqs is None:
+        raise ValueError(f"agg={agg!r} needs num_seqs = the global count of sequences with a valid token "
+                         "(sum loss_normalizer(mask, agg) over micro-batches and ranks)")
+    if agg == "seq-mean-token-sum-norm" and not (max_len is not None and max_len > 0):
+        raise ValueError(f"agg='seq-mean-token-sum-norm' needs a constant max_len > 0 (the generation cap), "
+                         f"got {max_len}")
+
+
+def _check_shapes(logp, old_logp, advantages, mask, is_weights) -> None:
+    if logp.dim() != 2 or old_logp.shape != logp.shape or mask.shape != logp.shape:
+        raise ValueError(f"logp, old_logp and mask must all be [B, T], got {tuple(logp.shape)}, "
+                         f"{tuple(old_logp.shape)}, {tuple(mask.shape)}")
+    if advantages.shape not in (logp.shape[:1], logp.shape):
+        raise ValueError(f"advantages must be [B] or [B, T] for logp {tuple(logp.shape)}, got "
+                         f"{tuple(advantages.shape)}")
+    if is_weights is not None and is_weights.shape != logp.shape:
+        raise ValueError(f"is_weights must be [B, T] like logp, got {tuple(is_weights.shape)}")
+
+
+def _check_clip(eps_low: float, eps_high: float, clip_c: Optional[float]) -> None:
+    if not 0 <= eps_low < 1:
+        raise ValueError(f"eps_low must be in [0, 1) (paper: 0.2), got {eps_low}")
+    if not eps_high >= 0:
+        raise ValueError(f"eps_high must be >= 0 (paper: 0.28), got {eps_high}")
+    if clip_c is not None and not clip_c > 1:
+        raise ValueError(f"clip_c (dual clip) must be > 1 or None to disable it (reference: 10.0), got {clip_c}")
+
+
+def _masked_sum(x: torch.Tensor, valid: torch.Tensor, dim=None) -> torch.Tensor:
+    x = torch.where(valid, x, torch.zeros_like(x))
+    return x.sum() if dim is None else x.sum(dim)
+
+
+def _masked_max(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Max over valid entries; -inf (the identity of max) when there are none."""
+    return torch.where(valid, x, torch.full_like(x, -torch.inf)).amax() if x.numel() else x.new_tensor(-torch.inf)
+
+
+def _aggregate(x: torch.Tensor, valid: torch.Tensor, agg: str, norm, max_len) -> torch.Tensor:
+    """This micro-batch's contribution to the mini-batch aggregate of per-token values ``x`` [B, T]."""
+    # A global normaliser of 0 means every token of the step is masked; the numerator is then 0 as well.
+    if isinstance(norm, torch.Tensor):
+        norm = norm.to(x.dtype).clamp(min=1.0)
+    else:
+        norm = max(float(norm), 1.0)
+    if agg == "token-mean":
+        return _masked_sum(x, valid) / norm
+    if agg == "seq-mean-token-mean":
+        per_seq = _masked_sum(x, valid, -1) / valid.sum(-1).clamp(min=1).to(x.dtype)
+        return per_seq.sum() / norm
+    if agg == "seq-mean-token-sum":
+        return _masked_sum(x, valid) / norm
+    return _masked_sum(x, valid) / (norm * max_len)
+
+
+def _metric_mean(x: torch.Tensor, valid: torch.Tensor, agg: str, norm) -> torch.Tensor:
+    """Metrics are means weighted like the loss: per token for token-mean, per sequence for the seq-* modes."""
+    return _aggregate(x.detach(), valid, "token-mean" if agg == "token-mean" else "seq-mean-token-mean", norm, None)
+
+
+def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, *, eps_low: float, eps_high: float,
+                      clip_c: Optional[float] = None):
+    """Per-token loss (to minimise) and where each clip zeroed the gradient; all [B, T].
+
+    loss = max(-r A, -clip(r, 1 - eps_low, 1 + eps_high) A), and for A < 0 with dual clip additionally
+    min(loss, -clip_c A), i.e. the loss of a negative-advantage token never exceeds clip_c |A|.
+    """
+    surr = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    loss = torch.maximum(surr, clipped)
+    low = (adv < 0) & (ratio < 1.0 - eps_low)
+    high = (adv > 0) & (ratio > 1.0 + eps_high)
+    if clip_c is None:
+        return loss, low, high, torch.zeros_like(low)
+    cap = -adv * clip_c
+    dual = (adv < 0) & (loss > cap)
+    return torch.where(dual, cap, loss), low, high, dual
+
+
+def dapo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+                     eps_low: float, eps_high: float, clip_c: Optional[float] = None, num_tokens,
+                     agg: str = "token-mean", is_weights: Optional[torch.Tensor] = None, num_seqs=None,
+                     max_len: Optional[int] = None):
+    """(loss, metrics): this micro-batch's share of the DAPO clipped-surrogate loss of one optimizer step.
+
+    logp [B, T] log pi_theta of the response tokens (with grad); old_logp [B, T] log pi_old (no grad needed);
+    advantages [B] (broadcast over tokens) or [B, T]; mask [B, T] 1 on valid tokens.
+    num_tokens: GLOBAL valid-token count of the optimizer step (all micro-batches and ranks), a number or 0-dim
+    tensor; required for "token-mean" and unused (may be None) by the seq-* modes, which need ``num_seqs`` (global
+    count of sequences with a valid token) and, for "seq-mean-token-sum-norm", the constant ``max_len``.
+    is_weights [B, T]: optional truncated importance-sampling weights multiplied into the per-token loss (treated as
+    constants). The ratio is computed in (at least) fp32 from the log-ratio clamped to [-20, 20].
+    A micro-batch without valid tokens returns exactly 0 with a finite (zero) gradient.
+    Metrics (0-dim tensors, detached; see METRIC_REDUCTION for how to combine them across micro-batches).
+    """
+    _check_agg(agg, num_tokens, num_seqs, max_len)
+    _check_shapes(logp, old_logp, advantages, mask, is_weights)
+    _check_clip(eps_low, eps_high, clip_c)
+    norm = num_tokens if agg == "token-mean" else num_seqs
+    dtype = torch.promote_types(logp.dtype, torch.float32)
+    valid = mask.bool()
+    log_ratio = (logp.to(dtype) - old_logp.detach().to(dtype)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_ratio = torch.where(valid, log_ratio, torch.zeros_like(log_ratio))
+    ratio = log_ratio.exp()
+    adv = advantages.detach().to(dtype)
+    adv = adv.unsqueeze(-1).expand_as(ratio) if adv.dim() == 1 else adv
+
+    per_token, low, high, dual = clipped_surrogate(ratio, adv, eps_low=eps_low, eps_high=eps_high, clip_c=clip_c)
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach().to(dtype)
+    loss = _aggregate(per_token, valid, agg, norm, max_len)
+
+    r = ratio.detach()
+    metrics = {
+        "clip_frac_low": _metric_mean(low.to(dtype), valid, agg, norm),
+        "clip_frac_high": _metric_mean(high.to(dtype), valid, agg, norm),
+        "dual_clip_frac": _metric_mean(dual.to(dtype), valid, agg, norm),
+        "approx_kl": _metric_mean(r - 1.0 - log_ratio.detach(), valid, agg, norm),
+        "ratio_mean": _metric_mean(r, valid, agg, norm),
+        "ratio_min": -_masked_max(-r, valid),
+        "ratio_max": _masked_max(r, valid),
+        "num_tokens": valid.sum().to(dtype),
+    }
+    return loss, metrics
+
+
+def loss_normalizer(mask: torch.Tensor, agg: str = "token-mean") -> torch.Tensor:
+    """0-dim float: this micro-batch's share of the global normaliser of ``agg``.
+
+    Sum it over the micro-batches and ranks of an optimizer step (e.g. ``reducer.sum``) and pass the total as
+    ``num_tokens`` ("token-mean": valid tokens) or ``num_seqs`` (seq-* modes: sequences with a valid token).
+    """
+    if agg not in AGG_MODES:
+        raise ValueError(f"agg={agg!r} is not one of {AGG_MODES}")
+    valid = mask.bool()
+    if agg == "token-mean":
+        return valid.sum().float()
+    return valid.any(-1).sum().float()
+
+
+def truncated_is_weights(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor,
+                         cap: float) -> torch.Tensor:
+    """[B, T] truncated importance weights min(pi_trainer / pi_engine, cap) of the sampled tokens, 0 on padding.
+
+    The engine sampled the tokens with its own numerics; the trainer's old_logp is the "behaviour" policy the loss
+    assumes, so the sampling-distribution correction is pi_old(trainer) / pi_engine, capped to bound its variance.
+    No gradient flows through the weights.
+    """
+    if not cap > 0:
+        raise ValueError(f"cap must be > 0 (TIS commonly uses 2.0), got {cap}")
+    if old_logp.shape != engine_logp.shape or mask.shape != old_logp.shape:
+        raise ValueError(f"old_logp, engine_logp and mask must share a shape, got {tuple(old_logp.shape)}, "
+                         f"{tuple(engine_logp.shape)}, {tuple(mask.shape)}")
+    valid = mask.bool()
+    dtype = torch.promote_types(old_logp.dtype, torch.float32)
+    log_w = (old_logp.detach().to(dtype) - engine_logp.detach().to(dtype)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    w = log_w.exp().clamp(max=cap)
+    return torch.where(valid, w, torch.zeros_like(w))
+
+
+def logp_mismatch(engine_logp: torch.Tensor, trainer_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """0-dim: mean over valid tokens of |exp(engine_logp - trainer_logp) - 1| (0 when no token is valid)."""
+    if engine_logp.shape != trainer_logp.shape or mask.shape != engine_logp.shape:
+        raise ValueError(f"engine_logp, trainer_logp and mask must share a shape, got {tuple(engine_logp.shape)}, "
+                         f"{tuple(trainer_logp.shape)}, {tuple(mask.shape)}")
+    valid = mask.bool()
+    return _mismatch_per_token(engine_logp, trainer_logp, valid).sum() / valid.sum().clamp(min=1)
+
+
+def _mismatch_per_token(engine_logp, trainer_logp, valid):
+    dtype = torch.promote_types(engine_logp.dtype, torch.float32)
+    diff = (engine_logp.detach().to(dtype) - trainer_logp.detach().to(dtype)).clamp(-LOG_RATIO_CLAMP,
+                                                                                    LOG_RATIO_CLAMP)
+    return torch.where(valid, (diff.exp() - 1.0).abs(), torch.zeros_like(diff))
+
+
+@dataclass(frozen=True)
+class DAPOLossFn:
+    """A ``LossFn`` (core/types.py) that reads its inputs from the micro-batch; build it with ``make_loss_fn``.
+
+    Called as ``loss_fn(logp, entropy, microbatch, num_tokens)`` with logp/entropy [B, R] of the micro-batch's
+    response tokens. The 4th argument is the GLOBAL normaliser of ``agg``: the sum over the step's micro-batches and
+    ranks of ``loss_fn.normalizer(microbatch)``. For "token-mean" this is the valid-token count AFTER overlong
+    filtering (the raw ``RolloutBatch.num_tokens()`` would over-count when truncated rows are masked out); for the
+    seq-* modes it is the number of sequences with a valid token.
+    Reads ``old_logp``, ``advantages`` and ``response_mask`` (plus ``truncated`` with overlong filtering and
+    ``engine_logp`` with TIS) from the micro-batch.
+    """
+
+    eps_low: float
+    eps_high: float
+    clip_c: Optional[float] = None
+    agg: str = "token-mean"
+    max_len: Optional[int] = None
+    overlong_filter: bool = False
+    tis_cap: Optional[float] = None
+
+    def __post_init__(self):
+        _check_clip(self.eps_low, self.eps_high, self.clip_c)
+        _check_agg(self.agg, 1, 1, self.max_len)
+        if self.tis_cap is not None and not self.tis_cap > 0:
+            raise ValueError(f"tis_cap must be > 0 or None to disable TIS, got {self.tis_cap}")
+
+    def loss_mask(self, batch: RolloutBatch) -> torch.Tensor:
+        """[B, R] float: response mask, with truncated rows zeroed when overlong filtering is on."""
+        mask = batch.response_mask.float()
+        if self.overlong_filter:
+            mask = mask * overlong_filter_mask(batch.truncated).to(mask.device).unsqueeze(-1)
+        return mask
+
+    def normalizer(self, batch: RolloutBatch) -> torch.Tensor:
+        """0-dim: this batch's share of the global normaliser (sum it over micro-batches and ranks)."""
+        return loss_normalizer(self.loss_mask(batch), self.agg)
+
+    def __call__(self, logp: torch.Tensor, entropy: Optional[torch.Tensor], microbatch: RolloutBatch, num_tokens):
+        for name in ("old_logp", "advantages") + (("engine_logp",) if self.tis_cap is not None else ()):
+            if getattr(microbatch, name) is None:
+                raise ValueError(f"the micro-batch has no {name}; the step must fill RolloutBatch.{name} before "
+                                 "the update" + (" (or disable TIS: tis_cap=None)" if name == "engine_logp" else ""))
+        mask = self.loss_mask(microbatch)
+        is_weights = None
+        if self.tis_cap is not None:
+            is_weights = truncated_is_weights(microbatch.old_logp, microbatch.engine_logp, mask, self.tis_cap)
+        token_mode = self.agg == "token-mean"
+        loss, metrics = dapo_policy_loss(
+            logp, microbatch.old_logp, microbatch.advantages, mask, eps_low=self.eps_low, eps_high=self.eps_high,
+            clip_c=self.clip_c, num_tokens=num_tokens if token_mode else None, agg=self.agg, is_weights=is_weights,
+            num_seqs=None if token_mode else num_tokens, max_len=self.max_len)
+        valid = mask.bool()
+
+        def avg(x):
+            return _metric_mean(x.float(), valid, self.agg, num_tokens)
+
+        metrics["token_prob"] = avg(logp.detach().float().exp())
+        if entropy is not None:
+            metrics["entropy"] = avg(entropy)
+        if is_weights is not None:
+            metrics["is_weight_mean"] = avg(is_weights)
+        if microbatch.engine_logp is not None:
+            metrics["logp_mismatch"] = avg(_mismatch_per_token(microbatch.engine_logp, microbatch.old_logp, valid))
+        if self.overlong_filter:
+            metrics["overlong_filtered"] = microbatch.truncated.float().sum()
+        return loss, metrics
+
+
+def make_loss_fn(*, eps_low: float, eps_high: float, clip_c: Optional[float] = None, agg: str = "token-mean",
+                 max_len: Optional[int] = None, overlong_filter: bool = False,
+                 tis_cap: Optional[float] = None) -> DAPOLossFn:
+    """The DAPO loss as a ``LossFn`` for ``Policy.train_step`` (see DAPOLossFn for the normaliser convention).
+
+    eps_low/eps_high: decoupled clip (paper 0.2/0.28; equal values give the symmetric-clip baseline);
+    clip_c: dual-clip constant (> 1) or None; agg: one of AGG_MODES; max_len: the constant of
+    "seq-mean-token-sum-norm"; overlong_filter: mask truncated samples out of the loss and the normaliser;
+    tis_cap: truncated importance sampling against ``engine_logp`` with this cap, or None.
+    """
+    return DAPOLossFn(eps_low=eps_low, eps_high=eps_high, clip_c=clip_c, agg=agg, max_len=max_len,
+                      overlong_filter=overlong_filter, tis_cap=tis_cap)
