@@ -1,0 +1,380 @@
+"""Load and validate DAPO actor configs (conf/gpt_dapo_actor.yaml + an override-only recipe) without NeMo.
+
+``check_config(cfg)`` returns every problem found, each naming the keys involved and a fix; ``validate_config``
+raises :class:`ConfigError` with all of them. The rules mirror what would fail later, at scale, inside
+megatron-core 0.10 / NeMo 2.1 / NeMo-Aligner 0.7.0 (world size vs TP x PP x CP, expert-parallel groups with
+ETP = TP, micro-batch arithmetic, the TRT-LLM length assertion) plus the DAPO-specific ranges of the loss.
+Architecture facts (heads, experts) are read from ``model.*`` (after the checkpoint config is merged) and else
+from ``plan.arch.*`` (what the recipe declares for ``nemo-dapo plan``).
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence, Union
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+# Mirrors of nemo_dapo.core.loss.AGG_MODES and nemo_dapo.core.dynamic_sampling.BUDGET_POLICIES, kept here so that
+# validating a config imports no torch (tests assert the copies agree).
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+BUDGET_POLICIES = ("raise", "train_partial", "unbounded")
+VERIFIERS = ("dapo", "tolerant", "math_verify")  # the CPU path's reward.verifier choices (nemo_dapo/config.py)
+DATA_FORMATS = ("dapo_math", "verl", "aime2024", "aime2025", "math500", "gsm8k")  # nemo_dapo.data.readers.READERS
+DISTRIBUTED_OPTIMIZERS = ("distributed_fused_adam", "mcore_distributed_optim")
+
+REPO_CONF = Path(__file__).resolve().parents[2] / "conf"
+PACKAGE_CONF = Path(__file__).resolve().parents[1] / "conf"
+BASE_CONFIG = "gpt_dapo_actor.yaml"
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; ``problems`` lists every reason, each naming its keys and a fix."""
+
+    def __init__(self, problems: Sequence[str]):
+        self.problems = list(problems)
+        super().__init__("invalid DAPO config:\n  - " + "\n  - ".join(self.problems))
+
+
+# ---- loading ------------------------------------------------------------------------------------------------------
+def register_resolvers() -> None:
+    """The resolvers NeMo-Aligner's launchers register (same names and semantics), needed to resolve our YAML."""
+    OmegaConf.register_new_resolver("multiply", lambda x, y: x * y, replace=True)
+    OmegaConf.register_new_resolver("int_div", lambda x, y: x // y, replace=True)
+    OmegaConf.register_new_resolver("subtract", lambda x, y: x - y, replace=True)
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(path: str, mtime_ns: int) -> dict:
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=False)  # YAML parsing dominates load time: cache it
+
+
+def read_yaml(path: Path) -> DictConfig:
+    """A fresh DictConfig of the YAML file at ``path`` (parsed once per file version)."""
+    return OmegaConf.create(_parsed(str(path), path.stat().st_mtime_ns))
+
+
+def find_config(name: Union[str, Path]) -> Path:
+    """A config file: an existing path, or a name under conf/ or conf/recipes/ (".yaml" optional)."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    stem = path.name if path.suffix == ".yaml" else path.name + ".yaml"
+    for root in (REPO_CONF, PACKAGE_CONF):
+        for candidate in (root / path.parent / stem, root / "recipes" / stem):
+            if candidate.is_file():
+                return candidate
+    known = sorted(p.stem for root in (REPO_CONF, PACKAGE_CONF) for p in (root / "recipes").glob("*.yaml"))
+    raise FileNotFoundError(f"config {str(name)!r} not found as a file or under conf/recipes/ (known recipes: "
+                            f"{', '.join(known) or 'none'})")
+
+
+def recipe_base(recipe: DictConfig) -> Optional[str]:
+    """The base config a recipe's Hydra ``defaults`` list names (``/gpt_dapo_actor`` -> ``gpt_dapo_actor``)."""
+    for entry in recipe.get("defaults", []) or []:
+        if isinstance(entry, str) and entry != "_self_":
+            return entry.lstrip("/")
+    return None
+
+
+def load_config(recipe: Optional[Union[str, Path]] = None, overrides: Iterable[str] = (),
+                resolve: bool = True) -> DictConfig:
+    """The base config merged with ``recipe`` (override-only: a key absent from the base is an error) and dotlist
+    ``overrides`` (``key=value``; ``+key=value`` adds a key), like ``train_gpt_dapo.py --config-name``."""
+    register_resolvers()
+    base_path = find_config(BASE_CONFIG)
+    cfg = read_yaml(base_path)
+    cfg.pop("defaults", None)
+    if recipe is not None:
+        rpath = find_config(recipe)
+        rcfg = read_yaml(rpath)
+        base_name = recipe_base(rcfg)
+        if base_name != Path(BASE_CONFIG).stem:
+            raise ValueError(f"{rpath}: its Hydra 'defaults' must start with /{Path(BASE_CONFIG).stem} "
+                             f"(found {base_name!r}); recipes are overrides of {BASE_CONFIG}")
+        rcfg.pop("defaults", None)
+        OmegaConf.set_struct(cfg, True)
+        try:
+            cfg = OmegaConf.merge(cfg, rcfg)
+        except OmegaConfBaseException as e:  # ConfigKeyError for a key the base lacks
+            raise ValueError(f"{rpath} sets a key that {base_path.name} does not have ({e}); recipes may only "
+                             "override existing keys: fix the spelling or add the key, documented, to the base") from e
+        OmegaConf.set_struct(cfg, False)
+    for item in overrides:
+        key, sep, value = item.lstrip("+").partition("=")
+        if not sep:
+            raise ValueError(f"override {item!r} must look like key=value")
+        if not item.startswith("+") and OmegaConf.select(cfg, key, default=_MISSING) is _MISSING:
+            raise ValueError(f"override {item!r}: no key {key!r} in the config (use +{item} to add one)")
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item.lstrip("+")]))  # YAML-typed like Hydra
+    if resolve:
+        OmegaConf.resolve(cfg)
+    return cfg
+
+
+_MISSING = object()
+
+
+# ---- access helpers ---------------------------------------------------------------------------------------------
+def _plain(cfg) -> dict:
+    if isinstance(cfg, DictConfig):
+        register_resolvers()
+        return OmegaConf.to_container(cfg, resolve=True)
+    return cfg
+
+
+def select(cfg: dict, key: str, default: Any = None) -> Any:
+    """The value at dotted ``key`` of a plain dict; ``default`` when absent or null."""
+    node: Any = cfg
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return default if node is None else node
+
+
+def _arch(cfg: dict, key: str) -> Any:
+    """An architecture fact: the merged checkpoint config (model.*) wins over the recipe's plan.arch.*."""
+    return select(cfg, f"model.{key}", select(cfg, f"plan.arch.{key}"))
+
+
+def sizes(cfg: dict) -> dict:
+    """World size and parallel sizes (defaults 1) of a plain config dict."""
+    s = {"world": select(cfg, "trainer.num_nodes", 1) * select(cfg, "trainer.devices", 1)}
+    for name, key in (("tp", "tensor_model_parallel_size"), ("pp", "pipeline_model_parallel_size"),
+                      ("cp", "context_parallel_size"), ("ep", "expert_model_parallel_size")):
+        s[name] = select(cfg, f"model.{key}", 1)
+    model_size = s["tp"] * s["pp"] * s["cp"]
+    s["dp"] = s["world"] // model_size if model_size and s["world"] % model_size == 0 else None
+    reshard = select(cfg, "trainer.dapo.trt_llm.reshard", False) and select(cfg, "trainer.dapo.trt_llm.enable", False)
+    s["dp_gen"] = None if s["dp"] is None else s["dp"] * (s["pp"] if reshard else 1)
+    return s
+
+
+# ---- rules: each yields messages naming the keys and the fix ----------------------------------------------------
+def _layout(cfg: dict, s: dict):
+    tp, pp, cp, world = s["tp"], s["pp"], s["cp"], s["world"]
+    if min(tp, pp, cp, s["ep"], world) < 1:
+        yield (f"trainer.num_nodes x trainer.devices={world}, model.tensor/pipeline/context/expert_model_parallel_size"
+               f"={tp}/{pp}/{cp}/{s['ep']}: every size must be >= 1")
+        return
+    if world % (tp * pp * cp):
+        yield (f"trainer.num_nodes x trainer.devices = {world} GPUs is not divisible by "
+               f"model.tensor_model_parallel_size x pipeline_model_parallel_size x context_parallel_size = "
+               f"{tp}x{pp}x{cp} = {tp * pp * cp}; "
+               "fix: pick sizes whose product divides the world size (DP = world / (TP x PP x CP))")
+    if cp != 1:
+        yield (f"model.context_parallel_size={cp}: NeMo-Aligner 0.7.0's GPT actor does not split sequences over "
+               "context-parallel ranks (CP exists only for its SFT/DPO); fix: set it to 1 and use full recompute")
+    vpp = select(cfg, "model.virtual_pipeline_model_parallel_size")
+    if vpp not in (None, 1):
+        yield (f"model.virtual_pipeline_model_parallel_size={vpp}: NeMo-Aligner's actors and the Megatron "
+               "distributed optimizer reject virtual pipelining; fix: set it to null")
+    heads, groups = _arch(cfg, "num_attention_heads"), _arch(cfg, "num_query_groups")
+    if heads and heads % tp:
+        yield (f"num_attention_heads={heads} (model/plan.arch) is not divisible by "
+               f"model.tensor_model_parallel_size={tp}; fix: choose a TP that divides it")
+    if groups and groups % tp:
+        yield (f"num_query_groups={groups} (model/plan.arch) is not divisible by model.tensor_model_parallel_size={tp}"
+               " (megatron-core requires it); fix: choose TP <= and dividing the number of KV heads")
+
+
+def _experts(cfg: dict, s: dict):
+    tp, pp, ep, world = s["tp"], s["pp"], s["ep"], s["world"]
+    experts = _arch(cfg, "num_moe_experts")
+    etp = select(cfg, "model.expert_tensor_parallel_size")
+    if min(tp, pp, ep) < 1:
+        return  # reported by _layout
+    if etp is not None and etp != tp:
+        yield (f"model.expert_tensor_parallel_size={etp} differs from model.tensor_model_parallel_size={tp}: "
+               "NeMo 2.1's parallel-state setup cannot set it (ETP = TP on this stack); fix: remove it or set it "
+               "equal to TP")
+    if ep > 1 and not experts:
+        yield (f"model.expert_model_parallel_size={ep} needs an MoE model (num_moe_experts in the checkpoint or "
+               "plan.arch.num_moe_experts); fix: set EP to 1 for a dense model")
+    if experts and experts % ep:
+        yield (f"num_moe_experts={experts} is not divisible by model.expert_model_parallel_size={ep}; "
+               "fix: pick an EP that divides the number of experts")
+    if ep > 1 and world % (tp * ep * pp):
+        yield (f"{world} GPUs are not divisible by model.tensor_model_parallel_size x expert_model_parallel_size x "
+               f"pipeline_model_parallel_size = {tp}x{ep}x{pp} (megatron-core's expert-data-parallel group, "
+               "ETP = TP); fix: make TP x EP x PP divide the world size")
+    if ep > 1:
+        if not select(cfg, "model.megatron_amp_O2", False):
+            yield "model.expert_model_parallel_size > 1 needs model.megatron_amp_O2=True (NeMo 2.1 raises otherwise)"
+        if select(cfg, "model.optim.name") == "distributed_fused_adam":
+            yield ("model.expert_model_parallel_size > 1 with model.optim.name=distributed_fused_adam: NeMo 2.1 "
+                   "supports EP only with Megatron's optimizer; fix: model.optim.name=mcore_distributed_optim")
+    if experts and tp > 1 and not select(cfg, "model.sequence_parallel", False):
+        yield (f"MoE with model.tensor_model_parallel_size={tp} needs model.sequence_parallel=True "
+               "(megatron-core's MoE layer refuses to train without it); fix: set it True")
+
+
+def _optimizer(cfg: dict, s: dict):
+    if select(cfg, "model.optim.name") == "mcore_distributed_optim" and select(cfg, "model.dapo.offload_adam_states"):
+        yield ("model.dapo.offload_adam_states=True with model.optim.name=mcore_distributed_optim: NeMo-Aligner "
+               "0.7.0 offloads only apex DistributedFusedAdam states; fix: set offload_adam_states=False")
+    # The DAPO loss divides by the global token count itself; NeMo-Aligner's actors call mcore's schedule with the
+    # 2-tuple loss contract, so per-token loss scaling in Megatron would divide twice.
+    if select(cfg, "model.calculate_per_token_loss", False):
+        yield ("model.calculate_per_token_loss=True: the DAPO actor normalises by the global token count itself; "
+               "fix: leave it False")
+
+
+def _batches(cfg: dict, s: dict):
+    dp, dp_gen = s["dp"], s["dp_gen"]
+    mbs, gbs = select(cfg, "model.micro_batch_size"), select(cfg, "model.global_batch_size")
+    prompts, group = select(cfg, "trainer.dapo.prompts_per_step"), select(cfg, "trainer.dapo.group_size")
+    for key, value in (("model.micro_batch_size", mbs), ("model.global_batch_size", gbs),
+                       ("trainer.dapo.prompts_per_step", prompts), ("trainer.dapo.group_size", group),
+                       ("model.dapo.rollout_micro_batch_size", select(cfg, "model.dapo.rollout_micro_batch_size")),
+                       ("model.dapo.forward_micro_batch_size", select(cfg, "model.dapo.forward_micro_batch_size"))):
+        if not isinstance(value, int) or value < 1:
+            yield f"{key}={value!r} must be an integer >= 1"
+            return
+    if group < 2:
+        yield (f"trainer.dapo.group_size={group}: group-normalised advantages need >= 2 samples per prompt "
+               "(paper: 16)")
+    if dp is None:
+        return
+    if gbs % (mbs * dp):
+        yield (f"model.global_batch_size={gbs} (samples per optimizer step) is not divisible by "
+               f"model.micro_batch_size x DP = {mbs}x{dp} = {mbs * dp}; fix: make it a multiple of {mbs * dp}")
+    rollout = prompts * group
+    if rollout % gbs:
+        yield (f"trainer.dapo.prompts_per_step x group_size = {prompts}x{group} = {rollout} samples is not a "
+               f"multiple of model.global_batch_size={gbs}; fix: the rollout batch must split into whole "
+               "optimizer steps (paper: 512 x 16 = 16 x 512)")
+    if rollout % dp:
+        yield (f"trainer.dapo.prompts_per_step x group_size = {rollout} samples do not split evenly over "
+               f"DP={dp} ranks; fix: make it a multiple of {dp}")
+    yield from _gen_batches(cfg, prompts, dp_gen)
+
+
+def _gen_batches(cfg: dict, prompts: int, dp_gen: int):
+    """Groups are never split between ranks while scoring, so every generation batch is whole prompts per rank."""
+    ds = "trainer.dapo.dynamic_sampling"
+    sized = [("trainer.dapo.prompts_per_step", prompts)]
+    if select(cfg, f"{ds}.enabled", True):
+        for key in ("gen_batch_size", "max_gen_batch_size"):
+            if select(cfg, f"{ds}.{key}") is not None:
+                sized.append((f"{ds}.{key}", select(cfg, f"{ds}.{key}")))
+    for key, value in sized:
+        if not isinstance(value, int) or value % dp_gen:
+            yield (f"{key}={value} prompts do not split evenly over the {dp_gen} generation ranks (DP, x PP when "
+                   f"trainer.dapo.trt_llm.reshard); fix: make it a multiple of {dp_gen}")
+
+
+def _dynamic_sampling(cfg: dict, s: dict):
+    ds = "trainer.dapo.dynamic_sampling"
+    policy = select(cfg, f"{ds}.on_budget_exhausted", "raise")
+    if policy not in BUDGET_POLICIES:
+        yield f"{ds}.on_budget_exhausted={policy!r} must be one of {BUDGET_POLICIES}"
+    max_gen = select(cfg, f"{ds}.max_gen_batches", 1)
+    if not isinstance(max_gen, int) or max_gen < 1:
+        yield f"{ds}.max_gen_batches={max_gen!r} must be an integer >= 1 (reference: 10)"
+    age = select(cfg, f"{ds}.max_age", 0)
+    if not isinstance(age, int) or age < 0:
+        yield f"{ds}.max_age={age!r} must be an integer >= 0 (0 discards surplus groups like the reference)"
+
+
+def _lengths(cfg: dict, s: dict):
+    seq = select(cfg, "model.encoder_seq_length")
+    gen = select(cfg, "model.dapo.length_params.max_length")
+    inp = select(cfg, "trainer.dapo.trt_llm.max_input_len")
+    if not all(isinstance(v, int) and v > 0 for v in (seq, gen, inp)):
+        yield (f"model.encoder_seq_length={seq}, model.dapo.length_params.max_length={gen}, "
+               f"trainer.dapo.trt_llm.max_input_len={inp} must all be positive integers")
+        return
+    if inp + gen > seq:
+        yield (f"trainer.dapo.trt_llm.max_input_len + model.dapo.length_params.max_length = {inp} + {gen} = "
+               f"{inp + gen} > model.encoder_seq_length={seq} (NeMo-Aligner's TRT-LLM wrapper asserts this); "
+               f"fix: raise encoder_seq_length to {inp + gen} or shorten the prompt or generation budget")
+    prompt = select(cfg, "model.data.max_prompt_tokens")
+    if prompt is not None and prompt > inp:
+        yield (f"model.data.max_prompt_tokens={prompt} > trainer.dapo.trt_llm.max_input_len={inp}: the engine "
+               "would reject such prompts; fix: lower the former or raise the latter")
+    ov = "trainer.dapo.overlong"
+    if not select(cfg, f"{ov}.enabled", False):
+        return
+    l_max, l_cache = select(cfg, f"{ov}.l_max"), select(cfg, f"{ov}.l_cache")
+    if not (isinstance(l_max, int) and isinstance(l_cache, int) and 0 < l_cache < l_max):
+        yield (f"{ov}.l_cache={l_cache} must be an integer in (0, {ov}.l_max={l_max}): it is the buffer before "
+               "the cap where the soft penalty ramps (paper: 4096 of 20480)")
+    elif l_max != gen:
+        yield (f"{ov}.l_max={l_max} differs from the generation cap model.dapo.length_params.max_length={gen}; "
+               "fix: set them equal (the penalty must reach -1 exactly at the cap)")
+
+
+def _loss(cfg: dict, s: dict):
+    eps_low, eps_high = select(cfg, "model.dapo.eps_low"), select(cfg, "model.dapo.eps_high")
+    clip_c, agg = select(cfg, "model.dapo.clip_c"), select(cfg, "model.dapo.agg")
+    tis = select(cfg, "model.dapo.tis_cap")
+    if not (isinstance(eps_low, (int, float)) and 0 <= eps_low < 1):
+        yield f"model.dapo.eps_low={eps_low!r} must be in [0, 1) (paper: 0.2)"
+    if not (isinstance(eps_high, (int, float)) and eps_high >= 0):
+        yield f"model.dapo.eps_high={eps_high!r} must be >= 0 (paper: 0.28)"
+    if clip_c is not None and not (isinstance(clip_c, (int, float)) and clip_c > 1):
+        yield f"model.dapo.clip_c={clip_c!r} (dual clip) must be > 1, or null to disable it (reference: 10.0)"
+    if agg not in AGG_MODES:
+        yield f"model.dapo.agg={agg!r} must be one of {AGG_MODES} (DAPO: token-mean)"
+    if tis is not None and not (isinstance(tis, (int, float)) and tis > 0):
+        yield f"model.dapo.tis_cap={tis!r} must be > 0, or null to disable truncated importance sampling"
+
+
+def _sampling(cfg: dict, s: dict):
+    for key in ("model.dapo.sampling_params", "trainer.dapo.val"):
+        if select(cfg, f"{key}.use_greedy", False):
+            continue
+        temperature, top_p = select(cfg, f"{key}.temperature", 1.0), select(cfg, f"{key}.top_p", 1.0)
+        if not temperature > 0:
+            yield f"{key}.temperature={temperature} must be > 0 (or set {key}.use_greedy=True)"
+        if not 0 < top_p <= 1:
+            yield f"{key}.top_p={top_p} must be in (0, 1]"
+    for key in ("trainer.dapo.val.n_samples", "trainer.dapo.val.batch_size", "trainer.dapo.ppo_epochs"):
+        value = select(cfg, key, 1)
+        if not isinstance(value, int) or value < 1:
+            yield f"{key}={value!r} must be an integer >= 1"
+
+
+def _reward(cfg: dict, s: dict):
+    verifier, workers = select(cfg, "reward.verifier"), select(cfg, "reward.num_workers")
+    if verifier not in VERIFIERS:
+        yield f"reward.verifier={verifier!r} must be one of {VERIFIERS}"
+    if workers is not None and (not isinstance(workers, int) or workers < 1):
+        yield f"reward.num_workers={workers!r} must be an integer >= 1, or null (cores per rank)"
+
+
+def _data(cfg: dict, s: dict):
+    for key in ("model.data.train_format", "model.data.validation_format"):
+        if select(cfg, key) not in DATA_FORMATS:
+            yield f"{key}={select(cfg, key)!r} must be one of {DATA_FORMATS} (nemo_dapo.data.readers)"
+    if "{prompt}" not in str(select(cfg, "model.data.prompt_template", "{prompt}")):
+        yield "model.data.prompt_template must contain {prompt} (where the templated problem goes)"
+
+
+def _arch_agrees(cfg: dict, s: dict):
+    """After the checkpoint config is merged, the recipe's plan.arch must describe the same model."""
+    for key in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "num_moe_experts"):
+        declared, actual = select(cfg, f"plan.arch.{key}"), select(cfg, f"model.{key}")
+        if declared is not None and actual is not None and declared != actual:
+            yield (f"plan.arch.{key}={declared} but the model config says {actual}: the recipe describes another "
+                   "model; fix plan.arch (it only feeds `nemo-dapo plan` and these checks)")
+
+
+RULES = (_layout, _experts, _optimizer, _batches, _dynamic_sampling, _lengths, _loss, _sampling, _reward, _data,
+         _arch_agrees)
+
+
+def check_config(cfg) -> list[str]:
+    """Every problem of ``cfg`` (DictConfig or plain dict), each naming its keys and the fix; [] when valid."""
+    plain = _plain(cfg)
+    s = sizes(plain)
+    return [message for rule in RULES for message in rule(plain, s)]
+
+
+def validate_config(cfg) -> None:
+    problems = check_config(cfg)
+    if problems:
+        raise ConfigError(problems)

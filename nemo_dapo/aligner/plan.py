@@ -1,0 +1,443 @@
+"""Per-GPU memory and step-time arithmetic for a DAPO run on Megatron + TensorRT-LLM (NeMo-Aligner path).
+
+Everything here is an ESTIMATE from closed-form arithmetic, not a measurement; it imports nothing of NeMo, Megatron
+or torch, so ``nemo-dapo plan`` runs anywhere. The formulas follow the project's sizing notes (SCALE.md sections 2-3):
+
+* Training state per GPU (Megatron, bf16 params): weights 2 B/param, main grads 4 B/param (2 with a bf16
+  ``grad_sync_dtype``), Adam (fp32 master + m + v) 12 B/param, divided by d with the distributed optimizer:
+  d = DP x CP for dense params, d = expert-DP = world / (EP x ETP x PP) for expert params (Megatron-LM's
+  distributed-optimizer note: "6 + 12/d" bytes per param). The worst pipeline stage holds ceil(L / PP) layers and
+  one vocab matrix (both when PP = 1 and the embeddings are untied).
+* Activations of one micro-batch of s tokens: with full recompute only each layer's input, 2 s h / (t CP) bytes
+  (t = TP with sequence parallelism, else 1), times the micro-batches in flight on pipeline stage 0 under 1F1B
+  (min(PP, micro-batches)); plus one layer's working set c s h / (t CP) (c ~ 48 dense, ~ 66 MoE; an estimate);
+  plus the unchunked fp32 logits s / CP x V / TP x 4 bytes. Without recompute every layer keeps its working set.
+* TRT-LLM engine per GPU: bf16 weights / (gen TP x gen PP); KV cache 2 x layers x KV heads x head dim x 2 bytes per
+  token, with the KV heads of a GPU = ceil(groups / gen TP) (heads are replicated when TP exceeds them), reserved
+  for batch x (max input + max generation) tokens because a static batch must be able to run to the cap.
+* Decode: each step of a static batch reads the engine weights and the batch's KV; a step costs
+  max(latency floor, bytes / (eta x HBM bandwidth), FLOPs / (0.5 x peak)) per pipeline stage, stages in sequence.
+  NeMo-Aligner's engine batches statically (ModelRunner, no in-flight batching), so every batch runs until its
+  longest sample ends. The in-flight figure is the bandwidth/compute ceiling min(eta BW / (KV/token x context),
+  0.5 peak / FLOPs/token) per GPU, for comparison.
+* Training FLOPs per token: old log-prob 2N, update 8N (forward 2N + backward 4N + recompute 2N), N = active params,
+  plus causal attention 4 L heads d (S / 2) per forward; time = FLOPs / (GPUs x peak x HFU).
+Lines marked GUESS in ``DEFAULT_ASSUMPTIONS`` are judgement calls; override them under ``plan.assume``.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import textwrap
+from dataclasses import dataclass
+from typing import Optional
+
+GB = 1e9
+KIB = 1024
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    memory_gb: float
+    hbm_tb_s: float
+    bf16_tflops: float  # dense
+
+
+# Vendor figures (H100 SXM) and third-party spec pages (H20), as collected in SCALE.md section 3.1.
+GPUS = {
+    "h100": Gpu("H100 SXM 80GB", 80.0, 3.35, 989.0),
+    "h20": Gpu("H20 96GB", 96.0, 4.0, 148.0),
+}
+
+DEFAULT_ASSUMPTIONS = {
+    "mean_prompt_tokens": 250,  # GUESS: DAPO-Math-17k prompts with the template
+    "mean_response_tokens": 6000,  # GUESS: mid-run mean response length
+    "truncated_fraction": 0.05,  # GUESS: share of responses that hit the generation cap
+    "oversample": 3.0,  # generated groups per kept group (the reference's 3x generation batch)
+    "hfu": None,  # None: 0.40 dense / 0.25 MoE on H100, 0.42 / 0.27 on H20 (mid of SCALE.md 3.3 ranges)
+    "decode_efficiency": 0.75,  # eta: achieved fraction of HBM bandwidth while decoding
+    "decode_step_floor_ms": None,  # None: 10 ms dense, 25 ms MoE (GUESS: per-token latency of one engine)
+    "refit_gb_per_s": 5.0,  # GUESS: engine weight refit throughput per GPU (convert + trt.Refitter)
+    "pcie_gb_per_s": 25.0,  # host <-> device copies for Adam offload and engine reload
+    "engine_workspace_gb": 3.0,  # GUESS: TRT-LLM activations and workspace
+    "cuda_reserved_gb": 3.0,  # GUESS: CUDA context, NCCL buffers
+    "usable_fraction": 0.95,  # GUESS: allocator fragmentation margin
+}
+
+
+@dataclass(frozen=True)
+class Arch:
+    """Model shape. SwiGLU MLPs (3 matrices); MoE layers have a router and no shared expert."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    vocab_size: int
+    tied_embeddings: bool = False
+    qkv_bias: bool = False
+    num_moe_experts: Optional[int] = None
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_router_topk: Optional[int] = None
+    name: str = ""
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_moe_experts)
+
+    def attention_params(self) -> int:
+        h, d = self.hidden_size, self.kv_channels
+        q_and_o = 2 * h * self.num_attention_heads * d
+        kv = 2 * h * self.num_query_groups * d
+        bias = (self.num_attention_heads + 2 * self.num_query_groups) * d if self.qkv_bias else 0
+        return q_and_o + kv + bias
+
+    def dense_layer_params(self) -> int:
+        """Params of one layer that are not experts: attention, norms, and the MLP or the router."""
+        h = self.hidden_size
+        mlp = h * self.num_moe_experts if self.is_moe else 3 * h * self.ffn_hidden_size
+        return self.attention_params() + 2 * h + mlp
+
+    def expert_params(self) -> int:
+        """Params of one expert (SwiGLU)."""
+        return 3 * self.hidden_size * self.moe_ffn_hidden_size if self.is_moe else 0
+
+    def expert_layer_params(self) -> int:
+        return self.num_moe_experts * self.expert_params() if self.is_moe else 0
+
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    def num_embedding_matrices(self) -> int:
+        return 1 if self.tied_embeddings else 2
+
+    def total_params(self) -> int:
+        per_layer = self.dense_layer_params() + self.expert_layer_params()
+        return self.num_layers * per_layer + self.num_embedding_matrices() * self.embedding_params() + self.hidden_size
+
+    def active_params(self) -> int:
+        """Params touched per token (all non-expert params + top-k experts per layer)."""
+        if not self.is_moe:
+            return self.total_params()
+        inactive = self.num_layers * (self.num_moe_experts - self.moe_router_topk) * self.expert_params()
+        return self.total_params() - inactive
+
+    def kv_bytes_per_token(self, layers: Optional[int] = None, kv_heads: Optional[int] = None) -> int:
+        """bf16 K and V of one token over ``layers`` layers with ``kv_heads`` heads (defaults: the whole model)."""
+        layers = self.num_layers if layers is None else layers
+        kv_heads = self.num_query_groups if kv_heads is None else kv_heads
+        return 2 * layers * kv_heads * self.kv_channels * 2
+
+    def attention_flops_per_token(self, seq_len: float) -> float:
+        """Forward FLOPs of causal attention scores and values for one token, averaged over a ``seq_len`` sequence."""
+        return 4.0 * self.num_layers * self.num_attention_heads * self.kv_channels * seq_len / 2
+
+
+@dataclass(frozen=True)
+class Layout:
+    world: int
+    tp: int
+    pp: int
+    cp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.pp * self.cp)
+
+    @property
+    def expert_dp(self) -> int:
+        """Expert data-parallel size with ETP = TP (NeMo 1.x cannot set ETP), Megatron: world / (ETP x EP x PP)."""
+        return self.world // (self.tp * self.ep * self.pp)
+
+
+def params_per_gpu(arch: Arch, layout: Layout) -> tuple[float, float]:
+    """(dense, expert) params held by one GPU of the worst pipeline stage."""
+    layers = math.ceil(arch.num_layers / layout.pp)
+    embeddings = arch.num_embedding_matrices() if layout.pp == 1 else 1
+    dense = (layers * arch.dense_layer_params() + embeddings * arch.embedding_params()) / layout.tp
+    expert = layers * arch.expert_layer_params() / (layout.ep * layout.tp)
+    return dense, expert
+
+
+def training_memory(arch: Arch, layout: Layout, *, seq_tokens: int, in_flight: int, recompute: Optional[str],
+                    distributed_optimizer: bool, grad_bytes: int) -> dict:
+    """Bytes per GPU of the training state and one step's activations (see the module docstring)."""
+    dense, expert = params_per_gpu(arch, layout)
+    params = dense + expert
+    if distributed_optimizer:
+        optimizer = 12 * (dense / (layout.dp * layout.cp) + expert / layout.expert_dp)
+    else:
+        optimizer = 12 * params
+    t = layout.tp if layout.sequence_parallel else 1
+    per_token_hidden = seq_tokens * arch.hidden_size / (t * layout.cp)
+    c = 66 if arch.is_moe else 48
+    layers = math.ceil(arch.num_layers / layout.pp)
+    if recompute == "full":
+        activations = layers * 2 * per_token_hidden * in_flight + c * per_token_hidden
+    else:
+        activations = layers * c * per_token_hidden * in_flight
+    logits = seq_tokens / layout.cp * arch.vocab_size / layout.tp * 4
+    return {"weights": 2 * params, "grads": grad_bytes * params, "optimizer": optimizer,
+            "activations": activations, "logits": logits}
+
+
+def engine_memory(arch: Arch, *, gen_tp: int, gen_pp: int, batch: int, max_seq: int) -> dict:
+    """Bytes per GPU of a TRT-LLM engine: bf16 weights, and KV cache for ``batch`` sequences of ``max_seq`` tokens."""
+    kv_heads = math.ceil(arch.num_query_groups / gen_tp)
+    kv_per_token = arch.kv_bytes_per_token(layers=math.ceil(arch.num_layers / gen_pp), kv_heads=kv_heads)
+    return {"engine_weights": 2 * arch.total_params() / (gen_tp * gen_pp),
+            "kv_cache": batch * max_seq * kv_per_token, "kv_per_token": kv_per_token}
+
+
+def expected_batch_length(batch: int, *, l_max: int, mean_response: float, truncated_fraction: float) -> float:
+    """Decode steps of one static batch = its longest response: the cap if any sample is truncated, else ~3x mean
+    (GUESS for the longest of the untruncated)."""
+    p_cap = 1.0 - (1.0 - truncated_fraction) ** batch
+    return p_cap * l_max + (1.0 - p_cap) * min(l_max, 3.0 * mean_response)
+
+
+def decode_step_seconds(arch: Arch, gpu: Gpu, *, gen_tp: int, gen_pp: int, batch: int, context: float,
+                        efficiency: float, floor_s: float) -> float:
+    """Seconds per decode step of one static batch: stages in sequence, each bandwidth- or compute-bound."""
+    eng = engine_memory(arch, gen_tp=gen_tp, gen_pp=gen_pp, batch=batch, max_seq=1)
+    weights = eng["engine_weights"]
+    if arch.is_moe:  # a batch touches 1 - (1 - k/E)^batch of the experts of each layer
+        touched = 1.0 - (1.0 - arch.moe_router_topk / arch.num_moe_experts) ** batch
+        expert_bytes = 2 * arch.num_layers * arch.expert_layer_params() / (gen_tp * gen_pp)
+        weights -= expert_bytes * (1.0 - touched)
+    stage_bytes = weights + batch * context * eng["kv_per_token"]
+    flops = batch * (2 * arch.active_params() + arch.attention_flops_per_token(2 * context)) / (gen_tp * gen_pp)
+    stage = max(stage_bytes / (efficiency * gpu.hbm_tb_s * 1e12), flops / (0.5 * gpu.bf16_tflops * 1e12))
+    return max(floor_s, gen_pp * stage)
+
+
+def inflight_tokens_per_s_per_gpu(arch: Arch, gpu: Gpu, *, context: float, efficiency: float) -> float:
+    """Decode ceiling of an in-flight-batching engine with a full KV pool (weight reads amortised)."""
+    bandwidth = efficiency * gpu.hbm_tb_s * 1e12 / (arch.kv_bytes_per_token() * context)
+    compute = 0.5 * gpu.bf16_tflops * 1e12 / (2 * arch.active_params() + arch.attention_flops_per_token(2 * context))
+    return min(bandwidth, compute)
+
+
+def default_hfu(arch: Arch, gpu_key: str) -> float:
+    if gpu_key == "h20":
+        return 0.27 if arch.is_moe else 0.42
+    return 0.25 if arch.is_moe else 0.40
+
+
+def training_seconds(arch: Arch, gpu: Gpu, *, world: int, tokens: float, seq_len: float, hfu: float) -> dict:
+    """Old log-prob (2N) and update (8N) time for ``tokens`` trained tokens of sequences of mean length ``seq_len``."""
+    attention = arch.attention_flops_per_token(seq_len)
+    n = arch.active_params()
+    rate = world * gpu.bf16_tflops * 1e12 * hfu
+    return {"old_logprob": tokens * (2 * n + attention) / rate,
+            "training": tokens * (8 * n + 4 * attention) / rate}
+
+
+# ---- from a config to a report ----------------------------------------------------------------------------------
+ARCH_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+             "vocab_size", "tied_embeddings", "qkv_bias", "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk")
+
+
+class PlanError(ValueError):
+    """The config lacks what the estimate needs; the message names the keys."""
+
+
+def _need(value, key: str):
+    if value is None:
+        raise PlanError(f"{key} is not set; `nemo-dapo plan` needs it (see conf/gpt_dapo_actor.yaml, plan.*)")
+    return value
+
+
+def arch_from_config(cfg: dict) -> Arch:
+    spec = cfg.get("plan", {}).get("arch", {}) or {}
+    kw = {k: spec.get(k) for k in ARCH_KEYS}
+    for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+              "kv_channels", "vocab_size"):
+        _need(kw[k], f"plan.arch.{k}")
+    if kw["num_moe_experts"]:
+        _need(kw["moe_ffn_hidden_size"], "plan.arch.moe_ffn_hidden_size")
+        _need(kw["moe_router_topk"], "plan.arch.moe_router_topk")
+    return Arch(**{k: v for k, v in kw.items() if v is not None}, name=spec.get("name") or "")
+
+
+def make_plan(cfg: dict) -> dict:
+    """Memory per phase and step-time split for a resolved, plain-dict config (see the module docstring)."""
+    from nemo_dapo.aligner.config_validate import select, sizes
+
+    s = sizes(cfg)
+    if s["dp"] is None:
+        raise PlanError(f"world size {s['world']} is not divisible by TP x PP x CP; run the validator for details")
+    gpu_key = str(_need(select(cfg, "plan.gpu"), "plan.gpu")).lower()
+    if gpu_key not in GPUS:
+        raise PlanError(f"plan.gpu={gpu_key!r} is not one of {sorted(GPUS)}")
+    gpu, arch = GPUS[gpu_key], arch_from_config(cfg)
+    a = {**DEFAULT_ASSUMPTIONS, **{k: v for k, v in (select(cfg, "plan.assume", {}) or {}).items() if v is not None}}
+    layout = Layout(world=s["world"], tp=s["tp"], pp=s["pp"], cp=s["cp"], ep=s["ep"],
+                    sequence_parallel=bool(select(cfg, "model.sequence_parallel", False)))
+    phases, gen = _memory_phases(cfg, arch, layout, a)
+    budget = a["usable_fraction"] * gpu.memory_gb * GB
+    plan = {"gpu": gpu, "gpu_key": gpu_key, "arch": arch, "layout": layout, "assume": a, "phases": phases,
+            "budget": budget, "fits": all(sum(p.values()) <= budget for p in phases.values()), "gen": gen}
+    plan["time"] = _step_time(cfg, plan, gpu_key)
+    return plan
+
+
+def _memory_phases(cfg: dict, arch: Arch, layout: Layout, a: dict) -> tuple:
+    """({"train": {part: bytes}, "generate": {part: bytes}}, generation settings) per GPU."""
+    from nemo_dapo.aligner.config_validate import DISTRIBUTED_OPTIMIZERS, select
+
+    mbs, gbs = select(cfg, "model.micro_batch_size"), select(cfg, "model.global_batch_size")
+    seq = select(cfg, "model.encoder_seq_length")  # micro-batches are padded up to the longest sample: worst case
+    optim = select(cfg, "model.optim.name")
+    train = training_memory(arch, layout, seq_tokens=mbs * seq, in_flight=min(layout.pp, gbs // (mbs * layout.dp)),
+                            recompute=select(cfg, "model.activations_checkpoint_granularity"),
+                            distributed_optimizer=optim in DISTRIBUTED_OPTIMIZERS,
+                            grad_bytes=2 if select(cfg, "model.optim.grad_sync_dtype") in ("bf16", "fp16") else 4)
+    trt = select(cfg, "trainer.dapo.trt_llm", {})
+    gen = {"tp": layout.tp, "pp": 1 if trt.get("reshard") else layout.pp, "trt": bool(trt.get("enable")),
+           "batch": select(cfg, "model.dapo.rollout_micro_batch_size"),
+           "max_seq": trt.get("max_input_len", 0) + select(cfg, "model.dapo.length_params.max_length"),
+           # NeMo-Aligner offloads only apex distributed-Adam states while generating
+           "offloaded": bool(select(cfg, "model.dapo.offload_adam_states")) and optim == "distributed_fused_adam"}
+    engine = {}
+    if gen["trt"]:
+        engine = engine_memory(arch, gen_tp=gen["tp"], gen_pp=gen["pp"], batch=gen["batch"], max_seq=gen["max_seq"])
+        gen["kv_per_token"] = engine.pop("kv_per_token")
+        engine["engine_workspace"] = a["engine_workspace_gb"] * GB
+    reserve = {"cuda_reserved": a["cuda_reserved_gb"] * GB}
+    phases = {
+        "train": {**train, **({} if trt.get("unload_engine_train") else engine), **reserve},
+        "generate": {"weights": train["weights"], "grads": train["grads"],
+                     "optimizer": 0.0 if gen["offloaded"] else train["optimizer"], **engine, **reserve},
+    }
+    return phases, gen
+
+
+def _step_time(cfg: dict, plan: dict, gpu_key: str) -> dict:
+    from nemo_dapo.aligner.config_validate import select
+
+    arch, gpu, layout, a, g = plan["arch"], plan["gpu"], plan["layout"], plan["assume"], plan["gen"]
+    prompts, group = select(cfg, "trainer.dapo.prompts_per_step"), select(cfg, "trainer.dapo.group_size")
+    l_max = select(cfg, "model.dapo.length_params.max_length")
+    prompt_len, resp_len = a["mean_prompt_tokens"], min(a["mean_response_tokens"], l_max)
+    oversample = a["oversample"] if select(cfg, "trainer.dapo.dynamic_sampling.enabled", True) else 1.0
+    generated = prompts * group * oversample
+    floor = (a["decode_step_floor_ms"] or (25.0 if arch.is_moe else 10.0)) / 1e3
+    inflight = inflight_tokens_per_s_per_gpu(arch, gpu, context=prompt_len + resp_len,
+                                             efficiency=a["decode_efficiency"])
+    t = {"generated_samples": generated, "inflight_generation": generated * resp_len / (inflight * layout.world)}
+    if g["trt"]:
+        engines = layout.world // (g["tp"] * g["pp"])
+        batches = math.ceil(generated / engines / g["batch"])
+        steps = expected_batch_length(g["batch"], l_max=l_max, mean_response=resp_len,
+                                      truncated_fraction=a["truncated_fraction"])
+        step_s = decode_step_seconds(arch, gpu, gen_tp=g["tp"], gen_pp=g["pp"], batch=g["batch"],
+                                     context=prompt_len + steps / 2, efficiency=a["decode_efficiency"],
+                                     floor_s=floor)
+        t.update(engines=engines, batches_per_engine=batches, steps_per_batch=steps, step_ms=step_s * 1e3,
+                 generation=batches * steps * step_s)
+    else:
+        t["generation"] = None  # Megatron generation (debug path) is not estimated
+    hfu = a["hfu"] or default_hfu(arch, gpu_key)
+    t.update(training_seconds(arch, gpu, world=layout.world, tokens=prompts * group * (prompt_len + resp_len),
+                              seq_len=prompt_len + resp_len, hfu=hfu), hfu=hfu)
+    engine_bytes = plan["phases"]["generate"].get("engine_weights", 0.0)
+    other = engine_bytes / (a["refit_gb_per_s"] * GB)
+    if g["offloaded"]:
+        other += 2 * plan["phases"]["train"]["optimizer"] / (a["pcie_gb_per_s"] * GB)
+    if select(cfg, "trainer.dapo.trt_llm.unload_engine_train"):
+        other += engine_bytes / (a["pcie_gb_per_s"] * GB)
+    t["refit_and_offload"] = other
+    t["total"] = sum(t[k] or 0.0 for k in ("generation", "old_logprob", "training", "refit_and_offload"))
+    return t
+
+
+def format_plan(plan: dict, title: str = "") -> str:
+    arch, gpu, lay, g, t, a = plan["arch"], plan["gpu"], plan["layout"], plan["gen"], plan["time"], plan["assume"]
+    gb = lambda x: f"{x / GB:7.1f}"  # noqa: E731
+    moe = (f", {arch.num_moe_experts} experts top-{arch.moe_router_topk}" if arch.is_moe else "")
+    lines = [f"nemo-dapo plan {title}".rstrip() + "  -- ESTIMATES from closed-form arithmetic, not measurements",
+             f"cluster     {lay.world} x {gpu.name} ({gpu.memory_gb:.0f} GB, {gpu.hbm_tb_s} TB/s, "
+             f"{gpu.bf16_tflops:.0f} TFLOP/s bf16 dense)",
+             f"model       {arch.name or 'model'}: {arch.total_params() / 1e9:.2f} B params, "
+             f"{arch.active_params() / 1e9:.2f} B active{moe}",
+             f"training    TP{lay.tp} PP{lay.pp} CP{lay.cp} EP{lay.ep} (ETP=TP) -> DP {lay.dp}, expert-DP "
+             f"{lay.expert_dp}, sequence parallel {'on' if lay.sequence_parallel else 'off'}"]
+    if g["trt"]:
+        lines.append(f"generation  TRT-LLM engines TP{g['tp']} PP{g['pp']} x {t['engines']}, static batch {g['batch']}"
+                     f", KV reserved for {g['max_seq']} tokens/seq ({g['kv_per_token'] / KIB:.0f} KiB/token/GPU)")
+    lines += ["", "per-GPU memory, GB (est.)        train   generate"]
+    names = {"weights": "weights (bf16)", "grads": "main grads", "optimizer": "Adam states (fp32 master, m, v)",
+             "activations": "activations (recompute as set)", "logits": "fp32 logits of one micro-batch",
+             "engine_weights": "TRT-LLM engine weights", "kv_cache": "TRT-LLM KV cache (static batch)",
+             "engine_workspace": "TRT-LLM workspace (GUESS)", "cuda_reserved": "CUDA context + NCCL (GUESS)"}
+    tr, ge = plan["phases"]["train"], plan["phases"]["generate"]
+    for key, label in names.items():
+        if key in tr or key in ge:
+            cell = lambda p: gb(p[key]) if key in p else "      -"  # noqa: E731
+            lines.append(f"  {label:<31}{cell(tr)}  {cell(ge)}")
+    verdict = "fits" if plan["fits"] else "DOES NOT FIT"
+    lines.append(f"  {'total':<31}{gb(sum(tr.values()))}  {gb(sum(ge.values()))}   budget {gb(plan['budget']).strip()}"
+                 f" ({a['usable_fraction']:.0%} of {gpu.memory_gb:.0f}) -> {verdict}")
+    lines += ["", f"step time, s (est.; {t['generated_samples']:.0f} samples generated, mean response "
+                  f"{a['mean_response_tokens']} tokens, HFU {t['hfu']:.0%})"]
+    if g["trt"]:
+        lines.append(f"  generation, static batches     {t['generation']:9.0f}   ({t['batches_per_engine']} "
+                     f"batches/engine x {t['steps_per_batch']:.0f} steps x {t['step_ms']:.1f} ms)")
+    else:
+        lines.append("  generation                     not estimated (Megatron generation, debug path)")
+    lines += [f"  old log-probs (2N/token)       {t['old_logprob']:9.0f}",
+              f"  training (8N/token)            {t['training']:9.0f}",
+              f"  refit + Adam offload + reload  {t['refit_and_offload']:9.0f}",
+              f"  total                          {t['total']:9.0f}   ({t['total'] / 60:.0f} min)",
+              f"  (in-flight batching would generate in ~{t['inflight_generation']:.0f} s: bandwidth/compute ceiling)",
+              "", *textwrap.wrap("assumptions: " + ", ".join(f"{k}={v}" for k, v in a.items()), 119),
+              "formulas and sources: nemo_dapo/aligner/plan.py (module docstring)"]
+    return "\n".join(lines)
+
+
+def run_cli(args) -> int:
+    """``nemo-dapo plan``: exit code 0 = valid and fits, 1 = does not fit, 2 = invalid config or missing keys."""
+    from omegaconf import OmegaConf
+
+    from nemo_dapo.aligner.config_validate import check_config, load_config
+
+    try:
+        cfg = OmegaConf.to_container(load_config(args.recipe, args.overrides), resolve=True)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"nemo-dapo plan: error: {e}", file=sys.stderr)
+        return 2
+    problems = check_config(cfg)
+    for p in problems:
+        print(f"config problem: {p}")
+    try:
+        plan = make_plan(cfg)
+    except PlanError as e:
+        print(f"cannot plan: {e}")
+        return 2
+    print(format_plan(plan, title=str(args.recipe)))
+    return 2 if problems else (0 if plan["fits"] else 1)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("recipe", help="recipe name under conf/recipes/ or a YAML path")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="overrides, e.g. model.dapo.rollout_micro_batch_size=48 (+key=value adds a key)")
+
+
+# (name, help, add_arguments(parser), run(args) -> exit code): the shape of nemo_dapo.cli.SUBCOMMANDS entries.
+CLI = ("plan", "per-GPU memory and step-time estimate of a cluster recipe (no NeMo or GPU needed)", add_arguments,
+       run_cli)
+
+
+def add_cli(subparsers):
+    """Add ``plan RECIPE [key=value ...]`` to an argparse ``subparsers`` (handler in ``func`` and ``run``)."""
+    p = subparsers.add_parser(CLI[0], help=CLI[1], description=CLI[1])
+    add_arguments(p)
+    p.set_defaults(func=run_cli, run=run_cli)
+    return p

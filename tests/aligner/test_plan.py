@@ -1,0 +1,182 @@
+"""`nemo-dapo plan` arithmetic against hand computations and the sizing tables of the design notes (SCALE.md)."""
+import argparse
+import math
+
+import pytest
+
+from nemo_dapo.aligner import plan as P
+
+QWEN25_32B = P.Arch(num_layers=64, hidden_size=5120, ffn_hidden_size=27648, num_attention_heads=40,
+                    num_query_groups=8, kv_channels=128, vocab_size=152064, qkv_bias=True, name="Qwen2.5-32B")
+MOE_235B = P.Arch(num_layers=94, hidden_size=4096, ffn_hidden_size=12288, num_attention_heads=64, num_query_groups=4,
+                  kv_channels=128, vocab_size=151936, num_moe_experts=128, moe_ffn_hidden_size=1536,
+                  moe_router_topk=8, name="235B-A22B")
+S = 22528  # 2048 prompt + 20480 response tokens
+
+
+def tensor_shapes(arch: P.Arch):
+    """The slow obvious reference: every weight tensor of the model as a shape, like a state dict."""
+    h, d = arch.hidden_size, arch.kv_channels
+    q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
+    yield (arch.vocab_size, h)  # input embedding
+    for _ in range(arch.num_layers):
+        yield from [(h,), (q, h), (kv, h), (kv, h), (h, q), (h,)]  # input norm, q, k, v, o, pre-MLP norm
+        if arch.qkv_bias:
+            yield from [(q,), (kv,), (kv,)]
+        if arch.is_moe:
+            yield (arch.num_moe_experts, h)  # router
+            for _ in range(arch.num_moe_experts):
+                yield from [(arch.moe_ffn_hidden_size, h)] * 2 + [(h, arch.moe_ffn_hidden_size)]
+        else:
+            yield from [(arch.ffn_hidden_size, h)] * 2 + [(h, arch.ffn_hidden_size)]
+    yield (h,)  # final norm
+    if not arch.tied_embeddings:
+        yield (arch.vocab_size, h)  # output layer
+
+
+@pytest.mark.parametrize("arch", [QWEN25_32B, MOE_235B], ids=lambda a: a.name)
+def test_param_count_equals_the_sum_over_tensors(arch):
+    assert arch.total_params() == sum(math.prod(s) for s in tensor_shapes(arch))
+
+
+def test_published_sizes():
+    assert QWEN25_32B.total_params() == pytest.approx(32.76e9, rel=2e-3)  # Qwen2.5-32B: 32.76 B
+    assert MOE_235B.total_params() == pytest.approx(235.1e9, rel=2e-3)  # Qwen3-235B-A22B: 235 B total
+    assert MOE_235B.active_params() == pytest.approx(22.2e9, rel=5e-3)  # 22 B active
+    assert QWEN25_32B.kv_bytes_per_token() == 256 * 1024  # 2 x 64 layers x 8 KV heads x 128 x 2 B
+    assert MOE_235B.kv_bytes_per_token() == 188 * 1024  # 2 x 94 x 4 x 128 x 2 B
+
+
+def test_weight_bytes_of_32b_at_tp8_pp2_by_hand():
+    # One layer: q, o 5120x5120 each; k, v 1024x5120 each; qkv bias 5120 + 2 x 1024; MLP 3 x 5120 x 27648;
+    # two norms 2 x 5120  ->  487,605,248 params. Embedding 152,064 x 5,120 = 778,567,680.
+    # Worst PP stage of two: 32 layers + one vocab matrix, split over TP8, 2 bytes each (bf16).
+    per_layer = 2 * 5120 * 5120 + 2 * 1024 * 5120 + (5120 + 2048) + 3 * 5120 * 27648 + 2 * 5120
+    assert per_layer == 487_605_248
+    expected = (32 * 487_605_248 + 778_567_680) // 8 * 2
+    mem = P.training_memory(QWEN25_32B, P.Layout(world=128, tp=8, pp=2, sequence_parallel=True), seq_tokens=S,
+                            in_flight=2, recompute="full", distributed_optimizer=True, grad_bytes=4)
+    assert mem["weights"] == expected == 4_095_483_904
+    assert mem["grads"] == 2 * expected
+    # distributed Adam: 12 B/param over d = DP = 128 / (8 x 2) = 8
+    assert mem["optimizer"] == pytest.approx(12 * expected / 2 / 8)
+
+
+# SCALE.md section 2.2, "Qwen2.5-32B, 128 GPUs (est.)": (TP, PP, static GB, total GB)
+SCALE_32B = [(8, 1, 27.6, 31.9), (4, 2, 27.6, 36.1), (8, 2, 15.4, 19.6)]
+
+
+@pytest.mark.parametrize("tp,pp,static,total", SCALE_32B)
+def test_training_memory_reproduces_the_sizing_table(tp, pp, static, total):
+    mem = P.training_memory(QWEN25_32B, P.Layout(world=128, tp=tp, pp=pp, sequence_parallel=True), seq_tokens=S,
+                            in_flight=pp, recompute="full", distributed_optimizer=True, grad_bytes=4)
+    assert (mem["weights"] + mem["grads"] + mem["optimizer"]) / 1e9 == pytest.approx(static, abs=0.15)
+    assert sum(mem.values()) / 1e9 == pytest.approx(total, abs=0.25)
+
+
+def test_memory_without_recompute_or_sequence_parallel_or_distributed_optimizer_grows():
+    lay = P.Layout(world=128, tp=8, pp=1, sequence_parallel=True)
+    kw = dict(seq_tokens=S, in_flight=1, grad_bytes=4)
+    full = P.training_memory(QWEN25_32B, lay, recompute="full", distributed_optimizer=True, **kw)
+    none = P.training_memory(QWEN25_32B, lay, recompute=None, distributed_optimizer=True, **kw)
+    no_sp = P.training_memory(QWEN25_32B, P.Layout(world=128, tp=8, pp=1), recompute="full",
+                              distributed_optimizer=True, **kw)
+    no_do = P.training_memory(QWEN25_32B, lay, recompute="full", distributed_optimizer=False, **kw)
+    assert none["activations"] / 1e9 == pytest.approx(44.3, abs=0.5)  # SCALE.md: ~44 GB without recompute
+    assert no_sp["activations"] > 7 * full["activations"]
+    assert no_do["optimizer"] == pytest.approx(16 * full["optimizer"])  # 12 B/param vs 12/16
+
+
+def test_expert_params_shard_over_ep_and_their_optimizer_over_expert_dp():
+    lay = P.Layout(world=128, tp=4, pp=8, ep=4, sequence_parallel=True)
+    assert (lay.dp, lay.expert_dp) == (4, 1)
+    dense, expert = P.params_per_gpu(MOE_235B, lay)
+    layers = 12  # ceil(94 / 8)
+    assert expert == pytest.approx(layers * 128 * 3 * 4096 * 1536 / (4 * 4))
+    mem = P.training_memory(MOE_235B, lay, seq_tokens=S, in_flight=8, recompute="full", distributed_optimizer=True,
+                            grad_bytes=4)
+    assert mem["optimizer"] == pytest.approx(12 * (dense / 4 + expert / 1))
+
+
+def test_engine_kv_per_gpu_replicates_heads_beyond_tp():
+    e = P.engine_memory(QWEN25_32B, gen_tp=8, gen_pp=1, batch=32, max_seq=S)
+    assert e["kv_per_token"] == 32 * 1024 and e["kv_cache"] == 32 * S * 32 * 1024  # SCALE.md 2.3: 32 KiB
+    assert e["engine_weights"] / 1e9 == pytest.approx(8.19, abs=0.01)
+    assert P.engine_memory(QWEN25_32B, gen_tp=4, gen_pp=1, batch=1, max_seq=1)["engine_weights"] / 1e9 == \
+        pytest.approx(16.4, abs=0.05)
+    # 4 KV heads on TP8: each GPU still holds one whole head -> 94 x 2 x 128 x 2 B = 47 KiB (SCALE.md 2.3)
+    assert P.engine_memory(MOE_235B, gen_tp=8, gen_pp=1, batch=1, max_seq=1)["kv_per_token"] == 48128
+
+
+def test_decode_ceilings_match_the_design_notes():
+    # SCALE.md 3.3: 32B bandwidth ceiling on H100 1,534 tok/s/GPU; compute ceiling on H20 ~1,003 (eta 0.75, 6.25k ctx)
+    h100 = P.inflight_tokens_per_s_per_gpu(QWEN25_32B, P.GPUS["h100"], context=6250, efficiency=0.75)
+    h20 = P.inflight_tokens_per_s_per_gpu(QWEN25_32B, P.GPUS["h20"], context=6250, efficiency=0.75)
+    assert h100 == pytest.approx(1534, rel=0.01) and h20 == pytest.approx(1003, rel=0.03)
+
+
+def test_training_flops_match_the_design_notes():
+    # SCALE.md 3.5: 8,192 samples x ~6,250 tokens on 32B = 1.84e19 FLOP for old log-prob + update
+    t = P.training_seconds(QWEN25_32B, P.GPUS["h100"], world=1, tokens=8192 * 6250, seq_len=6250, hfu=1.0)
+    flops = (t["old_logprob"] + t["training"]) * 989e12
+    assert flops == pytest.approx(1.84e19, rel=0.05)  # 10 N/token = 1.68e19; the rest is attention, counted
+    assert flops > 10 * QWEN25_32B.total_params() * 8192 * 6250  # a little differently there (causal mean here)
+
+
+def test_static_batch_length_and_step_time():
+    assert P.expected_batch_length(32, l_max=20480, mean_response=6000, truncated_fraction=0.0) == 18000
+    assert P.expected_batch_length(32, l_max=20480, mean_response=6000, truncated_fraction=1.0) == 20480
+    kw = dict(gen_tp=8, gen_pp=1, context=10000, efficiency=0.75)
+    small = P.decode_step_seconds(QWEN25_32B, P.GPUS["h100"], batch=1, floor_s=0.01, **kw)
+    big = P.decode_step_seconds(QWEN25_32B, P.GPUS["h100"], batch=512, floor_s=0.01, **kw)
+    assert small == 0.01  # latency-bound at batch 1
+    by_hand = (8.19e9 + 512 * 10000 * 32768) / (0.75 * 3.35e12)  # weights + KV read per step, bandwidth-bound
+    assert big == pytest.approx(by_hand, rel=0.01)
+
+
+def run_cli(*argv) -> int:
+    ap = argparse.ArgumentParser()
+    P.add_cli(ap.add_subparsers())
+    args = ap.parse_args(["plan", *argv])
+    return args.func(args)
+
+
+@pytest.mark.parametrize("recipe", ["qwen2.5-32b_h100", "qwen2.5-32b_h20", "moe-235b-a22b_h100",
+                                    "moe-235b-a22b_h20"])
+def test_every_recipe_plans_and_fits(recipe, capsys):
+    assert run_cli(recipe) == 0
+    out = capsys.readouterr().out
+    assert "ESTIMATES" in out and "-> fits" in out and "generation, static batches" in out
+
+
+def test_plan_reports_a_layout_that_does_not_fit(capsys):
+    assert run_cli("qwen2.5-32b_h100", "model.dapo.rollout_micro_batch_size=128") == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_plan_reports_config_problems(capsys):
+    assert run_cli("qwen2.5-32b_h100", "model.dapo.eps_low=1.5") == 2
+    assert "config problem: model.dapo.eps_low" in capsys.readouterr().out
+
+
+def test_plan_names_the_missing_key(capsys):
+    assert run_cli("qwen2.5-32b_h100", "plan.arch.hidden_size=null") == 2
+    assert "plan.arch.hidden_size is not set" in capsys.readouterr().out
+
+
+def test_plan_32b_h100_numbers_by_hand():
+    from nemo_dapo.aligner.config_validate import load_config
+    from omegaconf import OmegaConf
+
+    plan = P.make_plan(OmegaConf.to_container(load_config("qwen2.5-32b_h100")))
+    gen = plan["phases"]["generate"]
+    assert gen["optimizer"] == 0.0  # apex distributed Adam is offloaded while generating
+    assert gen["kv_cache"] == 32 * S * 32 * 1024  # static batch 32, TP8
+    t = plan["time"]
+    assert t["engines"] == 16 and t["batches_per_engine"] == math.ceil(512 * 16 * 3 / 16 / 32)
+
+
+def test_plan_reports_loader_errors_without_a_traceback(capsys):
+    assert run_cli("qwen2.5-32b_h100", "model.dapo.eps_hihg=0.3") == 2
+    assert "no key 'model.dapo.eps_hihg'" in capsys.readouterr().err
+    assert run_cli("no-such-recipe") == 2
