@@ -1,0 +1,14 @@
+"""megatron-core layer (no NeMo): everything the DAPO step needs on a Megatron-parallel model.
+
+Modules (import them directly; this package imports nothing so that ``import nemo_dapo.megatron`` stays cheap):
+
+* ``vocab_parallel``  taken-token log-prob and entropy from the TP-sharded output layer, no vocabulary gather
+* ``reduction``       exact token-level loss scaling under megatron's schedules and DDP; global token counts;
+                      ``DPReducer`` (the loop's Reducer over the data-parallel group)
+* ``policy``          ``MegatronPolicy``: the core ``Policy`` protocol on a GPTModel (TP, PP, EP, DP)
+* ``refit_gather``    expert-aware, bucketed weight gather for a rollout engine with its own TP size
+* ``model``           a small GPTModel from a plain ``GPTSpec``; the sharded <-> full parameter map
+
+Tested on CPU over gloo with megatron-core 0.10.0 (the NeMo-Aligner 0.7.0 pin) and 0.16.1; the CPU runs need the
+test-only patches in tests/support/megatron_cpu_shim.py, never imported here.
+"""
