@@ -1,0 +1,91 @@
+"""Everything that depends on the exact NeMo-Aligner / NeMo / megatron-core versions, in one place.
+
+Target stack: NeMo-Aligner 0.7.0 (its last release) + NeMo 2.1.0 + megatron-core 0.10.0 + TensorRT-LLM 0.13.0, as in
+the NeMo container that ships that release. The rest of ``nemo_dapo.aligner`` imports the host-framework symbols it
+needs from here, so a version bump touches this file only.
+
+NeMo-Aligner 0.7.0 quirks handled here:
+  * ``nemo_aligner/utils/trt_llm.py`` imports ``tensorrt_llm`` at top level, and the PPO actor module imports it, so
+    the actor base class is importable only where TensorRT-LLM is installed (the container). ``actor_base`` says so
+    instead of failing with a bare ModuleNotFoundError.
+  * The trainer state of a NeMo-Aligner run is parsed back from the checkpoint FILE NAME
+    (``retrieve_custom_trainer_state_dict``). We store ours inside the checkpoint instead (``pack_state`` /
+    ``unpack_state``): a uint8 tensor survives both PTL checkpoints and megatron dist-checkpointing's "common" state,
+    which torch 2.6+ loads with ``weights_only=True``.
+"""
+from __future__ import annotations
+
+import io
+import warnings
+from importlib import metadata
+
+import torch
+
+SUPPORTED = {"nemo-aligner": "0.7.0", "nemo-toolkit": "2.1.0", "megatron-core": "0.10.0"}
+CHECKPOINT_KEY = "nemo_dapo_trainer_state"  # key of our trainer state inside the PTL checkpoint dict
+
+
+def installed_versions() -> dict:
+    """{distribution: version or None} for the stack we target."""
+    out = {}
+    for dist in SUPPORTED:
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def check_versions(strict: bool = False) -> dict:
+    """Warn (or raise with ``strict``) when the installed stack differs from the one this plugin targets."""
+    found = installed_versions()
+    wrong = {d: v for d, v in found.items() if v != SUPPORTED[d]}
+    if wrong:
+        msg = ("nemo_dapo.aligner targets " + ", ".join(f"{d}=={v}" for d, v in SUPPORTED.items())
+               + "; found " + ", ".join(f"{d}=={v}" for d, v in wrong.items())
+               + ". Use the NeMo container that ships NeMo-Aligner 0.7.0 (see containers/).")
+        if strict:
+            raise RuntimeError(msg)
+        warnings.warn(msg, stacklevel=2)
+    return found
+
+
+def actor_base():
+    """NeMo-Aligner's ``MegatronGPTActorModel`` (the PPO actor), with a clear error when it cannot be imported."""
+    try:
+        from nemo_aligner.models.nlp.gpt.megatron_gpt_ppo_actor import MegatronGPTActorModel
+    except ModuleNotFoundError as e:
+        if e.name and e.name.split(".")[0] in ("tensorrt_llm", "tensorrt", "mpi4py"):
+            raise ImportError(
+                f"NeMo-Aligner 0.7.0's actor module imports {e.name!r} at top level (nemo_aligner/utils/trt_llm.py), "
+                "so the DAPO actor needs TensorRT-LLM installed: run inside the NeMo container that ships "
+                "NeMo-Aligner 0.7.0. (CPU tests install a stand-in module from tests/support/trtllm_stub.py.)") from e
+        raise
+    return MegatronGPTActorModel
+
+
+def trtllm_generator_class():
+    """NeMo-Aligner's ``GPTGenerateTRTLLM`` (engine build + refit + static-batch generate)."""
+    from nemo_aligner.utils.trt_llm import GPTGenerateTRTLLM
+
+    return GPTGenerateTRTLLM
+
+
+def pack_state(state: dict) -> torch.Tensor:
+    """``state`` (any torch.save-able object) as a 1-D uint8 tensor, for storage inside a model checkpoint."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).clone()
+
+
+def unpack_state(packed: torch.Tensor) -> dict:
+    """Inverse of :func:`pack_state`. The bytes were written by this same program, hence ``weights_only=False``."""
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or packed.dim() != 1:
+        raise ValueError(f"checkpoint entry {CHECKPOINT_KEY!r} must be a 1-D uint8 tensor written by pack_state, "
+                         f"got {type(packed).__name__}")
+    return torch.load(io.BytesIO(packed.cpu().numpy().tobytes()), map_location="cpu", weights_only=False)
+
+
+def device() -> torch.device:
+    """Where megatron keeps its tensors: the current CUDA device (CPU when torch has no CUDA)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

@@ -1,0 +1,328 @@
+"""Rollout generators for the NeMo-Aligner path (the ``Generator`` protocol of core/types.py).
+
+* :class:`TRTLLMGenerator` drives NeMo-Aligner's ``GPTGenerateTRTLLM``: the engine is built on first use and refit
+  from the actor's current weights before the first generation after every update (never twice for the same
+  weights); prompts go in as NeMo-Aligner wants them (right-padded + lengths), in static batches of the engine's
+  ``generation_batch_size``; with ``reshard`` (PP folded into DP for generation) the pipeline stages of one replica
+  generate disjoint slices of its prompts and exchange the results. For MoE with expert parallelism the exporter's
+  weight gather is replaced by the Megatron layer's expert-aware gather (``expert_aware_refit_gather``).
+* :class:`MegatronSampler` is the debugging path without TensorRT-LLM: plain ancestral sampling with the training
+  model itself (one full forward per new token through megatron's schedule, so TP and PP work; no KV cache). Slow,
+  exact, seeded: meant for tiny models and tests.
+
+Both return responses in the core layout (right-padded ids, mask with EOS, ``truncated`` = no EOS within the cap).
+``check_generation_lengths`` validates the sequence budget when the config is loaded.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from nemo_dapo.aligner.layout import pack_tokens
+from nemo_dapo.core.types import Generation, RolloutBatch
+from nemo_dapo.local.sampler import sample_next
+
+# NeMo / megatron are imported inside the generators, so that ``check_generation_lengths`` stays cheap to import
+# (the config validator calls it before anything heavy is loaded).
+
+
+def _packed_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, room: int, pad_id: int) -> tuple:
+    """(tokens [B, P_max + room] right-padded with ``pad_id``, prompt lengths [B]) from left-padded prompts."""
+    b = prompt_ids.shape[0]
+    stub = RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+                        response_ids=torch.full((b, room), pad_id, dtype=torch.long),
+                        response_mask=torch.zeros(b, room), group_ids=torch.zeros(b, dtype=torch.long),
+                        truncated=torch.zeros(b, dtype=torch.bool))
+    return pack_tokens(stub, pad_id)
+
+
+def check_generation_lengths(model_cfg) -> None:
+    """Raise when ``max_input_len + max_length > encoder_seq_length`` (NeMo-Aligner asserts it only when the engine
+    is built, i.e. after the model has loaded). Keys: model.dapo.trt_llm.max_input_len (default: the encoder length
+    minus the generation length), model.dapo.length_params.max_length, model.encoder_seq_length."""
+    d = model_cfg.get("dapo") or {}
+    seq = int(model_cfg.encoder_seq_length)
+    gen = (d.get("length_params") or {}).get("max_length")
+    if gen is None or int(gen) < 1:
+        raise ValueError(f"model.dapo.length_params.max_length must be a positive generation cap, got {gen}")
+    trt = d.get("trt_llm") or {}
+    max_in = trt.get("max_input_len")
+    max_in = seq - int(gen) if max_in is None else int(max_in)
+    if max_in < 1 or max_in + int(gen) > seq:
+        raise ValueError(
+            f"model.dapo.trt_llm.max_input_len ({max_in}) + model.dapo.length_params.max_length ({gen}) = "
+            f"{max_in + int(gen)} must be <= model.encoder_seq_length ({seq}) and max_input_len >= 1: lower the "
+            f"prompt or generation budget, or raise model.encoder_seq_length (e.g. 2048 + 20480 needs >= 22528)")
+
+
+def _response_from_rows(rows: torch.Tensor, prompt_lengths: torch.Tensor, total_lengths: torch.Tensor,
+                        is_end: torch.Tensor, max_new_tokens: int, pad_id: int) -> Generation:
+    """NeMo-Aligner's (prompt + response rows, total lengths, is_end) -> core Generation (right-padded)."""
+    n = (total_lengths - prompt_lengths).clamp(min=0, max=max_new_tokens)
+    width = max(1, int(n.max())) if len(n) else 1
+    idx = prompt_lengths[:, None] + torch.arange(width)[None, :]
+    mask = torch.arange(width)[None, :] < n[:, None]
+    ids = rows.gather(1, idx.clamp(max=rows.shape[1] - 1))
+    ids = torch.where(mask, ids, torch.full_like(ids, pad_id))
+    return Generation(response_ids=ids, response_mask=mask.float(), truncated=~is_end.bool())
+
+
+class MegatronSampler:
+    """Debug ``Generator``: ancestral sampling with the actor's Megatron model (TP/PP aware, no KV cache).
+
+    Every rank of a model-parallel group samples with the same seed from the same gathered logits, so they agree
+    token by token. Stops a row at EOS (or any of ``stop_token_ids``); ``logprobs`` are those of the sampling
+    distribution (after temperature / top-p), as an inference engine would report them.
+    """
+
+    def __init__(self, actor, *, stop_token_ids: Optional[list] = None):
+        if int(actor.cfg.get("expert_model_parallel_size", 1) or 1) > 1:
+            # Expert all-to-alls span data-parallel ranks, which generate different numbers of tokens and batches.
+            raise NotImplementedError("MegatronSampler does not support expert parallelism (EP > 1); debug MoE "
+                                      "runs with model.expert_model_parallel_size=1 or use TensorRT-LLM")
+        self.actor = actor
+        self.eos_id = actor.tokenizer.eos_id
+        self.stop_ids = torch.tensor(sorted({self.eos_id, *(stop_token_ids or [])}), dtype=torch.long)
+        self.vocab_size = int(actor.tokenizer.vocab_size)
+
+    def update_weights(self, policy) -> None:
+        """Nothing to do: the sampler runs the training weights."""
+
+    @torch.no_grad()
+    def _next_logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [B, vocab] at ``positions`` [B] of ``tokens`` [B, S], on every rank."""
+        from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+        from nemo_aligner.utils.distributed import broadcast_tensor_within_pp
+
+        actor = self.actor
+        attention_mask, _, position_ids = actor.get_ltor_masks_and_position_ids(tokens)
+        batch = {"response_tokens": tokens, "attention_mask": attention_mask, "position_ids": position_ids}
+
+        def fwd(data_iterator, model):
+            mb = {k: v.cuda() for k, v in next(data_iterator).items()}
+            logits = actor._forward(model, mb)
+
+            def collect(logits, non_loss_data=True):
+                rows = torch.arange(logits.shape[0], device=logits.device)
+                picked = logits[rows, positions.to(logits.device)]  # [B, V/tp]
+                return gather_from_tensor_model_parallel_region(picked.float())
+
+            return logits, collect
+
+        out = get_forward_backward_func()(
+            forward_step_func=fwd, data_iterator=actor._make_data_iterator_list(iter([batch])), model=actor.model,
+            num_microbatches=1, forward_only=True, seq_length=tokens.shape[1], micro_batch_size=tokens.shape[0],
+            collect_non_loss_data=True)
+        logits = broadcast_tensor_within_pp(out[0] if out else None, dtype=torch.float32).cpu()
+        logits[:, self.vocab_size:] = float("-inf")  # Megatron pads the vocabulary; never sample padding ids
+        return logits
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
+                 temperature: float = 1.0, top_p: float = 1.0, seed: Optional[int] = None) -> Generation:
+        b = prompt_ids.shape[0]
+        tokens, p = _packed_prompts(prompt_ids, prompt_mask, max_new_tokens, self.eos_id)  # [B, P_max + R]
+        gen = torch.Generator().manual_seed(int(seed) if seed is not None else 0)
+        out_ids = torch.full((b, max_new_tokens), self.eos_id, dtype=torch.long)
+        out_lp = torch.zeros(b, max_new_tokens)
+        n = torch.zeros(b, dtype=torch.long)
+        done = torch.zeros(b, dtype=torch.bool)
+        self.actor.prepare_for_inference()
+        try:
+            for t in range(max_new_tokens):
+                # row b's next token goes to position p_b + t: predicted from position p_b + t - 1
+                logits = self._next_logits(tokens[:, :int(p.max()) + t], p + t - 1)
+                tok, lp = sample_next(logits, temperature, top_p, gen)
+                live = ~done
+                rows = torch.nonzero(live).squeeze(1)
+                tokens[rows, p[rows] + t] = tok[rows]
+                out_ids[rows, t], out_lp[rows, t] = tok[rows], lp[rows]
+                n[rows] += 1
+                done |= live & torch.isin(tok, self.stop_ids)
+                if bool(done.all()):
+                    break
+        finally:
+            self.actor.finish_inference()
+        mask = torch.arange(max_new_tokens)[None, :] < n[:, None]
+        out_ids = torch.where(mask, out_ids, torch.full_like(out_ids, self.eos_id))
+        return Generation(response_ids=out_ids, response_mask=mask.float(), truncated=~done,
+                          logprobs=out_lp * mask)
+
+
+class TRTLLMGenerator:
+    """``Generator`` over NeMo-Aligner's ``GPTGenerateTRTLLM`` (``engine``; built from ``actor.cfg`` when None).
+
+    ``reshard``: the engine is TP-only and the pipeline stages of a replica share its generation work (NeMo-Aligner's
+    ``trainer.<algo>.trt_llm.reshard``). ``refit_gather``: optional callable replacing the exporter's weight gather
+    (``gather_and_reshard_model(model_config, model, storage_dtype) -> state dict``), e.g. the Megatron layer's
+    expert-aware gather for MoE with expert parallelism, which the exporter of NeMo 2.1 cannot do.
+    """
+
+    def __init__(self, actor, engine=None, *, reshard: Optional[bool] = None, refit_gather=None):
+        trt = (actor.cfg.dapo.get("trt_llm") or {})
+        self.actor = actor
+        self.reshard = bool(trt.get("reshard", False)) if reshard is None else reshard
+        self.engine = engine if engine is not None else build_trtllm_engine(actor)
+        if refit_gather is not None:
+            self.engine.trt_llm_exporter.gather_and_reshard_model = refit_gather
+        self._stale = True  # weights changed since the last refit (or no engine yet)
+        self.pad_id = actor.tokenizer.eos_id
+
+    def update_weights(self, policy) -> None:
+        """Mark the engine stale; the refit happens right before the next generation (as NeMo-Aligner does in
+        ``prepare_for_inference``), so a validation pass right after an update does not refit twice."""
+        self._stale = True
+
+    def _refit_if_stale(self) -> None:
+        if self._stale:
+            self.engine.refit(self.actor.model)  # first call builds the engine
+            self._stale = False
+
+    def _set_sampling(self, max_new_tokens: int, temperature: float, top_p: float, seed: Optional[int]) -> None:
+        if max_new_tokens > self.engine.max_generation_length:
+            raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the engine's max_generation_length="
+                             f"{self.engine.max_generation_length} (model.dapo.length_params.max_length)")
+        greedy = temperature == 0
+        self.engine.sampling_config.update(max_new_tokens=max_new_tokens, top_p=top_p,
+                                           temperature=1.0 if greedy else temperature,
+                                           **({"top_k": 1} if greedy else {}))
+        if seed is not None:
+            self.engine.rng_generator.manual_seed(int(seed))
+
+    def _my_rows(self, b: int) -> tuple:
+        """Rows this rank generates and the pipeline group to share results with (reshard with PP > 1 only)."""
+        if not self.reshard:
+            return list(range(b)), None
+        from megatron.core import parallel_state as mcore_ps
+
+        pp = mcore_ps.get_pipeline_model_parallel_world_size()
+        if pp == 1:
+            return list(range(b)), None
+        r = mcore_ps.get_pipeline_model_parallel_rank()
+        return list(range(r * b // pp, (r + 1) * b // pp)), mcore_ps.get_pipeline_model_parallel_group()
+
+    def _generate_rows(self, tokens: torch.Tensor, lengths: torch.Tensor) -> tuple:
+        """Static batches of exactly ``generation_batch_size`` (the last one padded with copies of its first row)."""
+        from nemo_aligner.utils.parallel_state import trt_llm_reshard_region
+
+        from nemo_dapo.aligner.compat import device
+
+        gbs = int(self.engine.generation_batch_size)
+        outs, totals = [], []
+        for start in range(0, tokens.shape[0], gbs):
+            t, l_ = tokens[start:start + gbs], lengths[start:start + gbs]
+            real = t.shape[0]
+            if real < gbs:
+                t = torch.cat([t, t[:1].expand(gbs - real, -1)])
+                l_ = torch.cat([l_, l_[:1].expand(gbs - real)])
+            with trt_llm_reshard_region() if self.reshard else nullcontext():
+                res = self.engine.generate((t.to(device()), l_.to(device())))
+            outs.append(res["response_tokens"][:real].cpu())
+            totals.append(res["response_lengths"][:real].cpu())
+        width = max(o.shape[1] for o in outs)
+        outs = [torch.nn.functional.pad(o, (0, width - o.shape[1]), value=self.pad_id) for o in outs]
+        return torch.cat(outs), torch.cat(totals)
+
+    def _is_end(self, rows: torch.Tensor, totals: torch.Tensor) -> torch.Tensor:
+        """NeMo-Aligner's check: ended with EOS or an end string, and every id inside the tokenizer's range."""
+        from nemo.collections.nlp.modules.common.text_generation_strategy import GPTModelTextGenerationStrategy
+        from nemo_aligner.utils.text_generation_utils import verify_is_valid_and_clamp_range_
+
+        end_strings = list(self.actor._sampling_params.get("end_strings", []) or [])
+        strategy = GPTModelTextGenerationStrategy(self.actor)
+        return verify_is_valid_and_clamp_range_(rows, totals, strategy, self.actor.tokenizer, end_strings).cpu()
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
+                 temperature: float = 1.0, top_p: float = 1.0, seed: Optional[int] = None) -> Generation:
+        b = prompt_ids.shape[0]
+        tokens, p = _packed_prompts(prompt_ids, prompt_mask, 0, self.pad_id)  # right-padded prompts + lengths
+        if int(p.max()) > self.engine.max_input_len:
+            raise ValueError(f"a prompt of {int(p.max())} tokens exceeds the engine's max_input_len="
+                             f"{self.engine.max_input_len} (model.dapo.trt_llm.max_input_len)")
+        self.actor.prepare_for_inference()
+        try:
+            self._refit_if_stale()
+            self._set_sampling(max_new_tokens, temperature, top_p, seed)
+            mine, pp_group = self._my_rows(b)
+            result = None
+            if mine:
+                rows, totals = self._generate_rows(tokens[mine], p[mine])
+                is_end = self._is_end(rows, totals)
+                result = _response_from_rows(rows, p[mine], totals, is_end, max_new_tokens, self.pad_id)
+        finally:
+            self.actor.finish_inference()
+            self.engine.free()  # unloads only with trt_llm.unload_engine_train
+        if pp_group is not None:
+            parts = [None] * dist.get_world_size(pp_group)
+            dist.all_gather_object(parts, result, group=pp_group)
+            return _cat_generations([x for x in parts if x is not None], self.pad_id)
+        return result
+
+
+def _cat_generations(parts: list, pad_id: int) -> Generation:
+    width = max(g.response_ids.shape[1] for g in parts)
+    pad = lambda t, v: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=v)  # noqa: E731
+    return Generation(response_ids=torch.cat([pad(g.response_ids, pad_id) for g in parts]),
+                      response_mask=torch.cat([pad(g.response_mask, 0.0) for g in parts]),
+                      truncated=torch.cat([g.truncated for g in parts]))
+
+
+def build_trtllm_engine(actor):
+    """NeMo-Aligner's ``GPTGenerateTRTLLM`` configured from ``model.dapo`` (trt_llm, sampling/length params)."""
+    from nemo_dapo.aligner.compat import trtllm_generator_class
+
+    cfg = actor.cfg
+    check_generation_lengths(cfg)
+    d = cfg.dapo
+    trt, sp = d.get("trt_llm") or {}, d.get("sampling_params") or {}
+    max_len = int(d.length_params.max_length)
+    return trtllm_generator_class()(
+        model_cfg=cfg, end_strings=list(sp.get("end_strings", []) or []), tokenizer=actor.tokenizer,
+        sample_temperature=float(sp.get("temperature", 1.0)), sample_top_k=int(sp.get("top_k", 0)),
+        sample_top_p=float(sp.get("top_p", 1.0)), repetition_penalty=float(sp.get("repetition_penalty", 1.0)),
+        max_generation_length=max_len,
+        max_input_len=int(trt.get("max_input_len") or cfg.encoder_seq_length - max_len),
+        generation_batch_size=int(d.get("rollout_micro_batch_size", 8)), use_greedy=bool(sp.get("use_greedy", False)),
+        trt_model_type=trt.get("model_type", "llama"), seed=trt.get("seed", cfg.get("seed")),
+        unload_engine_train=bool(trt.get("unload_engine_train", False)), reshard_model=bool(trt.get("reshard", False)),
+        trt_model_dir=trt.get("model_dir", "/tmp/trt_llm_model"))
+
+
+def expert_aware_refit_gather(bucket_bytes: int = 1 << 28):
+    """A replacement for the exporter's ``gather_and_reshard_model(model_config, model, storage_dtype)`` that also
+    gathers experts across the expert-parallel group (``megatron.refit_gather``): every rank receives the whole
+    model (pipeline stages joined, all experts under their global index) cut for its engine TP rank (the legacy
+    engine's TP equals the training TP), in megatron's single-rank parameter names, cast to ``storage_dtype``."""
+
+    def gather(model_config, model, storage_dtype) -> dict:
+        from megatron.core import parallel_state as mcore_ps
+
+        from nemo_dapo.megatron.refit_gather import iter_refit_buckets
+
+        chunks = model if isinstance(model, list) else [model]
+        if len(chunks) != 1:
+            raise NotImplementedError("expert-aware refit runs one model chunk per rank (no virtual pipeline)")
+        out = {}
+        for bucket in iter_refit_buckets(chunks[0], bucket_bytes=bucket_bytes,
+                                         infer_tp_size=mcore_ps.get_tensor_model_parallel_world_size(),
+                                         infer_tp_rank=mcore_ps.get_tensor_model_parallel_rank(), dtype=storage_dtype):
+            out.update(bucket)
+        return out
+
+    return gather
+
+
+def build_generator(actor, *, refit_gather=None):
+    """TRTLLMGenerator when ``model.dapo.trt_llm.enable``, else the MegatronSampler debug path. With expert
+    parallelism the engine refit uses :func:`expert_aware_refit_gather` (NeMo 2.1's exporter gathers TP/PP only)."""
+    trt = actor.cfg.dapo.get("trt_llm") or {}
+    if trt.get("enable", False):
+        if refit_gather is None and int(actor.cfg.get("expert_model_parallel_size", 1) or 1) > 1:
+            refit_gather = expert_aware_refit_gather()
+        return TRTLLMGenerator(actor, refit_gather=refit_gather)
+    return MegatronSampler(actor)

@@ -1,0 +1,136 @@
+"""Rule-based rewards without a server, behind NeMo-Aligner's reward-client contract.
+
+NeMo-Aligner's trainers call ``rm.infer_rm(rollout_batch)`` right after generating a batch and collect
+``future.result()`` later (rewards [B, 1], identical on every rank of a model-parallel group), so that scoring
+overlaps with the next generation. ``LocalRewardClient`` keeps that contract for DAPO's verifier
+(``core.reward.RuleReward``: decode, then ``verify_batch``, which fans out to a process pool for large batches):
+scoring starts on a background thread, and only the model-parallel source rank scores (like the remote client), the
+result being broadcast to the others when ``result()`` is called.
+
+``rollout_batch`` (NeMo-Aligner's names): ``response_tokens`` [B, S] prompt + response from position 0,
+``prompt_lengths`` [B], ``response_lengths`` [B] (prompt + response, EOS included), plus ``answers`` list[str]
+(the ground truths; ``DAPOPromptDataset`` carries them).
+
+``ClientReward`` turns any such client into the step loop's ``RewardFn``; ``acc`` comes from the client when it
+reports it (``LocalRewardClient`` does), else from the sign of the reward.
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from nemo_dapo.core.reward import RuleReward, default_num_workers
+
+try:  # the ABC NeMo-Aligner's trainers duck-type against; plain object when NeMo-Aligner is absent
+    from nemo_aligner.utils.server_utils import FutureResult
+except ImportError:  # pragma: no cover - exercised only without NeMo-Aligner
+    FutureResult = object
+
+
+def _default_workers() -> int:
+    """Cores per rank on this node: each rank of a node scores its own share in its own process pool."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, default_num_workers() // max(1, local_ranks))
+
+
+def _mp_group_and_src():
+    """(group, src global rank) of this rank's model-parallel group, or (None, rank) without model parallelism."""
+    if not dist.is_initialized():
+        return None, 0
+    try:
+        from nemo_aligner.utils import parallel_state
+        group, src = parallel_state.get_model_parallel_group(), parallel_state.get_model_parallel_src_rank()
+    except (ImportError, AssertionError, AttributeError, RuntimeError):
+        return None, dist.get_rank()
+    return (group, src) if dist.get_world_size(group) > 1 else (None, dist.get_rank())
+
+
+def response_of(rollout_batch: dict) -> tuple:
+    """(response_ids [B, R], response_mask [B, R]) cut out of NeMo-Aligner's packed ``response_tokens``."""
+    tokens = rollout_batch["response_tokens"].cpu()
+    p = rollout_batch["prompt_lengths"].cpu().long()
+    n = rollout_batch["response_lengths"].cpu().long() - p
+    width = max(1, int(n.max())) if len(n) else 1
+    idx = p[:, None] + torch.arange(width)[None, :]
+    mask = torch.arange(width)[None, :] < n[:, None]
+    ids = tokens.gather(1, idx.clamp(max=tokens.shape[1] - 1))
+    return torch.where(mask, ids, torch.zeros_like(ids)), mask.float()
+
+
+class RewardFuture(FutureResult):
+    """``result()`` -> rewards [B, 1] float (NeMo-Aligner's RMFutureResult); ``details()`` -> (score, acc, preds)."""
+
+    def __init__(self, future: Optional[Future], batch_size: int, group=None, src: int = 0):
+        self._future, self._b, self._group, self._src = future, batch_size, group, src
+        self._value = None
+
+    def details(self) -> tuple:
+        if self._value is None:
+            value = self._future.result() if self._future is not None else None
+            if self._group is not None:
+                box = [value]
+                dist.broadcast_object_list(box, src=self._src, group=self._group)
+                value = box[0]
+            self._value = value
+        return self._value
+
+    def result(self) -> torch.Tensor:
+        return self.details()[0].view(-1, 1)
+
+
+class LocalRewardClient:
+    """``infer_rm(rollout_batch) -> RewardFuture`` with DAPO's rule-based verifier (``core.reward``).
+
+    ``tokenizer``: NeMo tokenizer (``ids_to_text`` decodes a response, skipping special tokens); ``mode``: verifier
+    mode ("dapo", "tolerant", "math_verify"); ``num_workers``: verifier processes of this rank (default: the
+    node's cores divided by its ranks). ``eos_text`` is stripped from decoded responses when given.
+    """
+
+    def __init__(self, tokenizer, *, mode: str = "dapo", num_workers: Optional[int] = None,
+                 eos_text: Optional[str] = None):
+        self.reward = RuleReward(tokenizer.ids_to_text, mode=mode,
+                                 num_workers=_default_workers() if num_workers is None else num_workers,
+                                 eos_text=eos_text)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nemo_dapo_reward")
+
+    def score(self, response_ids: torch.Tensor, response_mask: torch.Tensor, answers: Sequence[str]) -> tuple:
+        """Synchronous scoring on this rank: (score [B], acc [B], preds)."""
+        return self.reward(response_ids, response_mask, list(answers))
+
+    def infer_rm(self, rollout_batch: dict) -> RewardFuture:
+        answers = rollout_batch.get("answers")
+        if answers is None:
+            raise ValueError("LocalRewardClient.infer_rm needs rollout_batch['answers'] (one ground truth per "
+                             "response); build prompts with DAPOPromptDataset, which carries them")
+        ids, mask = response_of(rollout_batch)
+        if len(answers) != ids.shape[0]:
+            raise ValueError(f"rollout_batch has {ids.shape[0]} responses but {len(answers)} answers")
+        group, src = _mp_group_and_src()
+        is_src = group is None or dist.get_rank() == src
+        future = self._thread.submit(self.score, ids, mask, list(answers)) if is_src else None
+        return RewardFuture(future, ids.shape[0], group, src)
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+
+
+class ClientReward:
+    """The step loop's ``RewardFn`` over a reward client with NeMo-Aligner's ``infer_rm`` contract."""
+
+    def __init__(self, client):
+        self.client = client
+
+    def __call__(self, response_ids: torch.Tensor, response_mask: torch.Tensor, ground_truths: Sequence[str]):
+        n = response_mask.long().sum(-1)
+        batch = {"response_tokens": response_ids, "prompt_lengths": torch.zeros_like(n), "response_lengths": n,
+                 "answers": list(ground_truths)}
+        future = self.client.infer_rm(batch)
+        if hasattr(future, "details"):
+            score, acc, preds = future.details()
+            return score.float(), acc.float(), list(preds)
+        score = future.result().view(-1).float().cpu()
+        return score, (score > 0).float(), [""] * len(score)

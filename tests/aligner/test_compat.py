@@ -1,0 +1,29 @@
+"""Version glue: the trainer state packed into a checkpoint entry survives a weights-only torch.load."""
+import io
+
+import pytest
+import torch
+
+from nemo_dapo.aligner.compat import SUPPORTED, check_versions, pack_state, unpack_state
+from nemo_dapo.core.dynamic_sampling import Group
+
+
+def test_pack_state_round_trip_through_weights_only_load():
+    state = {"step": 3, "groups": [Group(uid=5, acc=torch.tensor([1.0, 0.0]), rewards=torch.tensor([1.0, -1.0]))]}
+    packed = pack_state(state)
+    buf = io.BytesIO()
+    torch.save({"entry": packed}, buf)  # how a checkpoint's common state is written
+    loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)["entry"]  # and read back by torch >= 2.6
+    out = unpack_state(loaded)
+    assert out["step"] == 3 and out["groups"][0].uid == 5
+    assert torch.equal(out["groups"][0].rewards, state["groups"][0].rewards)
+
+
+def test_unpack_state_rejects_other_entries():
+    with pytest.raises(ValueError, match="uint8"):
+        unpack_state(torch.zeros(3))
+
+
+def test_check_versions_reports_the_installed_stack():
+    found = check_versions(strict=False)
+    assert set(found) == set(SUPPORTED)

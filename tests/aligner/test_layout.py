@@ -1,0 +1,84 @@
+"""Layout conversion between the core RolloutBatch (left-padded prompts, right-padded responses) and NeMo-Aligner's
+packed rows (prompt + response from position 0, per-token values on the shifted log-prob grid)."""
+import pytest
+import torch
+
+from nemo_dapo.aligner.layout import (
+    as_rollout, pack_rollout, pack_tokens, pad_rows, prompt_lengths_of, to_shifted, unpack_response)
+from nemo_dapo.core.types import RolloutBatch
+
+PAD = 0
+
+
+def _batch(p_len, r_len, p_width=5, r_width=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    b = len(p_len)
+    prompt_mask = (torch.arange(p_width)[None] >= (p_width - torch.tensor(p_len))[:, None]).long()
+    prompt_ids = torch.randint(10, 99, (b, p_width), generator=g) * prompt_mask
+    response_mask = (torch.arange(r_width)[None] < torch.tensor(r_len)[:, None]).float()
+    response_ids = (torch.randint(10, 99, (b, r_width), generator=g) * response_mask).long()
+    return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+                        response_mask=response_mask, group_ids=torch.arange(b), truncated=torch.tensor(
+                            [n == r_width for n in r_len]), old_logp=torch.randn(b, r_width, generator=g) *
+                        response_mask, advantages=torch.randn(b, generator=g))
+
+
+def _slow_pack(batch):
+    """Row by row: real prompt tokens, then all response slots, then padding."""
+    rows, p = [], []
+    for b in range(len(batch)):
+        prompt = batch.prompt_ids[b][batch.prompt_mask[b].bool()].tolist()
+        rows.append(prompt + batch.response_ids[b].tolist())
+        p.append(len(prompt))
+    width = max(p) + batch.response_ids.shape[1]
+    return torch.tensor([r + [PAD] * (width - len(r)) for r in rows]), torch.tensor(p)
+
+
+def test_pack_tokens_matches_row_by_row_reference():
+    batch = _batch([2, 5, 1, 3], [4, 0, 2, 1])
+    tokens, p = pack_tokens(batch, PAD)
+    ref_tokens, ref_p = _slow_pack(batch)
+    assert torch.equal(p, ref_p) and torch.equal(tokens, ref_tokens)
+
+
+def test_shifted_values_sit_where_the_logprob_of_each_response_token_is():
+    batch = _batch([2, 5, 1, 3], [4, 1, 2, 3])
+    packed = pack_rollout(batch, PAD)
+    tokens, p = packed["response_tokens"], packed["prompt_lengths"]
+    # shifted index t predicts token t + 1: the masked positions' next tokens are exactly the response tokens
+    for b in range(len(batch)):
+        next_tokens = tokens[b, 1:][packed["mask"][b].bool()]
+        assert next_tokens.tolist() == batch.response_ids[b][batch.response_mask[b].bool()].tolist()
+    assert torch.equal(unpack_response(packed["prev_logprobs"], p, 4), batch.old_logp)
+    assert torch.equal(packed["is_end"], (~batch.truncated).float())
+    assert torch.equal(packed["response_lengths"], p + batch.lengths)
+
+
+def test_to_shifted_and_unpack_are_inverse():
+    p = torch.tensor([1, 4, 2])
+    vals = torch.randn(3, 5)
+    assert torch.equal(unpack_response(to_shifted(vals, p, 4 + 5), p, 5), vals)
+
+
+def test_as_rollout_exposes_the_per_token_fields_to_the_loss():
+    packed = pack_rollout(_batch([2, 3], [4, 2]), PAD)
+    view = as_rollout(packed)
+    assert torch.equal(view.response_mask, packed["mask"]) and torch.equal(view.old_logp, packed["prev_logprobs"])
+    assert torch.equal(view.truncated, packed["is_end"] < 0.5)
+
+
+def test_pad_rows_appends_masked_rows_and_handles_empty_batches():
+    packed = pack_rollout(_batch([2, 3, 1], [4, 2, 1]), PAD)
+    out, n = pad_rows(packed, 2, PAD)
+    assert n == 3 and out["response_tokens"].shape[0] == 4
+    assert out["mask"][3].sum() == 0 and out["is_end"][3] == 1 and out["advantages"][3] == 0
+    empty = {k: v[:0] for k, v in packed.items()}
+    out, n = pad_rows(empty, 2, PAD, min_rows=6)
+    assert n == 0 and out["response_tokens"].shape[0] == 6 and out["mask"].sum() == 0
+
+
+def test_empty_prompt_is_rejected():
+    batch = _batch([2, 3], [1, 1])
+    batch.prompt_mask[1] = 0
+    with pytest.raises(ValueError, match="at least one real token"):
+        prompt_lengths_of(batch)

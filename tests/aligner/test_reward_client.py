@@ -1,0 +1,77 @@
+"""LocalRewardClient keeps NeMo-Aligner's ``infer_rm(batch) -> future`` contract with the rule-based verifier."""
+import pytest
+import torch
+
+from nemo_dapo.aligner.reward_client import ClientReward, LocalRewardClient, response_of
+from nemo_dapo.core.reward import verify
+from tests.aligner._fakes import CharTokenizer
+
+TOK = CharTokenizer()
+
+
+def _rollout(prompts, responses, answers):
+    """NeMo-Aligner's packed rollout batch: prompt + response + EOS from position 0, right-padded."""
+    rows = [TOK.text_to_ids(p) + TOK.text_to_ids(r) + [TOK.eos_id] for p, r in zip(prompts, responses)]
+    width = max(len(r) for r in rows) + 3
+    tokens = torch.tensor([r + [TOK.eos_id] * (width - len(r)) for r in rows])
+    p = torch.tensor([len(TOK.text_to_ids(x)) for x in prompts])
+    return {"response_tokens": tokens, "prompt_lengths": p, "response_lengths": torch.tensor([len(r) for r in rows]),
+            "answers": answers}
+
+
+def test_infer_rm_future_matches_the_verifier():
+    responses = ["so\nAnswer: 42", "Answer: 41", "no answer here", "x\nAnswer: 7"]
+    answers = ["42", "42", "1", "7"]
+    batch = _rollout(["P1:", "prompt 2:", "3", "prompt four:"], responses, answers)
+    client = LocalRewardClient(TOK, num_workers=1)
+    try:
+        future = client.infer_rm(batch)
+        rewards = future.result()
+        score, acc, preds = future.details()
+    finally:
+        client.close()
+    expected = [verify(r, a) for r, a in zip(responses, answers)]
+    assert rewards.shape == (4, 1)  # NeMo-Aligner's RMFutureResult shape; trainers squeeze(1)
+    assert rewards.view(-1).tolist() == [v.score for v in expected] == [1.0, -1.0, -1.0, 1.0]
+    assert acc.tolist() == [float(v.acc) for v in expected] and preds == [v.pred for v in expected]
+
+
+def test_response_of_cuts_the_response_including_eos():
+    batch = _rollout(["ab", "c"], ["xyz", "w"], ["", ""])
+    ids, mask = response_of(batch)
+    assert ids[0][mask[0].bool()].tolist() == TOK.text_to_ids("xyz") + [TOK.eos_id]
+    assert ids[1][mask[1].bool()].tolist() == TOK.text_to_ids("w") + [TOK.eos_id]
+
+
+def test_missing_answers_is_a_clear_error():
+    batch = _rollout(["a"], ["b"], None)
+    with pytest.raises(ValueError, match="answers"):
+        LocalRewardClient(TOK, num_workers=1).infer_rm(batch)
+
+
+def test_client_reward_is_the_loop_reward_fn():
+    ids = torch.tensor([TOK.text_to_ids("Answer: 5") + [TOK.eos_id], TOK.text_to_ids("Answer: 6") + [TOK.eos_id]])
+    mask = torch.ones_like(ids, dtype=torch.float)
+    reward = ClientReward(LocalRewardClient(TOK, num_workers=1))
+    score, acc, preds = reward(ids, mask, ["5", "5"])
+    assert score.tolist() == [1.0, -1.0] and acc.tolist() == [1.0, 0.0] and preds == ["5", "6"]
+
+
+class _ScoreOnlyFuture:
+    def __init__(self, rewards):
+        self.rewards = rewards
+
+    def result(self):
+        return self.rewards.view(-1, 1)
+
+
+class _RemoteLikeClient:
+    """A client that, like NeMo-Aligner's remote RM client, only returns rewards."""
+
+    def infer_rm(self, batch):
+        return _ScoreOnlyFuture(torch.tensor([0.5, -0.25]))
+
+
+def test_client_reward_over_a_rewards_only_client_uses_the_sign_as_accuracy():
+    score, acc, _ = ClientReward(_RemoteLikeClient())(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3), ["", ""])
+    assert score.tolist() == [0.5, -0.25] and acc.tolist() == [1.0, 0.0]

@@ -1,0 +1,169 @@
+"""Worker: the DAPO trainer end to end on CPU, wired like an NeMo-Aligner launch script.
+
+exp_manager (checkpoint callback, resume) -> DAPO actor -> init_using_ptl (optimizer, LR schedule, restore) ->
+DAPOPromptDataset -> LocalRewardClient (rule-based verifier) -> MegatronSampler (debug generator) -> DAPOTrainer.fit.
+
+Env: TP, PP (world = TP x PP x DP), TOK_DIR, OUT_DIR, MAX_STEPS, RESUME_FROM (a checkpoint path, optional),
+PHASE (name of the metrics file). The tiny model first gets a short supervised warm-up (fresh runs only) so that it
+answers "Answer: 1" or "Answer: 2" about half the time: groups then have mixed accuracy and dynamic sampling has
+something to keep and something to filter. Writes ``<PHASE>_rank<r>.json`` with every logged metric.
+"""
+import json
+import os
+import random
+from dataclasses import dataclass
+
+from tests.support import nemo_cpu  # noqa: F401  (patches first)
+
+import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from nemo.utils.exp_manager import exp_manager  # noqa: E402
+from nemo_aligner.utils.distributed import Timer  # noqa: E402
+from nemo_aligner.utils.train_script_utils import (  # noqa: E402
+    CustomLoggerWrapper,
+    add_custom_checkpoint_callback,
+    extract_optimizer_scheduler_from_ptl_model,
+    init_distributed,
+    init_using_ptl,
+)
+from nemo_dapo.aligner.dataset import DAPOPromptDataset  # noqa: E402
+from nemo_dapo.aligner.generation import MegatronSampler  # noqa: E402
+from nemo_dapo.aligner.reward_client import LocalRewardClient  # noqa: E402
+from nemo_dapo.aligner.trainer import DAPOTrainer  # noqa: E402
+
+TP, PP = int(os.environ.get("TP", "1")), int(os.environ.get("PP", "1"))
+OUT, PHASE = os.environ["OUT_DIR"], os.environ.get("PHASE", "run")
+RESUME = os.environ.get("RESUME_FROM")
+
+
+@dataclass
+class Row:
+    prompt: str
+    ground_truth: str
+    id: str
+
+
+def rows(n: int, seed: int) -> list:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        a, b = rng.randrange(30), rng.randrange(30)
+        out.append(Row(f"Question: what is {a} + {b}?", str(rng.choice([1, 2])), f"p{seed}-{i}"))
+    return out
+
+
+class RecordingLogger:
+    """A PTL-logger stand-in that keeps what CustomLoggerWrapper sends it."""
+
+    def __init__(self):
+        self.records = []
+
+    def log_metrics(self, metrics, step):
+        self.records.append({"step": step, **{k: float(v) for k, v in metrics.items()}})
+
+    def finalize(self, status):
+        self.records.append({"finalized": status})
+
+
+class SFTLoss:
+    """Token-mean negative log-likelihood as a core LossFn (used for the warm-up only)."""
+
+    tis_cap = None
+
+    def normalizer(self, batch):
+        return batch.response_mask.float().sum()
+
+    def __call__(self, logp, entropy, mb, num_tokens):
+        return -(logp * mb.response_mask).sum() / max(float(num_tokens), 1.0), {}
+
+
+def warm_up(actor, steps: int = 60) -> None:
+    """Teach the random model to end with ' Answer: 1' or ' Answer: 2' (50/50) and EOS, with its own loss path."""
+    from nemo_dapo.aligner.actor import pack_rollout
+    from nemo_dapo.core.loop_data import PromptSet
+    from nemo_dapo.core.types import RolloutBatch
+
+    tok = actor.tokenizer
+    rng = random.Random(0)
+    params = [p for p in actor.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=1e-2)
+    data = rows(64, 1)
+    for _ in range(steps):
+        picked = [data[rng.randrange(len(data))] for _ in range(8)]
+        prompt_ids, prompt_mask = PromptSet([tok.text_to_ids(r.prompt) for r in picked], ["0"] * 8,
+                                            pad_id=tok.eos_id).collate(range(8))
+        resp = [tok.text_to_ids(f" Answer: {rng.choice([1, 2])}") + [tok.eos_id] for _ in picked]
+        width = max(len(r) for r in resp)
+        ids = torch.tensor([r + [tok.eos_id] * (width - len(r)) for r in resp])
+        mask = torch.tensor([[1.0] * len(r) + [0.0] * (width - len(r)) for r in resp])
+        b = RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=ids, response_mask=mask,
+                         group_ids=torch.arange(8), truncated=torch.zeros(8, dtype=torch.bool),
+                         old_logp=torch.zeros_like(mask), advantages=torch.zeros(8))
+        opt.zero_grad()
+        actor.prepare_for_training_step()
+        actor.get_loss_and_metrics(pack_rollout(b, tok.eos_id), forward_only=False, loss_fn=SFTLoss())
+        actor.finish_training_step()
+        opt.step()
+    opt.zero_grad()
+
+
+def main() -> None:
+    """Spawned helper processes (megatron's checkpoint writer) re-import this file: everything runs under main()."""
+    max_steps = int(os.environ.get("MAX_STEPS", "2"))
+    nemo_cpu.init_parallel(TP, PP)
+    nemo_cpu.quiet_nemo()
+    nemo_cpu.allow_full_checkpoint_loads()
+    ptl_trainer = nemo_cpu.cpu_trainer(max_steps=20)
+    exp_cfg = OmegaConf.create({
+        "explicit_log_dir": os.path.join(OUT, "run"), "exp_dir": None, "name": "dapo",
+        "create_tensorboard_logger": False,
+        "create_wandb_logger": False, "resume_if_exists": False, "resume_from_checkpoint": RESUME,
+        "create_checkpoint_callback": True,
+        "checkpoint_callback_params": {"monitor": "step", "mode": "max", "save_top_k": -1, "save_last": False,
+                                       "always_save_nemo": False, "save_nemo_on_train_end": False,
+                                       "filename": "dapo-{step}-{consumed_samples}", "model_parallel_size": TP * PP}})
+    exp_manager(ptl_trainer, exp_cfg)
+    dapo = dict(nemo_cpu.DAPO_DEFAULTS, clip_c=3.0, length_params={"max_length": 6},
+                sampling_params={"temperature": 1.0, "top_p": 1.0, "end_strings": []})
+    _, actor = nemo_cpu.build_actor(TP, PP, mbs=2, gbs=4, tokenizer_dir=os.environ["TOK_DIR"], dapo=dapo,
+                                    trainer=ptl_trainer,
+                                    # SGD: torch AdamW keeps a 0-dim "step" per parameter, which NeMo 2.1's
+                                    # dist-checkpoint optimizer sharding rejects (the GPU path uses fused / distributed
+                                    # Adam); NeMo-Aligner's own functional tests train with SGD too.
+                                    optim={"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0,
+                                           "sched": {"name": "CosineAnnealing", "warmup_steps": 2, "constant_steps": 0,
+                                                     "min_lr": 0.005}})
+    init_distributed(ptl_trainer, actor, use_te=False)
+    train_ds = DAPOPromptDataset(rows(40, 2), actor.tokenizer, max_prompt_len=32)
+    val_ds = DAPOPromptDataset(rows(6, 3), actor.tokenizer, max_prompt_len=32)
+    dummy_dl = torch.utils.data.DataLoader(train_ds, batch_size=2, collate_fn=lambda items: items)
+    if RESUME is None:
+        warm_up(actor)
+    init_using_ptl(ptl_trainer, actor, dummy_dl, train_ds)
+    optimizer, scheduler = extract_optimizer_scheduler_from_ptl_model(actor)
+    ckpt_callback = add_custom_checkpoint_callback(ptl_trainer, actor)
+    recorder = RecordingLogger()
+    trainer_cfg = OmegaConf.create({
+        "max_epochs": 10, "max_steps": max_steps, "val_check_interval": 1, "save_interval": 1,
+        "gradient_clip_val": 1.0,
+        "group_size": 4, "prompts_per_step": 2, "ppo_epochs": 1, "seed": 5,
+        "dynamic_sampling": {"enabled": True, "max_gen_batches": 8, "on_budget_exhausted": "raise", "max_age": 2,
+                             "adaptive": False, "gen_batch_size": 3},
+        "overlong": {"enabled": True, "l_cache": 2, "penalty_factor": 1.0},
+        "val": {"n_samples": 2, "temperature": 1.0, "top_p": 1.0, "batch_size": 8}})
+    dapo_trainer = DAPOTrainer(trainer_cfg, actor, optimizer, scheduler, train_ds, val_ds,
+                               LocalRewardClient(actor.tokenizer, num_workers=1), MegatronSampler(actor),
+                               CustomLoggerWrapper([recorder]), ckpt_callback, Timer(None))
+    start = dapo_trainer.step
+    dapo_trainer.fit()
+    rank = torch.distributed.get_rank()
+    with open(os.path.join(OUT, f"{PHASE}_rank{rank}.json"), "w") as f:
+        json.dump({"start_step": start, "records": recorder.records, "state": {
+            k: v for k, v in dapo_trainer.state_dict().items() if k != "loop"},
+            "carried_groups": len(dapo_trainer.loop.filler.state_dict()["groups"])}, f, indent=1)
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()
