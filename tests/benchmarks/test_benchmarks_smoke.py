@@ -1,0 +1,66 @@
+"""Each benchmark runs end to end in its --quick mode and ends with a well-formed RESULT line.
+
+These check that the benchmarks work, not the performance targets: timings here are meaningless (tiny sizes, shared
+machine). Only deterministic quantities are asserted on: simulated response counts (seeded), allocator bytes and
+numerical agreement of the fused path with its reference.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def run_quick(name: str, *extra: str, timeout: float = 600) -> dict:
+    """Runs benchmarks/<name> --quick; returns the key=value fields of its final RESULT line as strings."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, str(BENCHMARKS / name), "--quick", *extra], env=env, capture_output=True,
+                         text=True, timeout=timeout)
+    assert res.returncode == 0, f"{name} exited {res.returncode}:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    lines = res.stdout.strip().splitlines()
+    assert lines and lines[-1].startswith("RESULT "), f"{name} did not end with a RESULT line:\n{res.stdout[-3000:]}"
+    fields = dict(kv.split("=", 1) for kv in lines[-1].split()[1:])
+    assert fields, f"{name}: empty RESULT line"
+    return fields
+
+
+def test_dynamic_sampling_waste_quick():
+    r = run_quick("dynamic_sampling_waste.py")
+    assert r["reference_check"] == "pass"
+    for sc in ("hard", "medium", "easy", "drift"):
+        # Seeded counts: carry-over and adaptive sizing never generate more per trained response than the reference.
+        assert 0 < float(r[f"ours_vs_ref_{sc}"]) < 1.0
+        assert 0 < float(r[f"carry_only_vs_ref_{sc}"]) < 1.0
+        assert 0 < float(r[f"floor_vs_ref_{sc}"]) <= 1.0
+    assert float(r["ours_vs_ref_worst"]) == max(float(r[f"ours_vs_ref_{sc}"]) for sc in ("hard", "medium", "easy",
+                                                                                         "drift"))
+
+
+def test_verifier_throughput_quick():
+    r = run_quick("verifier_throughput.py")
+    assert r["verdicts_consistent"] == "pass"
+    assert float(r["dapo_answers_per_s"]) > 0 and float(r["dapo_answers_per_cpu_s"]) > 0
+    for key in ("tolerant_verify", "dapo_batch_inproc", "dapo_batch_pool", "tolerant_batch_pool"):
+        assert float(r[f"{key}_vs_dapo"]) > 0 and float(r[f"{key}_cpu_vs_dapo"]) > 0
+
+
+@pytest.mark.parametrize("fresh_rss", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_fused_logprobs_quick(fresh_rss):
+    # The fresh-interpreter RSS measurement starts two more interpreters (the slow variant covers it).
+    r = run_quick("fused_logprobs.py", *([] if fresh_rss else ["--no-rss"]))
+    assert float(r["max_abs_diff"]) < 1e-3  # fp32: fused and reference agree on values and both gradients
+    assert 0 < float(r["alloc_ratio"]) < 1.0  # allocator bytes are deterministic: chunking must allocate less
+    assert 0 < float(r["alloc_working_ratio"]) < float(r["alloc_ratio"])
+    assert float(r["wall_ratio"]) > 0 and float(r["cpu_ratio"]) > 0
+    assert (float(r["rss_ratio"]) > 0) if fresh_rss else r["rss_ratio"] == "nan"
+
+
+@pytest.mark.slow
+def test_vocab_parallel_memory_quick():
+    if not (BENCHMARKS / "vocab_parallel_memory.py").exists():
+        pytest.skip("benchmarks/vocab_parallel_memory.py is not present")
+    r = run_quick("vocab_parallel_memory.py", "--hidden", "64", "--vocab", "4096", "--chunks", "128")
+    assert any(k.endswith("_time_ratio") for k in r), r
