@@ -149,6 +149,8 @@ def verify_batch(responses: Sequence[str], ground_truths: Sequence[str], *, mode
     responses, ground_truths = list(responses), list(ground_truths)
     _check_texts("responses", responses)
     _check_texts("ground_truths", ground_truths)
+    # Every mode reads only the tail of a response; shipping whole responses to workers cost more than scoring them.
+    responses = [r[-answer_normalize.ANSWER_TAIL_CHARS:] for r in responses]
     workers = default_num_workers() if num_workers is None else int(num_workers)
     if workers < 1:
         raise ValueError(f"num_workers={num_workers} must be >= 1 (or None for all available cores)")
