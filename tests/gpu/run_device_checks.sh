@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Device checks for one CUDA GPU: core (fused log-probs, loss), megatron (vocab-parallel, conversion parity,
+# reduction, policy) and the local backend. From the repository root:
+#
+#     bash tests/gpu/run_device_checks.sh            # logs go to $OUT (default /tmp/gpu_checks)
+#
+# Packages the machine lacks travel as wheels in the git-ignored folder .whl/, one --target folder per group:
+#   .whl/megatron/  megatron-core 0.10.0 built for CPython 3.12 (the version the project pins)
+#   .whl/hf447/     transformers 4.47.1, tokenizers 0.21.4, huggingface_hub 0.36.2 (the project's transformers pin)
+# Pass 1 ($OUT/gpu_checks.log) runs every check, with the pinned transformers when it imports, else with the
+# machine's own. Pass 2 ($OUT/gpu_checks_tf_image.log) repeats the conversion and local-backend checks with the
+# machine's own transformers, to record what a newer release changes. $OUT/results.txt collects the RESULT lines.
+# The exit status is pass 1's. Both passes together stay under 7 minutes (timeouts 300 s + 90 s).
+set -u -o pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/gpu_checks}
+mkdir -p "$OUT"
+LOG=$OUT/gpu_checks.log
+LOG2=$OUT/gpu_checks_tf_image.log
+: >"$LOG"
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false CUDA_DEVICE_MAX_CONNECTIONS=1
+export TRANSFORMERS_OFFLINE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
+
+note() { echo "$*" | tee -a "$LOG"; }
+
+install_group() {  # install_group NAME: prints its --target folder; nothing when the group has no wheels
+    local wheels=(.whl/"$1"/*.whl)
+    [ -e "${wheels[0]}" ] || return 0
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "/tmp/site_$1" "${wheels[@]}" >>"$LOG" 2>&1 && echo "/tmp/site_$1"
+}
+
+versions() {
+    PYTHONPATH=$1 python3 - <<'EOF' 2>&1 | tee -a "$LOG"
+import sys, torch, transformers
+try:
+    import megatron.core as mc
+    mcv = mc.__version__
+except Exception as e:  # noqa: BLE001
+    mcv = f"missing ({type(e).__name__}: {e})"
+cuda = torch.cuda.is_available()
+print(f"python {sys.version.split()[0]} | torch {torch.__version__} cuda {torch.version.cuda} "
+      f"({torch.cuda.get_device_name(0) if cuda else 'no device'}, nccl {torch.cuda.nccl.version() if cuda else '-'}) "
+      f"| transformers {transformers.__version__} | megatron-core {mcv}")
+EOF
+}
+
+note "== $(date -u +%FT%TZ) device checks"
+nvidia-smi -L 2>&1 | tee -a "$LOG"
+SITE_MC=$(install_group megatron)
+SITE_HF=$(install_group hf447)
+BASE=$PWD${SITE_MC:+:$SITE_MC}
+PINNED=$BASE
+if [ -n "$SITE_HF" ]; then
+    if PYTHONPATH=$BASE:$SITE_HF python3 -c "import transformers.models.llama.modeling_llama" >>"$LOG" 2>&1; then
+        PINNED=$BASE:$SITE_HF
+    else
+        note "the carried transformers does not import here: pass 1 uses the machine's own"
+    fi
+fi
+note "-- pass 1 stack:"
+versions "$PINNED"
+
+# megatron last: its NCCL world and parallel state are process-wide, and a stuck NCCL start costs only its own checks
+PYTHONPATH=$PINNED timeout 300 python3 -m pytest tests/gpu/test_core_cuda.py tests/gpu/test_local_cuda.py \
+    tests/gpu/test_megatron_cuda.py -q -s -p no:cacheprovider 2>&1 | tee -a "$LOG"
+rc=$?
+note "== pass 1 exit status $rc"
+
+if [ "$PINNED" != "$BASE" ]; then
+    LOG=$LOG2
+    : >"$LOG"
+    note "== pass 2: the machine's own transformers (RoPE base, conversion parity, local backend)"
+    versions "$BASE"
+    PYTHONPATH=$BASE timeout 90 python3 -m pytest tests/gpu/test_local_cuda.py tests/gpu/test_megatron_cuda.py -q -s \
+        -p no:cacheprovider -k "rope or logits_equal_hf or policy_on_cuda or sampler or refit" 2>&1 | tee -a "$LOG"
+    note "== pass 2 exit status $?"
+fi
+grep -h "^RESULT" "$OUT/gpu_checks.log" "$LOG2" 2>/dev/null >"$OUT/results.txt"
+exit $rc
