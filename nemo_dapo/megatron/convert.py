@@ -117,8 +117,19 @@ def check_padded_vocab(arch: HFArch, padded_vocab: int | None) -> int:
     return padded_vocab
 
 
+def _rope_parameters(hf_config) -> dict:
+    """Rope settings under either transformers layout: 4.x keeps ``rope_theta`` and ``rope_scaling`` as attributes,
+    5.x moves both into ``rope_parameters``; a silent default of 10000 would corrupt every converted model."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    params.update(getattr(hf_config, "rope_scaling", None) or {})
+    theta = getattr(hf_config, "rope_theta", None)
+    if theta is not None:
+        params.setdefault("rope_theta", theta)
+    return params
+
+
 def _rope_kwargs(hf_config) -> dict:
-    scaling = getattr(hf_config, "rope_scaling", None) or {}
+    scaling = {k: v for k, v in _rope_parameters(hf_config).items() if k != "rope_theta"}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return {}
@@ -175,7 +186,7 @@ def gpt_model_kwargs_from_hf(hf_config, *, padded_vocab: int | None = None) -> d
     arch = hf_arch(hf_config)
     return dict(vocab_size=check_padded_vocab(arch, padded_vocab),
                 max_sequence_length=hf_config.max_position_embeddings, position_embedding_type="rope",
-                rotary_base=float(getattr(hf_config, "rope_theta", 10000.0)),
+                rotary_base=float(_rope_parameters(hf_config).get("rope_theta", 10000.0)),
                 rotary_percent=float(getattr(hf_config, "partial_rotary_factor", 1.0)),
                 share_embeddings_and_output_weights=arch.tied, **_rope_kwargs(hf_config))
 
