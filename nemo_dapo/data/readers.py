@@ -1,0 +1,272 @@
+"""Readers for the math sets used to train and evaluate DAPO, all into one row schema (:class:`MathRow`).
+
+Formats:
+  * verl / DAPO-Math-17k (parquet or jsonl): ``prompt=[{role:'user', content: <templated problem>}]``,
+    ``reward_model={ground_truth, style}``, optional ``extra_info={index, raw_problem, split}``, ``data_source``.
+    The content of a message list is used as it is; a bare string ``prompt`` is taken as the problem and gets the
+    DAPO template unless it already has it.
+    The public DAPO-Math-17k file repeats each prompt ~100x: de-duplicated by problem text by default.
+    The AIME-2024 evaluation parquet is the same schema with 30 problems x 32 copies (avg@32 needs the copies,
+    so :func:`read_aime2024` keeps them unless asked otherwise). The procedural task emits this schema too.
+  * AIME-2025 jsonl ``{answer, problem}``; MATH-500 jsonl ``{problem, solution, answer, ...}``;
+    GSM8K jsonl ``{question, answer: '<worked solution>\\n#### 18'}``.
+
+Every reader applies the DAPO template to problems that do not carry it, normalises integer ground truths like
+``str(int(x))`` (``'025'`` -> ``'25'``) and gives each problem a stable id (a hash of source and problem text, shared
+by repeated copies). Malformed rows raise :class:`DataFormatError` naming the file, the 1-based row and the fix.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from typing import Iterable, Iterator, Optional
+
+from nemo_dapo.data.template import apply_template, extract_problem
+
+log = logging.getLogger(__name__)
+
+_INT = re.compile(r"[+-]?\d+")
+_INT_WITH_COMMAS = re.compile(r"[+-]?\d{1,3}(,\d{3})+")
+
+
+class DataFormatError(ValueError):
+    """A data file is missing or does not have the expected schema."""
+
+
+@dataclass(frozen=True)
+class MathRow:
+    id: str  # stable: same problem text from the same source -> same id (repeated copies share it)
+    source: str
+    problem: str  # the raw problem text
+    prompt: str  # the user-turn text, DAPO template applied
+    ground_truth: str  # normalised: integers as str(int(x))
+    solution: Optional[str] = None  # worked solution when the source has one
+
+
+def normalize_ground_truth(answer) -> str:
+    """``'025'`` -> ``'25'``, ``'1,000'`` -> ``'1000'``, ``12.0`` -> ``'12'``; other answers are stripped strings."""
+    if isinstance(answer, bool):
+        raise TypeError(f"ground truth {answer!r} is a bool, not an answer")
+    if isinstance(answer, int):
+        return str(answer)
+    if isinstance(answer, float) and answer.is_integer():
+        return str(int(answer))
+    text = str(answer).strip()
+    if _INT.fullmatch(text) or _INT_WITH_COMMAS.fullmatch(text):
+        return str(int(text.replace(",", "")))
+    return text
+
+
+def is_integer_answer(ground_truth: str) -> bool:
+    return bool(_INT.fullmatch(ground_truth))
+
+
+def stable_id(source: str, problem: str) -> str:
+    return f"{source}-{hashlib.sha1(problem.encode('utf-8')).hexdigest()[:12]}"
+
+
+# --- file access ---------------------------------------------------------------------------------------------------
+def _check_exists(path, what: str) -> str:
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{what} file not found: {path!r}. Point the data path at an existing "
+                                f"{what} file (e.g. in ../shared/data or your own copy).")
+    return path
+
+
+def iter_jsonl(path) -> Iterator[tuple]:
+    """(1-based line number, dict) for each non-blank line."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataFormatError(f"{path}: row {lineno}: not valid JSON ({e.msg} at column {e.colno}). "
+                                      "Fix: one JSON object per line (jsonl).") from None
+            if not isinstance(obj, dict):
+                raise DataFormatError(f"{path}: row {lineno}: expected a JSON object, got {type(obj).__name__}. "
+                                      "Fix: one JSON object per line (jsonl).")
+            yield lineno, obj
+
+
+def iter_parquet(path, batch_size: int = 8192) -> Iterator[tuple]:
+    """(1-based row number, dict) streamed in record batches (the public DAPO-Math-17k file has ~1.8M rows)."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from e
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid (and others) on non-parquet bytes
+        raise DataFormatError(f"{path}: not a readable parquet file ({e}). Fix: pass a parquet file, or a .jsonl "
+                              "file with one row per line.") from None
+    n = 0
+    for batch in pf.iter_batches(batch_size=batch_size):
+        for row in batch.to_pylist():
+            n += 1
+            yield n, row
+
+
+def iter_records(path) -> Iterator[tuple]:
+    """Rows of a .parquet or .jsonl/.json file, by suffix."""
+    lower = os.fspath(path).lower()
+    if lower.endswith(".parquet"):
+        return iter_parquet(path)
+    if lower.endswith((".jsonl", ".json")):
+        return iter_jsonl(path)
+    raise DataFormatError(f"{path}: unknown file type. Fix: use a .parquet or .jsonl file.")
+
+
+# --- verl / DAPO-Math-17k schema -----------------------------------------------------------------------------------
+def _fail(origin: str, n: int, what: str, fix: str):
+    raise DataFormatError(f"{origin}: row {n}: {what}. Fix: {fix}")
+
+
+def _prompt_content(row: dict, origin: str, n: int) -> str:
+    prompt = row.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        _fail(origin, n, f"'prompt' is {type(prompt).__name__ if prompt is not None else 'missing'}",
+              "verl rows need prompt=[{'role': 'user', 'content': <templated problem>}]")
+    users = [m for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+    if not users or not isinstance(users[-1].get("content"), str):
+        _fail(origin, n, "'prompt' has no user message with a string 'content'",
+              "verl rows need prompt=[{'role': 'user', 'content': <templated problem>}]")
+    return users[-1]["content"]
+
+
+def verl_row_to_math_row(row: dict, origin: str, n: int) -> MathRow:
+    """One verl-schema dict -> :class:`MathRow` (``origin``/``n`` name the file and row in errors)."""
+    if not isinstance(row, dict):
+        _fail(origin, n, f"expected a dict, got {type(row).__name__}", "pass verl-schema rows")
+    content = _prompt_content(row, origin, n)
+    reward = row.get("reward_model")
+    if not isinstance(reward, dict) or reward.get("ground_truth") in (None, ""):
+        _fail(origin, n, "missing reward_model.ground_truth",
+              "verl rows need reward_model={'ground_truth': '<answer>', 'style': 'rule'}")
+    extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
+    problem = extra.get("raw_problem") or extract_problem(content) or content
+    if isinstance(row.get("prompt"), str) and extract_problem(content) is None:
+        content = apply_template(content)  # a bare problem string (e.g. de-duplicated copies): template it
+    source = str(row.get("data_source") or "verl")
+    return MathRow(id=stable_id(source, problem), source=source, problem=problem, prompt=content,
+                   ground_truth=normalize_ground_truth(reward["ground_truth"]), solution=extra.get("solution"))
+
+
+def dedup_by_problem(rows: Iterable[MathRow], origin: str = "rows") -> list:
+    """First occurrence of each problem text; conflicting ground truths among copies are counted and logged."""
+    out, seen, conflicts = [], {}, 0
+    for r in rows:
+        gt = seen.get(r.problem)
+        if gt is None:
+            seen[r.problem] = r.ground_truth
+            out.append(r)
+        elif gt != r.ground_truth:
+            conflicts += 1
+    if conflicts:
+        log.warning("%s: %d repeated problems had a different ground truth than their first copy; kept the first",
+                    origin, conflicts)
+    return out
+
+
+def from_verl_rows(rows: Iterable[dict], origin: str = "rows", dedup: bool = True) -> list:
+    """verl-schema dicts (e.g. :meth:`ArithmeticTask.rows`) -> list of :class:`MathRow`."""
+    out = [verl_row_to_math_row(r, origin, i) for i, r in enumerate(rows, 1)]
+    return dedup_by_problem(out, origin) if dedup else out
+
+
+def _nonempty(path, rows: list, what: str) -> list:
+    if not rows:
+        raise DataFormatError(f"{path}: no rows. Fix: point the data path at a non-empty {what} file.")
+    return rows
+
+
+def read_dapo_math(path, dedup: bool = True) -> list:
+    """DAPO-Math-17k (or any verl-schema) parquet/jsonl; de-duplicated by problem text unless ``dedup=False``."""
+    path = _check_exists(path, "verl/DAPO-Math")
+    rows = (verl_row_to_math_row(row, path, n) for n, row in iter_records(path))
+    rows = dedup_by_problem(rows, path) if dedup else list(rows)
+    return _nonempty(path, rows, "verl/DAPO-Math")
+
+
+def read_aime2024(path, dedup: bool = False) -> list:
+    """The DAPO authors' AIME-2024 parquet: 960 rows = 30 problems x 32 copies (copies kept by default)."""
+    return read_dapo_math(_check_exists(path, "AIME-2024"), dedup=dedup)
+
+
+# --- plain jsonl sets ----------------------------------------------------------------------------------------------
+def _field(path, n: int, obj: dict, key: str, fmt: str):
+    value = obj.get(key)
+    if value is None or (isinstance(value, str) and not value.strip()):
+        _fail(path, n, f"missing or empty '{key}'", f"{fmt} rows need a non-empty '{key}' field")
+    return value
+
+
+def _plain_rows(path, source: str, fmt: str, problem_key: str, answer_of) -> list:
+    out = []
+    for n, obj in iter_jsonl(path):
+        problem = str(_field(path, n, obj, problem_key, fmt)).strip()
+        answer, solution = answer_of(path, n, obj)
+        out.append(MathRow(id=stable_id(source, problem), source=source, problem=problem,
+                           prompt=apply_template(problem), ground_truth=normalize_ground_truth(answer),
+                           solution=solution))
+    return _nonempty(path, out, fmt)
+
+
+def read_aime2025(path) -> list:
+    """AIME-2025 jsonl ``{answer, problem}``."""
+    path = _check_exists(path, "AIME-2025")
+    fmt = "AIME-2025 {answer, problem}"
+    return _plain_rows(path, "aime2025", fmt, "problem", lambda p, n, o: (_field(p, n, o, "answer", fmt), None))
+
+
+def read_math500(path, integer_only: bool = False) -> list:
+    """MATH-500 jsonl ``{problem, solution, answer, ...}``; ``integer_only`` keeps the integer-answer rows (311)."""
+    path = _check_exists(path, "MATH-500")
+    fmt = "MATH-500 {problem, solution, answer}"
+    rows = _plain_rows(path, "math500", fmt, "problem",
+                       lambda p, n, o: (_field(p, n, o, "answer", fmt), o.get("solution")))
+    return [r for r in rows if is_integer_answer(r.ground_truth)] if integer_only else rows
+
+
+def _gsm8k_answer(path, n: int, obj: dict) -> tuple:
+    fmt = "GSM8K {question, answer}"
+    text = str(_field(path, n, obj, "answer", fmt))
+    if "####" not in text:
+        _fail(path, n, "'answer' has no '#### <final answer>' marker",
+              "GSM8K answers end with a line '#### 18' holding the final answer")
+    solution, final = text.rsplit("####", 1)
+    final = final.strip()
+    if not final:
+        _fail(path, n, "nothing after '####' in 'answer'", "put the final answer after '####'")
+    return final, solution.strip()
+
+
+def read_gsm8k(path) -> list:
+    """GSM8K jsonl ``{question, answer}``: the ground truth is the text after ``####``."""
+    path = _check_exists(path, "GSM8K")
+    return _plain_rows(path, "gsm8k", "GSM8K {question, answer}", "question", _gsm8k_answer)
+
+
+READERS = {
+    "dapo_math": read_dapo_math,
+    "verl": read_dapo_math,
+    "aime2024": read_aime2024,
+    "aime2025": read_aime2025,
+    "math500": read_math500,
+    "gsm8k": read_gsm8k,
+}
+
+
+def read_dataset(fmt: str, path, **kwargs) -> list:
+    """Dispatch by format name (one of :data:`READERS`)."""
+    if fmt not in READERS:
+        raise ValueError(f"unknown data format {fmt!r}; use one of {sorted(READERS)}")
+    return READERS[fmt](path, **kwargs)

@@ -1,0 +1,184 @@
+"""Batched sampling with a KV cache for the small ``transformers`` decoders (the local ``Generator``).
+
+The decode loop is ours rather than ``model.generate``: it returns the log-probability of every sampled token, takes a
+per-row token budget, uses the same position convention as the trainer (positions count real tokens, so left padding
+does not shift them) and drops finished rows from the batch and the cache as it goes (responses of very different
+lengths cost what the unfinished rows cost).
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from nemo_dapo.core.types import Generation
+from nemo_dapo.local.model import position_ids_from_mask
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: Optional[torch.Generator]):
+    """Draw one token per row from fp32 ``logits`` [N, V]. Returns (tokens [N] long, log-prob [N] fp32).
+
+    The log-prob is that of the distribution the token was drawn from (after temperature and top-p; what importance
+    sampling against the sampler needs; equal to the model's log-prob at temperature 1, top_p 1).
+    ``temperature == 0`` is greedy and reports the model's (temperature 1) log-prob of the argmax.
+    """
+    if temperature == 0:
+        logp = torch.log_softmax(logits, dim=-1)
+        tok = logits.argmax(dim=-1)
+        return tok, logp.gather(1, tok[:, None]).squeeze(1)
+    z = logits / temperature
+    if top_p < 1.0:
+        sorted_z, order = z.sort(dim=-1, descending=True)
+        probs = torch.softmax(sorted_z, dim=-1)
+        # keep the smallest prefix whose mass reaches top_p (the top token always survives)
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        z = z.masked_fill(drop, float("-inf"))
+    logp = torch.log_softmax(z, dim=-1)
+    tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
+    return tok, logp.gather(1, tok[:, None]).squeeze(1)
+
+
+def _cache_base():
+    from transformers import Cache
+
+    return Cache
+
+
+class _PreallocatedCache(_cache_base()):
+    """KV cache written in place into buffers sized for prompt + budget (``DynamicCache`` concatenates each step,
+    which made cache copies the largest cost of CPU decoding). Returns views of the filled prefix."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+        self.keys, self.values, self.lengths = [], [], []
+
+    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
+        if layer_idx == len(self.keys):
+            b, h, _, d = key_states.shape
+            self.keys.append(key_states.new_empty(b, h, self.capacity, d))
+            self.values.append(value_states.new_empty(b, h, self.capacity, d))
+            self.lengths.append(0)
+        start, n = self.lengths[layer_idx], key_states.shape[-2]
+        if start + n > self.capacity:
+            raise RuntimeError(f"KV cache overflow: {start + n} > capacity {self.capacity}")
+        self.keys[layer_idx][:, :, start:start + n] = key_states
+        self.values[layer_idx][:, :, start:start + n] = value_states
+        self.lengths[layer_idx] = start + n
+        return self.keys[layer_idx][:, :, :start + n], self.values[layer_idx][:, :, :start + n]
+
+    def get_seq_length(self, layer_idx=0) -> int:
+        return self.lengths[layer_idx] if layer_idx < len(self.lengths) else 0
+
+    def get_max_cache_shape(self):
+        return None  # the attention mask, not the buffer size, sets the key length
+
+    def select_rows(self, idx: torch.Tensor) -> None:
+        for i in range(len(self.keys)):
+            self.keys[i] = self.keys[i].index_select(0, idx)
+            self.values[i] = self.values[i].index_select(0, idx)
+
+
+def _budget(max_new_tokens: Union[int, torch.Tensor], batch: int) -> torch.Tensor:
+    if isinstance(max_new_tokens, torch.Tensor):
+        budget = max_new_tokens.to(torch.long).reshape(-1)
+        if budget.numel() == 1:
+            budget = budget.expand(batch)
+        if budget.numel() != batch:
+            raise ValueError(f"max_new_tokens has {budget.numel()} entries for {batch} prompts; pass an int or a "
+                             "[B] tensor")
+    else:
+        budget = torch.full((batch,), int(max_new_tokens), dtype=torch.long)
+    if (budget < 0).any():
+        raise ValueError("max_new_tokens must be >= 0")
+    return budget.clone()
+
+
+class LocalSampler:
+    """``Generator`` over a ``transformers`` causal LM (Llama / Qwen2 layout: ``model.model`` + ``model.lm_head``).
+
+    Share the policy's module (``LocalSampler(policy.model, ...)``) and ``update_weights`` is a no-op; give it a
+    separate copy and ``update_weights`` copies the policy's weights in.
+    """
+
+    def __init__(self, model, *, eos_id: int, pad_id: int):
+        self.model = model
+        self.eos_id = int(eos_id)
+        self.pad_id = int(pad_id)
+
+    def update_weights(self, policy) -> None:
+        source = getattr(policy, "model", policy)
+        if source is not self.model:
+            self.model.load_state_dict(source.state_dict())
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
+                 max_new_tokens: Union[int, torch.Tensor], temperature: float = 1.0, top_p: float = 1.0,
+                 seed: Optional[int] = None) -> Generation:
+        """One response per row of LEFT-padded ``prompt_ids`` [B, P].
+
+        ``max_new_tokens``: int or [B] tensor, the per-row budget (EOS included). A row stops at EOS or at its budget
+        (then ``truncated``). ``seed`` fixes the draws (None: drawn from torch's global RNG, so seeding that
+        reproduces it too). Returns responses [B, R] right-padded with ``pad_id``, R = the longest response.
+        """
+        if prompt_ids.dim() != 2 or prompt_ids.shape != prompt_mask.shape:
+            raise ValueError(f"prompt_ids {tuple(prompt_ids.shape)} and prompt_mask {tuple(prompt_mask.shape)} "
+                             "must both be [B, P]")
+        if prompt_ids.shape[1] == 0 or not bool(prompt_mask[:, -1].bool().all()):
+            raise ValueError("prompts must be LEFT-padded with at least one real token each (prompt_mask[:, -1] "
+                             "== 1); pad on the left, e.g. tokenizer.padding_side = 'left'")
+        if temperature < 0 or not 0.0 < top_p <= 1.0:
+            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+        B = prompt_ids.shape[0]
+        budget = _budget(max_new_tokens, B)
+        if seed is None:
+            seed = int(torch.randint(0, 2 ** 62, (1,)).item())
+        gen = torch.Generator().manual_seed(int(seed))
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            tokens, logps, lengths, hit_eos = self._decode(prompt_ids, prompt_mask.long(), budget, temperature, top_p,
+                                                           gen)
+        finally:
+            self.model.train(was_training)
+        width = int(lengths.max().item()) if B else 0
+        mask = (torch.arange(width)[None, :] < lengths[:, None]).float()
+        return Generation(response_ids=tokens[:, :width], response_mask=mask,
+                          truncated=~hit_eos & (lengths >= budget), logprobs=logps[:, :width])
+
+    def _decode(self, prompt_ids, prompt_mask, budget, temperature, top_p, gen):
+        B, limit = prompt_ids.shape[0], int(budget.max().item()) if prompt_ids.shape[0] else 0
+        tokens = torch.full((B, limit), self.pad_id, dtype=torch.long)
+        logps = torch.zeros(B, limit)
+        lengths = torch.zeros(B, dtype=torch.long)
+        hit_eos = torch.zeros(B, dtype=torch.bool)
+        rows = torch.nonzero(budget > 0).squeeze(1)  # original indices of the rows in the running batch
+        if limit == 0 or rows.numel() == 0:
+            return tokens, logps, lengths, hit_eos
+        cache = _PreallocatedCache(capacity=prompt_ids.shape[1] + limit)
+        mask = prompt_mask[rows]
+        out = self.model.model(input_ids=prompt_ids[rows], attention_mask=mask,
+                               position_ids=position_ids_from_mask(mask), past_key_values=cache, use_cache=True)
+        hidden, next_pos = out.last_hidden_state[:, -1], mask.sum(-1)
+        alive = torch.ones(rows.numel(), dtype=torch.bool)  # finished rows ride along until the next compaction
+        for t in range(limit):
+            tok, lp = sample_next(self.model.lm_head(hidden).float(), temperature, top_p, gen)
+            live = rows[alive]
+            tokens[live, t], logps[live, t] = tok[alive], lp[alive]
+            lengths[live] += 1
+            eos = alive & (tok == self.eos_id)
+            hit_eos[rows[eos]] = True
+            alive &= ~eos & (lengths[rows] < budget[rows])
+            n_alive = int(alive.sum())
+            if n_alive == 0:
+                break
+            if n_alive <= 0.75 * alive.numel():  # compact rarely: each compaction copies the whole cache
+                idx = torch.nonzero(alive).squeeze(1)
+                cache.select_rows(idx)
+                rows, tok, mask, next_pos, alive = rows[idx], tok[idx], mask[idx], next_pos[idx], alive[idx]
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            out = self.model.model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                                   past_key_values=cache, use_cache=True)
+            hidden, next_pos = out.last_hidden_state[:, -1], next_pos + 1
+        return tokens, logps, lengths, hit_eos
