@@ -1,0 +1,398 @@
+"""Run configuration: a typed schema (stdlib dataclasses), YAML loading with Hydra-style defaults lists, and
+command-line overrides as NeMo users write them.
+
+* ``conf/dapo_base.yaml`` documents every key once; recipes in ``conf/recipes/`` only override
+  (``defaults: [/dapo_base, _self_]``, merged in list order as Hydra does).
+* Overrides: ``key=value`` (the key must exist), ``+key=value`` (adds a key that must not exist yet),
+  ``++key=value`` (add or override), ``~key`` (delete, i.e. fall back to the schema default). Values are parsed as
+  YAML (``1e-6``, ``null``, ``[1,2]``, ``true``).
+* The merged tree is validated against :class:`Config`: an unknown key or a value of the wrong type raises
+  :class:`ConfigError` naming the full key and the fix. Open dicts (``model.extra``) accept new keys.
+
+The schema is plain dataclasses so that the local backend can take a ``Config`` without importing omegaconf;
+omegaconf is imported only inside the loading functions.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Dict, List, Optional
+
+CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
+DEFAULT_CONFIG = "tiny_cpu"
+
+
+class ConfigError(ValueError):
+    """A configuration file or override is invalid; the message names the key."""
+
+
+# ---- schema: types only. Every default lives in conf/dapo_base.yaml, where each key is documented once. ------------
+MISSING: Any = "???"  # omegaconf's mandatory-value marker (spelled out: importing this module needs no omegaconf)
+
+
+@dataclass
+class DataConfig:
+    task: str = MISSING
+    train_file: Optional[str] = MISSING
+    train_format: str = MISSING
+    heldout_file: Optional[str] = MISSING
+    heldout_format: str = MISSING
+    train_size: int = MISSING
+    heldout_size: int = MISSING
+    min_terms: int = MISSING
+    max_terms: int = MISSING
+    max_operand: int = MISSING
+    max_value: int = MISSING
+    ops: str = MISSING
+    max_multiplier: int = MISSING
+    tokenizer_vocab_size: int = MISSING
+    tokenizer_rows: int = MISSING
+    max_prompt_tokens: int = MISSING
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = MISSING
+    arch: str = MISSING
+    hidden_size: int = MISSING
+    intermediate_size: int = MISSING
+    num_hidden_layers: int = MISSING
+    num_attention_heads: int = MISSING
+    num_key_value_heads: int = MISSING
+    max_position_embeddings: int = MISSING
+    rope_theta: float = MISSING
+    tie_word_embeddings: bool = MISSING
+    extra: Dict[str, Any] = MISSING
+
+
+@dataclass
+class WarmupConfig:
+    enabled: bool = MISSING
+    batch_size: int = MISSING
+    lr: float = MISSING
+    lr_warmup_steps: int = MISSING
+    weight_decay: float = MISSING
+    grad_clip: float = MISSING
+    max_steps: int = MISSING
+    min_steps: int = MISSING
+    eval_every: int = MISSING
+    probe_size: int = MISSING
+    temperature: float = MISSING
+    max_new_tokens: Optional[int] = MISSING
+    target_low: float = MISSING
+    target_high: float = MISSING
+    max_seconds: Optional[float] = MISSING
+    slip_prob: float = MISSING
+    format_prob: float = MISSING
+    ramble_prob: float = MISSING
+
+
+@dataclass
+class DynamicSamplingConfig:
+    enabled: bool = MISSING
+    max_gen_batches: int = MISSING
+    on_budget_exhausted: str = MISSING
+    max_age: int = MISSING
+    adaptive: bool = MISSING
+    gen_batch_size: Optional[int] = MISSING
+    max_gen_batch_size: Optional[int] = MISSING
+    prior_pass_rate: float = MISSING
+    prior_weight: float = MISSING
+    pass_rate_memory: float = MISSING
+    safety: float = MISSING
+
+
+@dataclass
+class AlgorithmConfig:
+    group_size: int = MISSING
+    eps_low: float = MISSING
+    eps_high: float = MISSING
+    clip_c: Optional[float] = MISSING
+    agg: str = MISSING
+    overlong_filter: bool = MISSING
+    tis_cap: Optional[float] = MISSING
+    adv_eps: float = MISSING
+    scale_by_std: bool = MISSING
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+
+
+@dataclass
+class OverlongConfig:
+    enabled: bool = MISSING
+    l_max: Optional[int] = MISSING
+    l_cache: int = MISSING
+    penalty_factor: float = MISSING
+
+
+@dataclass
+class RewardConfig:
+    verifier: str = MISSING
+    num_workers: int = MISSING
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+
+
+@dataclass
+class RolloutConfig:
+    max_new_tokens: int = MISSING
+    processes: int = MISSING
+    temperature: float = MISSING
+    top_p: float = MISSING
+
+
+@dataclass
+class OptimConfig:
+    lr: float = MISSING
+    weight_decay: float = MISSING
+    betas: List[float] = MISSING
+    eps: float = MISSING
+    grad_clip: Optional[float] = MISSING
+    warmup_steps: int = MISSING
+
+
+@dataclass
+class TrainerConfig:
+    train_batch_size: int = MISSING
+    mini_batch_size: int = MISSING
+    ppo_epochs: int = MISSING
+    micro_batch_size: Optional[int] = MISSING
+    max_steps: int = MISSING
+    max_samples: Optional[int] = MISSING
+    max_time_s: Optional[float] = MISSING
+    shuffle_minibatches: bool = MISSING
+    val_every: int = MISSING
+    val_samples: int = MISSING
+    val_problems: Optional[int] = MISSING
+    save_every: int = MISSING
+    keep_last: int = MISSING
+    threads: Optional[int] = MISSING
+    tensorboard: bool = MISSING
+    plots: bool = MISSING
+
+
+@dataclass
+class EvalConfig:
+    n_samples: int = MISSING
+    temperature: float = MISSING
+    top_p: float = MISSING
+    max_new_tokens: Optional[int] = MISSING
+    batch_size: int = MISSING
+
+
+@dataclass
+class Config:
+    name: str = MISSING
+    seed: int = MISSING
+    run_dir: Optional[str] = MISSING
+    resume: str = MISSING
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+CHOICES = {
+    "resume": ("auto", "never"),
+    "reward.verifier": ("dapo", "tolerant", "math_verify"),
+    "data.task": ("arithmetic", "file"),
+    "model.arch": ("llama", "qwen2"),
+    "algorithm.agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
+    "algorithm.dynamic_sampling.on_budget_exhausted": ("raise", "train_partial", "unbounded"),
+}
+
+
+def _get(cfg: Config, key: str):
+    obj = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def validate(cfg: Config) -> Config:
+    """Checks beyond types; each error names the key and what to set it to."""
+    for key, allowed in CHOICES.items():
+        if _get(cfg, key) not in allowed:
+            raise ConfigError(f"config key '{key}' = {_get(cfg, key)!r} is not one of {allowed}")
+    positive = ("algorithm.group_size", "trainer.train_batch_size", "trainer.mini_batch_size", "trainer.ppo_epochs",
+                "trainer.keep_last", "trainer.save_every", "trainer.val_samples", "rollout.max_new_tokens",
+                "eval.n_samples", "eval.batch_size", "rollout.processes", "data.heldout_size", "data.train_size",
+                "reward.num_workers",
+                "algorithm.dynamic_sampling.max_gen_batches")
+    for key in positive:
+        if _get(cfg, key) < 1:
+            raise ConfigError(f"config key '{key}' must be >= 1, got {_get(cfg, key)}")
+    for key in ("trainer.max_steps", "trainer.val_every"):
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"config key '{key}' must be >= 0, got {_get(cfg, key)}")
+    for key in ("trainer.micro_batch_size", "trainer.threads", "trainer.val_problems", "trainer.max_samples",
+                "algorithm.dynamic_sampling.gen_batch_size",
+                "algorithm.dynamic_sampling.max_gen_batch_size"):
+        if _get(cfg, key) is not None and _get(cfg, key) < 1:
+            raise ConfigError(f"config key '{key}' must be >= 1 or null, got {_get(cfg, key)}")
+    a, r = cfg.algorithm, cfg.rollout
+    if not 0 <= a.eps_low < 1 or a.eps_high < 0:
+        raise ConfigError(f"config keys 'algorithm.eps_low'/'algorithm.eps_high' need 0 <= eps_low < 1 and "
+                          f"eps_high >= 0 (paper: 0.2 / 0.28), got {a.eps_low} / {a.eps_high}")
+    if a.clip_c is not None and a.clip_c <= 1:
+        raise ConfigError(f"config key 'algorithm.clip_c' must be > 1 or null (no dual clip), got {a.clip_c}")
+    ov = cfg.reward.overlong
+    l_max = ov.l_max if ov.l_max is not None else r.max_new_tokens
+    if ov.enabled and not 0 < ov.l_cache <= l_max:
+        raise ConfigError(f"config key 'reward.overlong.l_cache' must be in (0, l_max={l_max}] (l_max is "
+                          f"reward.overlong.l_max, or rollout.max_new_tokens when null), got {ov.l_cache}")
+    if not 0 < r.top_p <= 1 or r.temperature < 0:
+        raise ConfigError(f"config keys 'rollout.temperature'/'rollout.top_p' need temperature >= 0 and "
+                          f"0 < top_p <= 1, got {r.temperature} / {r.top_p}")
+    if cfg.data.task == "file" and not cfg.data.train_file:
+        raise ConfigError("config key 'data.train_file' must name a verl/DAPO-Math parquet or jsonl file when "
+                          "data.task=file")
+    if len(cfg.optim.betas) != 2:
+        raise ConfigError(f"config key 'optim.betas' must hold two numbers, got {cfg.optim.betas}")
+    if cfg.run_dir is None:
+        cfg.run_dir = os.path.join("runs", cfg.name)
+    return cfg
+
+
+# ---- loading -------------------------------------------------------------------------------------------------------
+def find_config(name: str, config_dir: Optional[str] = None) -> str:
+    """Path of a config given a file path or a name looked up in ``<conf>/recipes`` then ``<conf>``."""
+    if os.path.isfile(name):
+        return name
+    root = config_dir or CONF_DIR
+    stem = name[:-5] if name.endswith(".yaml") else name
+    for cand in (os.path.join(root, "recipes", stem + ".yaml"), os.path.join(root, stem + ".yaml")):
+        if os.path.isfile(cand):
+            return cand
+    known = sorted(f[:-5] for d in (root, os.path.join(root, "recipes")) if os.path.isdir(d)
+                   for f in os.listdir(d) if f.endswith(".yaml"))
+    raise ConfigError(f"config {name!r} not found in {root!r} (recipes/ or top level); known configs: {known}")
+
+
+def _load_tree(path: str, root: str, seen: tuple = ()):
+    from omegaconf import OmegaConf
+
+    if path in seen:
+        raise ConfigError(f"config {path!r} includes itself through its defaults list: {list(seen)}")
+    node = OmegaConf.load(path)
+    defaults = node.pop("defaults", None) if "defaults" in node else None
+    if defaults is None:
+        return node
+    merged, self_done = OmegaConf.create(), False
+    for entry in defaults:
+        if entry == "_self_":
+            merged, self_done = OmegaConf.merge(merged, node), True
+            continue
+        ref = str(entry).lstrip("/")
+        base = ref if os.path.isabs(str(entry)) and os.path.isfile(str(entry)) else os.path.join(root, ref)
+        base = base if base.endswith(".yaml") else base + ".yaml"
+        if not os.path.isfile(base):
+            raise ConfigError(f"config {path!r}: defaults entry {entry!r} not found (looked for {base!r})")
+        merged = OmegaConf.merge(merged, _load_tree(base, root, seen + (path,)))
+    return merged if self_done else OmegaConf.merge(merged, node)
+
+
+def _key_exists(tree, key: str) -> bool:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(tree, key, default="__missing__") != "__missing__"
+
+
+def _suggest(key: str) -> str:
+    names = _all_keys(Config)
+    close = difflib.get_close_matches(key, names, n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _all_keys(cls, prefix: str = "") -> list:
+    out = []
+    for f in fields(cls):
+        name = prefix + f.name
+        out.append(name)
+        default = f.default_factory() if callable(f.default_factory) else None  # type: ignore[misc]
+        if is_dataclass(default):
+            out.extend(_all_keys(type(default), name + "."))
+    return out
+
+
+def apply_overrides(tree, overrides: List[str]):
+    """Apply ``key=value`` / ``+key=value`` / ``++key=value`` / ``~key`` overrides to an OmegaConf tree."""
+    from omegaconf import OmegaConf
+
+    for raw in overrides:
+        if raw.startswith("~"):
+            key = raw[1:].split("=", 1)[0]
+            parent, _, leaf = key.rpartition(".")
+            node = OmegaConf.select(tree, parent) if parent else tree
+            if node is None or leaf not in node:
+                raise ConfigError(f"override {raw!r}: no key '{key}' to delete{_suggest(key)}")
+            node.pop(leaf)
+            continue
+        if "=" not in raw:
+            raise ConfigError(f"override {raw!r} is not of the form key=value (or +key=value, ++key=value, ~key)")
+        key, value = raw.split("=", 1)
+        mode = "force" if key.startswith("++") else "add" if key.startswith("+") else "set"
+        key = key.lstrip("+")
+        exists = _key_exists(tree, key)
+        if mode == "set" and not exists:
+            raise ConfigError(f"override {raw!r}: unknown config key '{key}'{_suggest(key)}; "
+                              f"use ++{key}=... to add a key the config does not have")
+        if mode == "add" and exists:
+            raise ConfigError(f"override {raw!r}: key '{key}' already exists; use {key}=... to change it")
+        parsed = OmegaConf.from_dotlist([f"{key}={value}"])
+        tree = OmegaConf.merge(tree, parsed) if mode != "set" else _set(tree, key, OmegaConf.select(parsed, key))
+    return tree
+
+
+def _set(tree, key: str, value):
+    from omegaconf import OmegaConf
+
+    OmegaConf.update(tree, key, value, merge=False)
+    return tree
+
+
+def to_config(tree) -> Config:
+    """Validate an OmegaConf tree against the schema; errors name the key."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), tree)
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        first = str(e).splitlines()[0]
+        if "issing mandatory value" in first:
+            raise ConfigError(f"config key '{key}' has no value; set it in the recipe, in conf/dapo_base.yaml or "
+                              f"on the command line ({key}=...)") from None
+        if "not in" in first:
+            raise ConfigError(f"unknown config key '{key}'{_suggest(key)}: {first}. Every key is documented in "
+                              f"conf/dapo_base.yaml") from None
+        raise ConfigError(f"config key '{key}': {first}") from None
+    return validate(cfg)
+
+
+def load_config(name: str = DEFAULT_CONFIG, overrides: Optional[List[str]] = None,
+                config_dir: Optional[str] = None) -> Config:
+    """Load a named recipe (or a YAML path), apply command-line overrides, validate, return a :class:`Config`."""
+    from omegaconf import OmegaConf
+
+    root = config_dir or CONF_DIR
+    path = find_config(name, root)
+    tree = _load_tree(path, root)
+    tree = apply_overrides(tree, list(overrides or []))
+    try:
+        OmegaConf.resolve(tree)  # ${...} interpolations, e.g. run_dir: runs/${name}
+    except Exception as e:  # noqa: BLE001 - omegaconf raises several types here; all mean a bad interpolation
+        raise ConfigError(f"config {path!r}: cannot resolve an interpolation: {str(e).splitlines()[0]}") from None
+    return to_config(tree)
+
+
+def config_to_yaml(cfg: Config) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

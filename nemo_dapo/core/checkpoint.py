@@ -1,0 +1,107 @@
+"""Atomic, keep-last-k training checkpoints (torch.save of one dict per step) and RNG-state capture.
+
+A checkpoint is ``<dir>/step_<NNNNNNNN>.pt``. It is written to a temporary file in the same directory, flushed and
+fsync'ed, then renamed over the final name with ``os.replace`` (atomic on POSIX), and the directory is fsync'ed so
+the rename itself survives a crash. A process killed at any instant therefore leaves either the previous set of
+checkpoints or the new one, never a truncated file under a final name; stray temporary files are ignored and
+cleaned up by the next save.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import tempfile
+from typing import Optional
+
+import torch
+
+_NAME = re.compile(r"^step_(\d+)\.pt$")
+_TMP_PREFIX = ".tmp_step_"
+
+
+def checkpoint_path(directory: str, step: int) -> str:
+    return os.path.join(directory, f"step_{step:08d}.pt")
+
+
+def list_checkpoints(directory: str) -> list:
+    """[(step, path)] of the complete checkpoints in ``directory``, oldest first ([] if it does not exist)."""
+    if not os.path.isdir(directory):
+        return []
+    found = []
+    for name in os.listdir(directory):
+        m = _NAME.match(name)
+        if m:
+            found.append((int(m.group(1)), os.path.join(directory, name)))
+    return sorted(found)
+
+
+def latest_checkpoint(directory: str) -> Optional[str]:
+    ckpts = list_checkpoints(directory)
+    return ckpts[-1][1] if ckpts else None
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # some filesystems do not allow opening a directory; the rename is still atomic there
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(directory: str, step: int, state: dict, *, keep_last: int = 2) -> str:
+    """Write ``state`` as the checkpoint of ``step`` atomically; keep only the newest ``keep_last``. Returns the path.
+
+    ``keep_last`` >= 1. Older checkpoints are deleted only after the new one is durable.
+    """
+    if not isinstance(keep_last, int) or keep_last < 1:
+        raise ValueError(f"keep_last must be an int >= 1 (checkpoints to keep), got {keep_last!r}")
+    os.makedirs(directory, exist_ok=True)
+    final = checkpoint_path(directory, step)
+    fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=".pt", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(directory)
+    for _, old in list_checkpoints(directory)[:-keep_last]:
+        os.unlink(old)
+    for name in os.listdir(directory):  # leftovers of a save that was killed mid-write
+        if name.startswith(_TMP_PREFIX):
+            os.unlink(os.path.join(directory, name))
+    return final
+
+
+def load_checkpoint(path: str) -> dict:
+    """The state dict saved at ``path`` (tensors on CPU)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint {path!r} does not exist; list the run's checkpoints/ directory or "
+                                "start without resuming")
+    # weights_only=False: the state holds Python RNG state and plain containers written by this same program.
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def rng_state() -> dict:
+    """The process-global RNG states that can influence training: torch CPU (and CUDA if used) and Python."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

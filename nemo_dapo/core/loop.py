@@ -1,0 +1,339 @@
+"""The DAPO step loop (paper Algorithm 1), written once against the Protocols of types.py.
+
+One call of :meth:`DAPOLoop.step` is one rollout step:
+
+    while the dynamic-sampling filler is not full:                       (generation batches)
+        draw prompts (explicit uids) -> generate G responses each -> score (verifier + soft overlong penalty)
+        -> one Group per prompt -> filler.add
+    take the training batch -> recompute old log-probs -> group advantages on the whole batch (shaped rewards)
+    -> ppo_epochs x mini-batches of mini_batch_size samples, each one optimizer update with its GLOBAL token count
+
+The CPU path (nemo_dapo/local) and the NeMo-Aligner path differ only in the Policy, Generator, RewardFn and Reducer
+they pass in. Under data parallelism every rank runs this same code (SPMD): each rank generates and scores its share
+of a generation batch, ``gather_objects`` gives every rank all scored groups (so the filler state is identical
+everywhere), advantages are computed on the global batch, and each mini-batch is split between ranks by tokens.
+
+Counters are kept apart: ``rollout_steps`` (training batches), ``gen_batches`` (generation rounds),
+``optimizer_steps`` (updates), ``consumed_prompts`` / ``consumed_samples`` (prompt draws / responses generated).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+
+from nemo_dapo.core.advantages import group_advantages
+from nemo_dapo.core.dynamic_sampling import BatchFiller, Group
+from nemo_dapo.core.loop_data import PromptSampler, PromptSet, balanced_split, mix_seed
+from nemo_dapo.core.loss import METRIC_REDUCTION
+from nemo_dapo.core.overlong import soft_overlong_penalty
+from nemo_dapo.core.types import Generator, LocalReducer, LossFn, Policy, Reducer, RewardFn, RolloutBatch
+
+log = logging.getLogger("nemo_dapo")
+
+# How a rank's train_step metric combines over ranks: the loss metrics as core.loss says, the loss itself is each
+# rank's share of the mini-batch loss, a skip anywhere is a skip everywhere; the rest (grad_norm, lr) is global.
+_POLICY_METRIC_REDUCTION = {**METRIC_REDUCTION, "loss": "sum", "skipped": "max"}
+
+COUNTERS = ("rollout_steps", "gen_batches", "optimizer_steps", "consumed_prompts", "consumed_samples",
+            "skipped_updates", "trained_samples", "trained_tokens")
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """The numbers the loop needs (the filler and loss carry their own settings)."""
+
+    group_size: int  # G: responses per prompt
+    mini_batch_size: int  # samples per optimizer update (paper: 512 = 32 prompts x 16)
+    max_new_tokens: int  # generation cap
+    ppo_epochs: int = 1  # passes over the training batch (mu in Algorithm 1)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    overlong_shaping: bool = True  # add R_length (Soft Overlong Punishment) to the reward
+    l_cache: int = 4096  # L_cache of the penalty (only used with overlong_shaping)
+    l_max: Optional[int] = None  # L_max of the penalty; None = max_new_tokens (the paper's choice)
+    overlong_penalty_factor: float = 1.0
+    adv_eps: float = 1e-6
+    scale_by_std: bool = True  # False: Dr. GRPO advantages (no std division)
+    shuffle_minibatches: bool = True  # shuffle samples before cutting mini-batches (seeded by the step)
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("group_size", "mini_batch_size", "max_new_tokens", "ppo_epochs"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"LoopSettings.{name} must be >= 1, got {getattr(self, name)}")
+        if self.overlong_shaping and not 0 < self.l_cache <= self.penalty_l_max:
+            raise ValueError(f"LoopSettings: need 0 < l_cache <= l_max for overlong shaping, got "
+                             f"l_cache={self.l_cache}, l_max={self.penalty_l_max}")
+
+    @property
+    def penalty_l_max(self) -> int:
+        return self.max_new_tokens if self.l_max is None else self.l_max
+
+
+def _repeat_rows(t: torch.Tensor, g: int) -> torch.Tensor:
+    return t.repeat_interleave(g, dim=0)
+
+
+class DAPOLoop:
+    """Callable step by step: ``metrics = loop.step()``; ``loop.state_dict()`` / ``load_state_dict()`` for resume.
+
+    ``loss_fn``: a LossFn (core/loss.py ``make_loss_fn``); its ``normalizer(batch)`` gives a batch's share of the
+    global normaliser (valid tokens for token-mean); a plain callable falls back to ``response_mask.sum()``.
+    """
+
+    def __init__(self, *, policy: Policy, generator: Generator, reward_fn: RewardFn, loss_fn: LossFn,
+                 prompts: PromptSet, filler: BatchFiller, settings: LoopSettings,
+                 sampler: Optional[PromptSampler] = None, reducer: Optional[Reducer] = None):
+        self.policy, self.generator, self.reward_fn, self.loss_fn = policy, generator, reward_fn, loss_fn
+        self.prompts, self.filler, self.settings = prompts, filler, settings
+        self.sampler = sampler or PromptSampler(len(prompts), seed=settings.seed)
+        self.reducer = reducer or LocalReducer()
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        if settings.mini_batch_size < self.reducer.world_size:
+            raise ValueError(f"mini_batch_size={settings.mini_batch_size} is smaller than the "
+                             f"{self.reducer.world_size} data-parallel ranks; every rank needs a share of each "
+                             "mini-batch")
+
+    # ---- phase 1: generation batches until the filler is full -----------------------------------------------------
+    def _generate_groups(self, n_prompts: int, timers: dict) -> list:
+        s, red = self.settings, self.reducer
+        indices, uids = self.sampler.draw(n_prompts)
+        self.counters["gen_batches"] += 1
+        self.counters["consumed_prompts"] += n_prompts
+        self.counters["consumed_samples"] += n_prompts * s.group_size
+        # Each rank generates a contiguous slice of the prompts; all ranks drew the same prompts.
+        lo = red.rank * n_prompts // red.world_size
+        hi = (red.rank + 1) * n_prompts // red.world_size
+        groups = self._generate_and_score(indices[lo:hi], uids[lo:hi], timers) if hi > lo else []
+        gathered = red.gather_objects(groups)
+        return [g for part in gathered for g in part]
+
+    def _generate_and_score(self, indices, uids, timers) -> list:
+        s, g = self.settings, self.settings.group_size
+        prompt_ids, prompt_mask = self.prompts.collate(indices)
+        prompt_ids, prompt_mask = _repeat_rows(prompt_ids, g), _repeat_rows(prompt_mask, g)
+        seed = mix_seed(s.seed, self.counters["gen_batches"], self.reducer.rank)
+        t0 = time.perf_counter()
+        out = self.generator.generate(prompt_ids, prompt_mask, max_new_tokens=s.max_new_tokens,
+                                      temperature=s.temperature, top_p=s.top_p, seed=seed)
+        t1 = time.perf_counter()
+        truths = [self.prompts.ground_truths[i] for i in indices for _ in range(g)]
+        score, acc, _ = self.reward_fn(out.response_ids, out.response_mask, truths)
+        score, acc = score.float(), acc.float()
+        lengths = out.response_mask.sum(-1).long()
+        rewards = score
+        if s.overlong_shaping:
+            rewards = score + soft_overlong_penalty(lengths, l_max=s.penalty_l_max, l_cache=s.l_cache,
+                                                    factor=s.overlong_penalty_factor)
+        timers["gen"] += t1 - t0
+        timers["reward"] += time.perf_counter() - t1
+        group_ids = torch.as_tensor(uids, dtype=torch.long).repeat_interleave(g)
+        full = RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=out.response_ids,
+                            response_mask=out.response_mask.float(), group_ids=group_ids,
+                            truncated=out.truncated.bool(), engine_logp=out.logprobs, rewards=rewards, acc=acc,
+                            pad_id=self.prompts.pad_id)
+        groups = []
+        for k, uid in enumerate(uids):
+            part = full.select(slice(k * g, (k + 1) * g)).trim()
+            groups.append(Group(uid=uid, acc=acc[k * g:(k + 1) * g].clone(),
+                                rewards=rewards[k * g:(k + 1) * g].clone(), payload=part))
+        return groups
+
+    # ---- phase 2: the update --------------------------------------------------------------------------------------
+    def _normalizer(self, batch: RolloutBatch) -> torch.Tensor:
+        norm = getattr(self.loss_fn, "normalizer", None)
+        return norm(batch).float() if norm is not None else batch.response_mask.sum().float()
+
+    def _minibatch_shares(self, batch: RolloutBatch) -> list:
+        """For each mini-batch, this rank's sample indices (token-balanced split of the mini-batch).
+
+        A last mini-batch with fewer samples than ranks is merged into the previous one, so that every rank gets
+        at least one sample of every mini-batch (each rank must take part in every update's gradient reduction).
+        """
+        s, n, world = self.settings, len(batch), self.reducer.world_size
+        if s.shuffle_minibatches:
+            gen = torch.Generator().manual_seed(mix_seed(s.seed, 7919, self.counters["rollout_steps"]))
+            order = torch.randperm(n, generator=gen).tolist()
+        else:
+            order = list(range(n))
+        chunks = [order[a:a + s.mini_batch_size] for a in range(0, n, s.mini_batch_size)]
+        if len(chunks) > 1 and len(chunks[-1]) < world:
+            chunks[-2].extend(chunks.pop())
+        tokens = batch.lengths.tolist()
+        shares = []
+        for mb in chunks:
+            split = balanced_split([tokens[i] for i in mb], world)
+            shares.append(sorted(mb[j] for j in split[self.reducer.rank]))
+        return shares
+
+    def _update(self, batch: RolloutBatch, timers: dict) -> dict:
+        s, red = self.settings, self.reducer
+        shares = self._minibatch_shares(batch)
+        local = sorted({i for share in shares for i in share})
+        t0 = time.perf_counter()
+        old_logp = torch.zeros_like(batch.response_mask)
+        entropy_sum = torch.zeros(())
+        # Every rank calls the policy, also with an empty share: model-parallel policies run collectives inside.
+        local_batch = batch.select(local)
+        lp, ent = self.policy.logprobs(local_batch)
+        if local:
+            old_logp[local] = lp.detach().float()
+            entropy_sum = (ent.detach().float() * local_batch.response_mask).sum()
+        batch.old_logp = old_logp
+        tokens = red.sum(batch.response_mask[local].sum() if local else torch.zeros(()))
+        # Entropy of the policy that sampled the batch (the old-log-prob pass), as the reference logs it.
+        entropy = float(red.sum(entropy_sum) / tokens.clamp(min=1.0))
+        t1 = time.perf_counter()
+        timers["old_logp"] += t1 - t0
+        # Advantages from the shaped rewards of the whole (global) batch; every rank computes the same numbers.
+        batch.advantages = group_advantages(batch.rewards, batch.group_ids, eps=s.adv_eps,
+                                            scale_by_std=s.scale_by_std)
+        per_update = []
+        for _ in range(s.ppo_epochs):
+            for share in shares:
+                per_update.append(self._train_minibatch(batch, share))
+        timers["update"] += time.perf_counter() - t1
+        metrics = _mean_metrics(per_update)
+        metrics["actor/entropy"] = entropy
+        metrics["actor/updates"] = len(per_update)
+        return metrics
+
+    def _train_minibatch(self, batch: RolloutBatch, share: list) -> dict:
+        red = self.reducer
+        mb = batch.select(share).trim()
+        num_tokens = float(red.sum(self._normalizer(mb)))
+        if num_tokens == 0:
+            # Every token of this mini-batch is masked (empty or overlong-filtered responses): an update would only
+            # apply weight decay and stale Adam momentum, so it is skipped and counted.
+            log.warning("mini-batch without valid tokens (empty or filtered responses): update skipped")
+            self.counters["skipped_updates"] += 1
+            return {"skipped": 1.0}
+        out = self.policy.train_step(mb, num_tokens=num_tokens, loss_fn=self.loss_fn)
+        out = self._reduce_policy_metrics(out)
+        if out.get("skipped", 0.0) > 0:
+            log.warning("rollout step %d: non-finite loss or gradient, optimizer update skipped (weights unchanged)",
+                        self.counters["rollout_steps"])
+            self.counters["skipped_updates"] += 1
+        else:
+            self.counters["optimizer_steps"] += 1
+        return out
+
+    def _reduce_policy_metrics(self, out: dict) -> dict:
+        """Floats; loss-metric shares are combined over ranks as core.loss.METRIC_REDUCTION says."""
+        res = {}
+        for k, v in out.items():
+            if isinstance(v, torch.Tensor):
+                v = v.detach().float()
+            elif not isinstance(v, (int, float)):
+                continue
+            how = _POLICY_METRIC_REDUCTION.get(k.split("/")[-1]) if self.reducer.world_size > 1 else None
+            v = torch.as_tensor(v, dtype=torch.float32)
+            if how == "sum":
+                v = self.reducer.sum(v)
+            elif how == "max":
+                v = self.reducer.max(v)
+            elif how == "min":
+                v = -self.reducer.max(-v)
+            res[k] = float(v)
+        return res
+
+    # ---- one rollout step -----------------------------------------------------------------------------------------
+    def step(self) -> dict:
+        """Run one rollout step; returns flat float metrics (``/``-grouped names) including the counters."""
+        t_start, s = time.perf_counter(), self.settings
+        timers = dict.fromkeys(("gen", "reward", "old_logp", "update"), 0.0)
+        generated: list = []
+        while not self.filler.ready():
+            groups = self._generate_groups(self.filler.next_gen_batch_size(), timers)
+            generated.extend(groups)
+            self.filler.add(groups)
+        groups = self.filler.take()
+        stats = self.filler.step_stats()
+        metrics = {f"filter/{k}": float(v) for k, v in stats.items()}
+        metrics.update(_generation_metrics(generated, s))
+        self.counters["rollout_steps"] += 1
+        if not groups:
+            log.warning("rollout step %d: no informative group kept (train_partial); update skipped",
+                        self.counters["rollout_steps"])
+        elif len(groups) * s.group_size < self.reducer.world_size:
+            log.warning("rollout step %d: %d kept groups are too few to share between %d ranks; update skipped",
+                        self.counters["rollout_steps"], len(groups), self.reducer.world_size)
+        else:
+            batch = RolloutBatch.cat([g.payload for g in groups])
+            batch.rewards = torch.cat([g.rewards for g in groups]).float()
+            batch.acc = torch.cat([g.acc for g in groups]).float()
+            metrics["train/batch_acc"] = float(batch.acc.mean())
+            metrics["train/batch_reward"] = float(batch.rewards.mean())
+            metrics["train/batch_samples"] = float(len(batch))
+            metrics["train/batch_tokens"] = float(batch.num_tokens())
+            metrics.update(self._update(batch, timers))
+            self.counters["trained_samples"] += len(batch)
+            self.counters["trained_tokens"] += batch.num_tokens()
+            self.generator.update_weights(self.policy)
+        step_s = time.perf_counter() - t_start
+        metrics.update({f"timing/{k}_s": v for k, v in timers.items()})
+        metrics["timing/step_s"] = step_s
+        gen_tokens = metrics.get("response/tokens", 0.0)
+        metrics["perf/gen_tokens_per_s"] = gen_tokens / timers["gen"] if timers["gen"] > 0 else 0.0
+        metrics.update({f"counters/{k}": float(v) for k, v in self.counters.items()})
+        return metrics
+
+    # ---- resume ---------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return dict(version=1, counters=dict(self.counters), sampler=self.sampler.state_dict(),
+                    filler=self.filler.state_dict(), policy=self.policy.state_dict(),
+                    settings=asdict(self.settings))
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != 1:
+            raise ValueError(f"DAPOLoop state version {state.get('version')!r} is not supported (expected 1)")
+        self.counters = {k: int(state["counters"].get(k, 0)) for k in COUNTERS}
+        self.sampler.load_state_dict(state["sampler"])
+        self.filler.load_state_dict(state["filler"])
+        self.policy.load_state_dict(state["policy"])
+        self.generator.update_weights(self.policy)
+
+
+def _generation_metrics(generated: list, s: LoopSettings) -> dict:
+    """Reward / accuracy / length statistics over every response generated in this step (all ranks)."""
+    if not generated:
+        return {}
+    rewards = torch.cat([g.rewards for g in generated]).float()
+    acc = torch.cat([g.acc for g in generated]).float()
+    lengths = torch.cat([g.payload.lengths for g in generated]).float()
+    truncated = torch.cat([g.payload.truncated for g in generated]).float()
+    out = {
+        "train/reward": float(rewards.mean()),
+        "train/acc": float(acc.mean()),
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max()),
+        "response/length_min": float(lengths.min()),
+        "response/clip_ratio": float(truncated.mean()),
+        "response/tokens": float(lengths.sum()),
+        "response/samples": float(lengths.numel()),
+    }
+    if s.overlong_shaping:
+        penalty = soft_overlong_penalty(lengths.long(), l_max=s.penalty_l_max, l_cache=s.l_cache,
+                                        factor=s.overlong_penalty_factor)
+        out["train/overlong_penalty"] = float(penalty.mean())
+        out["train/overlong_frac"] = float((penalty < 0).float().mean())
+    return out
+
+
+def _mean_metrics(per_update: list) -> dict:
+    """Mean over updates of each policy metric, under ``actor/``; ``skipped`` is a count, not a mean."""
+    keys = sorted({k for m in per_update for k in m})
+    out = {}
+    for k in keys:
+        vals = [m[k] for m in per_update if k in m and math.isfinite(m[k])]
+        name = k if "/" in k else f"actor/{k}"
+        if k == "skipped":
+            out[name] = float(sum(m.get(k, 0.0) for m in per_update))
+        elif vals:
+            out[name] = sum(vals) / len(vals)
+    return out

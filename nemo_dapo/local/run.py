@@ -1,0 +1,269 @@
+"""The CPU main job: base model by supervised warm-up (cached), base evaluation, DAPO, final evaluation, summary.
+
+``train(cfg)`` wires the local backend into the shared step loop (core/loop.py) and drives it: validation every
+``trainer.val_every`` steps, atomic checkpoints every ``trainer.save_every`` steps, metrics to JSONL/TensorBoard,
+plots and ``summary.json`` at the end. Run directory layout::
+
+    run_dir/config.yaml       the resolved configuration
+    run_dir/base_model/       warm-up result (model + tokenizer + warmup.json + fingerprint.json), reused next run
+    run_dir/checkpoints/      step_NNNNNNNN.pt (loop state, RNG states, base evaluation)
+    run_dir/metrics.jsonl     one record per train step / validation / evaluation
+    run_dir/tb/               TensorBoard events
+    run_dir/plots/            PNG curves
+    run_dir/summary.json      base_accuracy, final_accuracy, heldout_size, wall_seconds, ...
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import asdict
+from typing import Optional
+
+import torch
+
+from nemo_dapo.config import Config
+from nemo_dapo.core.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from nemo_dapo.core.dynamic_sampling import BatchFiller
+from nemo_dapo.core.loop import DAPOLoop, LoopSettings
+from nemo_dapo.core.loop_data import PromptSampler
+from nemo_dapo.core.loop_eval import EvalResult, evaluate
+from nemo_dapo.core.loss import make_loss_fn
+from nemo_dapo.core.reward import RuleReward
+from nemo_dapo.local.policy import LocalPolicy
+from nemo_dapo.local.run_data import build_prompt_sets
+from nemo_dapo.local.run_model import prepare_base_model
+from nemo_dapo.local.run_parallel import ParallelSampler
+from nemo_dapo.logging import RunLogger, setup_console_logging
+
+log = logging.getLogger("nemo_dapo")
+
+
+def set_threads(threads: Optional[int]) -> int:
+    """torch intra-op threads: ``threads`` or, when None, 1.
+
+    Measured for the tiny model: a second intra-op thread made sampling ~10x slower and an update ~2-3x slower
+    whenever another process was busy (it spins waiting for the busy core); the second core is used by a second
+    generation process instead (``rollout.processes``).
+    """
+    n = 1 if threads is None else int(threads)
+    torch.set_num_threads(n)
+    return n
+
+
+def loop_settings(cfg: Config) -> LoopSettings:
+    a, ov = cfg.algorithm, cfg.reward.overlong
+    return LoopSettings(group_size=a.group_size, mini_batch_size=cfg.trainer.mini_batch_size,
+                        max_new_tokens=cfg.rollout.max_new_tokens, ppo_epochs=cfg.trainer.ppo_epochs,
+                        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, overlong_shaping=ov.enabled,
+                        l_cache=ov.l_cache, l_max=ov.l_max, overlong_penalty_factor=ov.penalty_factor,
+                        adv_eps=a.adv_eps, scale_by_std=a.scale_by_std,
+                        shuffle_minibatches=cfg.trainer.shuffle_minibatches, seed=cfg.seed)
+
+
+def build_filler(cfg: Config) -> BatchFiller:
+    ds = cfg.algorithm.dynamic_sampling
+    return BatchFiller(cfg.trainer.train_batch_size, enabled=ds.enabled, max_gen_batches=ds.max_gen_batches,
+                       on_budget_exhausted=ds.on_budget_exhausted, max_age=ds.max_age,
+                       gen_batch_size=ds.gen_batch_size, adaptive=ds.adaptive,
+                       max_gen_batch_size=ds.max_gen_batch_size, prior_pass_rate=ds.prior_pass_rate,
+                       prior_weight=ds.prior_weight, pass_rate_memory=ds.pass_rate_memory, safety=ds.safety)
+
+
+def build_loss(cfg: Config):
+    a = cfg.algorithm
+    return make_loss_fn(eps_low=a.eps_low, eps_high=a.eps_high, clip_c=a.clip_c, agg=a.agg,
+                        max_len=cfg.rollout.max_new_tokens, overlong_filter=a.overlong_filter, tis_cap=a.tis_cap)
+
+
+def build_reward(cfg: Config, tokenizer) -> RuleReward:
+    return RuleReward(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), mode=cfg.reward.verifier,
+                      num_workers=cfg.reward.num_workers)
+
+
+class LocalRun:
+    """Everything of one CPU run, built from a :class:`Config` (also used by tests to drive a few steps)."""
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        self.model, self.tokenizer, self.base_info = prepare_base_model(cfg)
+        self.train_set, self.heldout = build_prompt_sets(cfg, self.tokenizer)
+        t = cfg.trainer
+        self.policy = LocalPolicy(self.model, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
+                                  betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, grad_clip=cfg.optim.grad_clip,
+                                  warmup_steps=cfg.optim.warmup_steps, micro_batch_size=t.micro_batch_size)
+        self.sampler = ParallelSampler(self.model, eos_id=self.tokenizer.eos_token_id,
+                                       pad_id=self.tokenizer.pad_token_id, processes=cfg.rollout.processes)
+        self.reward = build_reward(cfg, self.tokenizer)
+        self.loop = DAPOLoop(policy=self.policy, generator=self.sampler, reward_fn=self.reward,
+                             loss_fn=build_loss(cfg), prompts=self.train_set, filler=build_filler(cfg),
+                             settings=loop_settings(cfg), sampler=PromptSampler(len(self.train_set), seed=cfg.seed))
+
+    @property
+    def step(self) -> int:
+        return self.loop.counters["rollout_steps"]
+
+    def evaluate(self, n_samples: int, problems: Optional[int] = None) -> EvalResult:
+        e = self.cfg.eval
+        indices = None if problems is None else range(min(problems, len(self.heldout)))
+        return evaluate(self.sampler, self.reward, self.heldout, n_samples=n_samples,
+                        max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
+                        temperature=e.temperature, top_p=e.top_p, seed=self.cfg.seed, batch_size=e.batch_size,
+                        indices=indices)
+
+    def close(self) -> None:
+        self.sampler.close()
+
+    def state_dict(self, base_eval: dict) -> dict:
+        return {"loop": self.loop.state_dict(), "rng": rng_state(), "base_eval": base_eval,
+                "config": asdict(self.cfg)}
+
+    def load_state_dict(self, state: dict) -> dict:
+        self.loop.load_state_dict(state["loop"])
+        set_rng_state(state["rng"])
+        return state["base_eval"]
+
+
+def _ckpt_dir(cfg: Config) -> str:
+    return os.path.join(cfg.run_dir, "checkpoints")
+
+
+def _write_json(path: str, obj: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+def _prepare_run_dir(cfg: Config) -> None:
+    from nemo_dapo.config import config_to_yaml
+
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    with open(os.path.join(cfg.run_dir, "config.yaml"), "w", encoding="utf-8") as f:
+        f.write(config_to_yaml(cfg))
+    if cfg.resume == "never":  # start over; the warm-up cache (base_model/) stays
+        for sub in ("checkpoints", "tb", "plots"):
+            shutil.rmtree(os.path.join(cfg.run_dir, sub), ignore_errors=True)
+
+
+def _resume(run: LocalRun) -> Optional[dict]:
+    """Restore the newest checkpoint (resume=auto); returns the base evaluation stored in it, or None."""
+    ckpt = latest_checkpoint(_ckpt_dir(run.cfg)) if run.cfg.resume == "auto" else None
+    if not ckpt:
+        return None
+    base_eval = run.load_state_dict(load_checkpoint(ckpt))
+    log.info("resumed from %s (rollout step %d)", ckpt, run.step)
+    return base_eval
+
+
+def train(cfg: Config) -> dict:
+    """Run the whole job for ``cfg``; returns the summary (also written to ``run_dir/summary.json``)."""
+    t_start = time.time()
+    setup_console_logging()
+    threads = set_threads(cfg.trainer.threads)
+    _prepare_run_dir(cfg)
+    log.info("run %s in %s (torch threads: %d)", cfg.name, cfg.run_dir, threads)
+    run = LocalRun(cfg)
+    base_eval = _resume(run)
+    logger = RunLogger(cfg.run_dir, resume_step=run.step if base_eval else None,
+                       tensorboard=cfg.trainer.tensorboard, total_steps=cfg.trainer.max_steps)
+    try:
+        if base_eval is None:
+            base = run.evaluate(cfg.eval.n_samples)
+            base_eval = base.summary("eval/")
+            logger.write("eval", 0, base_eval)
+            log.info("base model: held-out accuracy %.3f on %d problems x %d samples (%.0fs)", base.accuracy,
+                     len(run.heldout), cfg.eval.n_samples, base.seconds)
+        t_rl = time.time()
+        _train_steps(run, logger, base_eval, t_start)
+        rl_seconds = time.time() - t_rl
+        _save_final_model(run)
+        final_eval = run.evaluate(cfg.eval.n_samples).summary("eval/")
+        logger.write("final", run.step, final_eval)
+    finally:
+        logger.close()
+        run.close()
+    summary = _summary(run, base_eval, final_eval, wall_seconds=time.time() - t_start, rl_seconds=rl_seconds,
+                       threads=threads)
+    _write_json(os.path.join(cfg.run_dir, "summary.json"), summary)
+    log.info("held-out accuracy %.3f -> %.3f (%+.1f points) on %d problems; %.0f s wall", summary["base_accuracy"],
+             summary["final_accuracy"], summary["gain_points"], summary["heldout_size"], summary["wall_seconds"])
+    if cfg.trainer.plots:
+        from nemo_dapo.plots import plot_run
+
+        log.info("plots: %s", ", ".join(plot_run(cfg.run_dir)))
+    return summary
+
+
+def _stop_reason(run: LocalRun, t_rl: float) -> str:
+    """Why training ends before the next step ('' = it does not): steps, sample budget or time budget."""
+    t = run.cfg.trainer
+    if run.step >= t.max_steps:
+        return f"trainer.max_steps={t.max_steps} reached"
+    if t.max_samples is not None and run.loop.counters["consumed_samples"] >= t.max_samples:
+        return f"trainer.max_samples={t.max_samples} responses generated"
+    if t.max_time_s is not None and time.time() - t_rl > t.max_time_s:
+        return f"trainer.max_time_s={t.max_time_s} s of RL spent (stopping early)"
+    return ""
+
+
+def _train_steps(run: LocalRun, logger: RunLogger, base_eval: dict, t_start: float) -> None:
+    """Step until a budget is spent; validate every val_every steps and at the end, checkpoint likewise."""
+    cfg, t = run.cfg, run.cfg.trainer
+    t_rl = time.time()
+    saved = run.step
+    while not _stop_reason(run, t_rl):
+        metrics = run.loop.step()
+        step, last = run.step, bool(_stop_reason(run, t_rl))
+        if t.val_every and (step % t.val_every == 0 or last):
+            metrics.update(run.evaluate(t.val_samples, t.val_problems).summary("val/"))
+        logger.write("train", step, metrics)
+        logger.console(step, metrics, time.time() - t_start)
+        if step % t.save_every == 0 or last:
+            save_checkpoint(_ckpt_dir(cfg), step, run.state_dict(base_eval), keep_last=t.keep_last)
+            saved = step
+    if saved != run.step:  # the time budget ran out between two checks
+        save_checkpoint(_ckpt_dir(cfg), run.step, run.state_dict(base_eval), keep_last=t.keep_last)
+    log.info("training done at rollout step %d: %s", run.step, _stop_reason(run, t_rl))
+
+
+def _save_final_model(run: LocalRun) -> None:
+    """The trained policy in save_pretrained layout (model + tokenizer), for `nemo-dapo eval --model`."""
+    directory = os.path.join(run.cfg.run_dir, "final_model")
+    tmp = directory + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    run.model.save_pretrained(tmp, safe_serialization=True)
+    run.tokenizer.save_pretrained(tmp)
+    shutil.rmtree(directory, ignore_errors=True)
+    os.replace(tmp, directory)
+
+
+def _summary(run: LocalRun, base_eval: dict, final_eval: dict, *, wall_seconds: float, rl_seconds: float,
+             threads: int) -> dict:
+    cfg = run.cfg
+    base_acc, final_acc = base_eval["eval/accuracy"], final_eval["eval/accuracy"]
+    c = run.loop.counters
+    return {
+        "config": cfg.name,
+        "base_accuracy": base_acc,
+        "final_accuracy": final_acc,
+        "gain_points": round(100 * (final_acc - base_acc), 2),
+        "heldout_size": len(run.heldout),
+        "eval_samples_per_problem": cfg.eval.n_samples,
+        "base_pass_at_n": base_eval["eval/pass_at_n"],
+        "final_pass_at_n": final_eval["eval/pass_at_n"],
+        "wall_seconds": round(wall_seconds, 1),
+        "rl_seconds": round(rl_seconds, 1),
+        "warmup": run.base_info,
+        "rollout_steps": c["rollout_steps"],
+        "optimizer_steps": c["optimizer_steps"],
+        "gen_batches": c["gen_batches"],
+        "consumed_prompts": c["consumed_prompts"],
+        "consumed_samples": c["consumed_samples"],
+        "trained_tokens": c["trained_tokens"],
+        "skipped_updates": c["skipped_updates"],
+        "torch_threads": threads,
+    }

@@ -1,0 +1,58 @@
+"""Prompt sets of a CPU run: the procedural task (default) or verl / DAPO-Math files, tokenized for the loop."""
+from __future__ import annotations
+
+import logging
+
+from nemo_dapo.config import Config, ConfigError
+from nemo_dapo.core.loop_data import PromptSet
+from nemo_dapo.data.readers import from_verl_rows, read_dataset
+from nemo_dapo.data.task import ArithmeticTask
+
+log = logging.getLogger("nemo_dapo")
+
+# The held-out problems do not depend on the run's seed, so runs with different seeds or recipes (DAPO vs. the
+# naive-GRPO baseline) are evaluated on the same problems.
+HELDOUT_SEED = 0
+
+
+def make_task(cfg: Config) -> ArithmeticTask:
+    d = cfg.data
+    return ArithmeticTask(min_terms=d.min_terms, max_terms=d.max_terms, max_operand=d.max_operand,
+                          max_value=d.max_value, ops=d.ops, max_multiplier=d.max_multiplier)
+
+
+def encode(tokenizer, rows: list, *, max_prompt_tokens: int, what: str) -> PromptSet:
+    """``MathRow`` list -> PromptSet ([BOS] + prompt tokens, as ``encode_prompts`` does); overlong prompts dropped."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    ids, truths, dropped = [], [], 0
+    for row in rows:
+        seq = bos + tokenizer(row.prompt, add_special_tokens=False)["input_ids"]
+        if len(seq) > max_prompt_tokens:
+            dropped += 1
+            continue
+        ids.append(seq)
+        truths.append(row.ground_truth)
+    if dropped:
+        log.warning("%s: dropped %d of %d prompts longer than data.max_prompt_tokens=%d", what, dropped, len(rows),
+                    max_prompt_tokens)
+    if not ids:
+        raise ConfigError(f"{what}: every prompt is longer than data.max_prompt_tokens={max_prompt_tokens}; "
+                          "raise it")
+    return PromptSet(ids, truths, pad_id=tokenizer.pad_token_id)
+
+
+def build_prompt_sets(cfg: Config, tokenizer) -> tuple:
+    """(train PromptSet, held-out PromptSet) for ``cfg.data``."""
+    d = cfg.data
+    if d.task == "arithmetic":
+        task = make_task(cfg)
+        train = from_verl_rows(task.rows("train", d.train_size, cfg.seed), "arithmetic train")
+        heldout = from_verl_rows(task.rows("heldout", d.heldout_size, HELDOUT_SEED), "arithmetic heldout")
+    else:
+        if not d.heldout_file:
+            raise ConfigError("config key 'data.heldout_file' must name the held-out set when data.task=file "
+                              "(e.g. an AIME-2024 parquet with data.heldout_format=aime2024)")
+        train = read_dataset(d.train_format, d.train_file)[:d.train_size]
+        heldout = read_dataset(d.heldout_format, d.heldout_file)[:d.heldout_size]
+    return (encode(tokenizer, train, max_prompt_tokens=d.max_prompt_tokens, what="train set"),
+            encode(tokenizer, heldout, max_prompt_tokens=d.max_prompt_tokens, what="held-out set"))

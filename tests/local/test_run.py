@@ -1,0 +1,232 @@
+"""The CPU main job end to end at toy sizes: train, resume, kill -9 + resume equality, bad inputs, eval, plot."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from nemo_dapo.cli import main
+from nemo_dapo.config import load_config
+from nemo_dapo.core.types import RolloutBatch
+from nemo_dapo.logging import read_metrics
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+AIME = os.path.join(REPO, "..", "shared", "data", "aime-2024.parquet")
+
+# A ~20k-parameter model, a few warm-up updates, 2 prompts x 4 samples per step: every phase runs, in seconds.
+TINY = [
+    "model.hidden_size=32", "model.intermediate_size=64", "model.num_hidden_layers=2", "model.num_attention_heads=2",
+    "model.num_key_value_heads=2", "model.max_position_embeddings=1024", "data.train_size=64",
+    "data.heldout_size=6", "data.tokenizer_rows=200",
+    "data.max_terms=3", "warmup.max_steps=3", "warmup.min_steps=1", "warmup.eval_every=3", "warmup.probe_size=4",
+    "warmup.batch_size=8", "algorithm.group_size=4", "algorithm.dynamic_sampling.enabled=false",
+    "trainer.train_batch_size=2", "trainer.mini_batch_size=4", "trainer.val_every=1", "trainer.val_problems=3",
+    "trainer.save_every=1", "trainer.threads=1", "trainer.plots=false", "rollout.max_new_tokens=12",
+    "rollout.processes=1",
+    "reward.overlong.l_cache=4", "eval.n_samples=2", "optim.lr=1e-3",
+]
+
+
+def tiny_cfg(run_dir, *extra):
+    return load_config("tiny_cpu", TINY + [f"run_dir={run_dir}", *extra])
+
+
+def steady_records(run_dir):
+    """Metrics records without timings (which differ between runs)."""
+    out = []
+    for r in read_metrics(run_dir):
+        out.append({k: v for k, v in r.items() if not k.startswith(("timing/", "perf/", "wall_s", "eval/seconds",
+                                                                    "val/seconds"))})
+    return out
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    """A warmed-up toy base model (model + tokenizer) shared by the tests below."""
+    from nemo_dapo.local.run_model import BASE_DIR, prepare_base_model
+
+    run_dir = str(tmp_path_factory.mktemp("base"))
+    prepare_base_model(tiny_cfg(run_dir))
+    return os.path.join(run_dir, BASE_DIR)
+
+
+def test_two_step_smoke_run_writes_everything_and_resumes(smoke_run, base_dir):
+    from nemo_dapo.local.run import train
+
+    run_dir, summary, seconds = smoke_run
+    assert seconds < 60
+    for key in ("base_accuracy", "final_accuracy", "heldout_size", "wall_seconds", "rollout_steps"):
+        assert key in summary
+    assert 0.0 <= summary["base_accuracy"] <= 1.0 and summary["heldout_size"] == 6
+    assert summary["rollout_steps"] == 2 and summary["optimizer_steps"] == 4  # 8 samples / mini-batch 4
+    assert json.load(open(os.path.join(run_dir, "summary.json")))["final_accuracy"] == summary["final_accuracy"]
+    kinds = [(r["kind"], r["step"]) for r in read_metrics(run_dir)]
+    assert kinds == [("eval", 0), ("train", 1), ("train", 2), ("final", 2)]
+    train_rec = read_metrics(run_dir, "train")[-1]
+    for key in ("train/reward", "train/acc", "actor/entropy", "response/length_mean", "filter/pass_rate",
+                "val/accuracy", "actor/grad_norm", "counters/optimizer_steps", "timing/step_s"):
+        assert key in train_rec, key
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["step_00000001.pt", "step_00000002.pt"]
+    assert any(f.startswith("events") for f in os.listdir(os.path.join(run_dir, "tb")))
+    assert os.path.isfile(os.path.join(run_dir, "final_model", "config.json"))
+    # A second run of the same command resumes from the last checkpoint: no step is repeated.
+    again = train(tiny_cfg(run_dir, "trainer.max_steps=2", f"model.path={base_dir}"))
+    assert again["rollout_steps"] == 2 and again["base_accuracy"] == summary["base_accuracy"]
+    assert [(r["kind"], r["step"]) for r in read_metrics(run_dir)] == kinds
+
+
+def test_warmup_result_is_cached_in_the_run_directory(tmp_path):
+    from nemo_dapo.local.run import LocalRun
+
+    cfg = tiny_cfg(str(tmp_path), "warmup.max_steps=1")
+    first = LocalRun(cfg)
+    assert first.base_info["source"] == "warmup"
+    second = LocalRun(cfg)
+    assert second.base_info["source"] == "cache"
+    for a, b in zip(first.model.parameters(), second.model.parameters()):
+        assert torch.equal(a, b)
+    third = LocalRun(tiny_cfg(str(tmp_path), "warmup.max_steps=2"))  # changed warm-up: rebuilt, not reused
+    assert third.base_info["source"] == "warmup"
+
+
+def test_nan_loss_skips_the_update_and_leaves_weights_unchanged(tmp_path, base_dir, caplog):
+    from nemo_dapo.local.run import LocalRun
+
+    run = LocalRun(tiny_cfg(str(tmp_path), f"model.path={base_dir}"))
+    real = run.loop.loss_fn
+
+    class NaNLoss:
+        normalizer = staticmethod(real.normalizer)
+
+        def __call__(self, logp, entropy, mb, num_tokens):
+            loss, metrics = real(logp, entropy, mb, num_tokens)
+            return loss * float("nan"), metrics
+
+    run.loop.loss_fn = NaNLoss()
+    before = {k: v.clone() for k, v in run.model.state_dict().items()}
+    with caplog.at_level("WARNING"):
+        m = run.loop.step()
+    assert m["counters/skipped_updates"] == 2 and m["counters/optimizer_steps"] == 0
+    assert "non-finite" in caplog.text
+    for k, v in run.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_missing_data_file_and_malformed_rows_give_clear_errors(tmp_path, base_dir, capsys):
+    from nemo_dapo.data.readers import DataFormatError
+    from nemo_dapo.local.run import LocalRun
+
+    missing = str(tmp_path / "nope.parquet")
+    code = main(["train", f"run_dir={tmp_path / 'r'}", "data.task=file", f"data.train_file={missing}",
+                 f"data.heldout_file={AIME}", f"model.path={base_dir}"])
+    assert code == 2 and "nope.parquet" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1"}],
+                               "reward_model": {"ground_truth": "2"}}) + "\n" + json.dumps({"prompt": "x"}) + "\n")
+    with pytest.raises(DataFormatError, match=r"bad.jsonl.*2"):
+        LocalRun(tiny_cfg(str(tmp_path / "r2"), "data.task=file", f"data.train_file={bad}",
+                          f"data.heldout_file={bad}", f"model.path={base_dir}"))
+    code = main(["train", "trainer.max_step=1"])
+    assert code == 2 and "trainer.max_steps" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        LocalRun(tiny_cfg(str(tmp_path / "r3"), f"model.path={tmp_path}"))
+
+
+def test_eval_command_reports_avg_pass_maj_on_aime(tmp_path, base_dir, capsys):
+    out = tmp_path / "eval.json"
+    code = main(["eval", "--model", base_dir, "--data", AIME, "--limit", "64", "--max-new-tokens", "4",
+                 "--out", str(out)])
+    assert code == 0
+    res = json.load(open(out))
+    # The x32 file holds shuffled copies: samples are grouped by problem id, k = the fewest copies of a problem.
+    from collections import Counter
+
+    from nemo_dapo.data.readers import read_aime2024
+
+    copies = Counter(row.id for row in read_aime2024(AIME)[:64])
+    k = min(copies.values())
+    assert res["problems"] == len(copies) and res["k"] == k and res["rows"] == 64
+    assert {f"avg@{k}", f"pass@{k}", f"maj@{k}", "length_mean", "clip_ratio"} <= set(res)
+    assert 0.0 <= res[f"avg@{k}"] <= res[f"pass@{k}"] <= 1.0
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory, base_dir):
+    """A 2-step run (trained once for the tests that read its outputs)."""
+    from nemo_dapo.local.run import train
+
+    run_dir = str(tmp_path_factory.mktemp("smoke") / "run")
+    t0 = time.time()
+    summary = train(tiny_cfg(run_dir, "trainer.max_steps=2", f"model.path={base_dir}"))
+    return run_dir, summary, time.time() - t0
+
+
+def test_plot_command_writes_pngs(smoke_run, tmp_path, capsys):
+    run_dir = smoke_run[0]
+    assert main(["plot", run_dir, "--out", str(tmp_path)]) == 0
+    written = capsys.readouterr().out.split()
+    assert sorted(os.path.basename(p) for p in written) == ["dynamics.png", "time.png", "training.png"]
+    for p in written:
+        assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_comparison_table_has_one_column_per_run(tmp_path):
+    from nemo_dapo.plots import comparison_table
+
+    runs = []
+    for name, base, final in (("tiny_cpu", 0.2, 0.55), ("tiny_cpu_grpo", 0.2, 0.4)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "summary.json").write_text(json.dumps({"config": name, "base_accuracy": base, "final_accuracy": final,
+                                                    "gain_points": round(100 * (final - base), 2)}))
+        runs.append(str(d))
+    table = comparison_table(runs).splitlines()
+    assert table[0].startswith("| run | held-out acc. base | held-out acc. final | gain (points) |")
+    assert table[2].startswith("| tiny_cpu | 0.200 | 0.550 | 35.0 |")
+    assert table[3].startswith("| tiny_cpu_grpo | 0.200 | 0.400 | 20.0 |") and len(table) == 4
+    with pytest.raises(FileNotFoundError, match="summary.json"):
+        comparison_table([str(tmp_path)])
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_gives_the_same_metrics_as_an_uninterrupted_run(tmp_path, base_dir):
+    args = TINY + ["trainer.max_steps=6", "trainer.save_every=2", f"model.path={base_dir}", "rollout.processes=2",
+                   "algorithm.dynamic_sampling.enabled=true",
+                   "algorithm.dynamic_sampling.on_budget_exhausted=train_partial"]
+    cmd = [sys.executable, "-m", "nemo_dapo.cli", "train"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    full = str(tmp_path / "full")
+    subprocess.run(cmd + args + [f"run_dir={full}"], check=True, env=env, capture_output=True, timeout=600)
+
+    killed = str(tmp_path / "killed")
+    proc = subprocess.Popen(cmd + args + [f"run_dir={killed}"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    first_ckpt = os.path.join(killed, "checkpoints", "step_00000002.pt")
+    deadline = time.time() + 300
+    while not os.path.exists(first_ckpt) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run finished before it could be killed; make it longer"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    steps_done = len(read_metrics(killed, "train"))
+    assert steps_done < 6
+    subprocess.run(cmd + args + [f"run_dir={killed}"], check=True, env=env, capture_output=True, timeout=600)
+    assert steady_records(killed) == steady_records(full)
+    assert json.load(open(os.path.join(killed, "summary.json")))["final_accuracy"] == \
+        json.load(open(os.path.join(full, "summary.json")))["final_accuracy"]
+
+
+def test_rollout_batch_contract_of_the_sampler_matches_the_loop(tmp_path, base_dir):
+    """The loop's payloads from the real sampler are valid RolloutBatches (left-padded prompts, EOS in mask)."""
+    from nemo_dapo.local.run import LocalRun
+
+    run = LocalRun(tiny_cfg(str(tmp_path), f"model.path={base_dir}"))
+    groups = run.loop._generate_groups(2, dict.fromkeys(("gen", "reward"), 0.0))
+    for g in groups:
+        b = g.payload
+        assert isinstance(b, RolloutBatch) and len(b) == 4 and bool(b.prompt_mask[:, -1].all())
+        assert torch.equal(b.lengths, b.response_mask.sum(-1).long()) and b.engine_logp.shape == b.response_ids.shape

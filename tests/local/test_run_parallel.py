@@ -1,0 +1,44 @@
+"""The two-process sampler gives exactly what one in-process sampler gives on each block of rows, with live weights."""
+import pytest
+import torch
+
+from nemo_dapo.core.loop_data import mix_seed
+from nemo_dapo.local.model import build_model
+from nemo_dapo.local.run_parallel import ParallelSampler
+from nemo_dapo.local.sampler import LocalSampler
+
+CFG = dict(arch="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+           num_key_value_heads=2, max_position_embeddings=128)
+
+
+def _prompts(n=5):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 40, (n, 6), generator=g)
+    mask = torch.ones_like(ids)
+    ids[0, :2], mask[0, :2] = 0, 0  # one left-padded row
+    return ids, mask
+
+
+@pytest.mark.slow  # starts a worker process
+def test_blocks_match_the_single_process_sampler_and_follow_weight_updates():
+    model = build_model(CFG, vocab_size=40, seed=1)
+    ref = LocalSampler(model, eos_id=2, pad_id=0)
+    par = ParallelSampler(model, eos_id=2, pad_id=0, processes=2)
+    try:
+        ids, mask = _prompts()
+        for _ in range(2):  # second round: after an in-place weight change that the worker must see
+            out = par.generate(ids, mask, max_new_tokens=7, seed=11)
+            a = ref.generate(ids[:2], mask[:2], max_new_tokens=7, seed=mix_seed(11, 0))
+            b = ref.generate(ids[2:], mask[2:], max_new_tokens=7, seed=mix_seed(11, 1))
+            for part, rows in ((a, slice(0, 2)), (b, slice(2, 5))):
+                w = part.response_ids.shape[1]
+                assert torch.equal(out.response_ids[rows, :w], part.response_ids)
+                assert torch.equal(out.response_mask[rows, :w], part.response_mask)
+                assert torch.allclose(out.logprobs[rows, :w], part.logprobs)
+                assert torch.equal(out.truncated[rows], part.truncated)
+                assert not out.response_mask[rows, w:].any()
+            with torch.no_grad():
+                model.lm_head.weight.mul_(3.0)  # as an optimizer step would: in place
+    finally:
+        par.close()
+    assert par.processes == 1

@@ -1,0 +1,129 @@
+"""Config loading: the base documents every key, recipes only override, overrides and errors name the key."""
+import os
+import re
+from dataclasses import fields, is_dataclass
+
+import pytest
+
+from nemo_dapo.config import CONF_DIR, Config, ConfigError, _all_keys, load_config
+
+
+def _leaf_keys(cls, prefix=""):
+    out = []
+    for f in fields(cls):
+        default = f.default_factory() if callable(f.default_factory) else None
+        if is_dataclass(default):
+            out.extend(_leaf_keys(type(default), prefix + f.name + "."))
+        else:
+            out.append(prefix + f.name)
+    return out
+
+
+def _yaml_keys_with_comments(path):
+    """(dotted key, has a comment) for every key line of a YAML file, from its indentation."""
+    stack, out = [], []
+    for line in open(path, encoding="utf-8"):
+        m = re.match(r"^( *)([A-Za-z_][\w]*):(.*)$", line.rstrip("\n"))
+        if not m:
+            continue
+        depth = len(m.group(1)) // 2
+        stack = stack[:depth] + [m.group(2)]
+        out.append((".".join(stack), "#" in m.group(3)))
+    return out
+
+
+def test_base_yaml_sets_and_documents_every_schema_key():
+    cfg = load_config("dapo_base")
+    assert isinstance(cfg, Config) and cfg.run_dir == os.path.join("runs", "dapo")
+    keys = dict(_yaml_keys_with_comments(os.path.join(CONF_DIR, "dapo_base.yaml")))
+    missing = [k for k in _leaf_keys(Config) if k not in keys]
+    undocumented = [k for k, has_comment in keys.items() if not has_comment]
+    assert not missing, f"keys of the schema without a value in dapo_base.yaml: {missing}"
+    assert not undocumented, f"keys of dapo_base.yaml without a comment: {undocumented}"
+
+
+def test_base_has_the_paper_values():
+    cfg = load_config("dapo_base")
+    a = cfg.algorithm
+    assert (a.eps_low, a.eps_high, a.group_size, a.agg) == (0.2, 0.28, 16, "token-mean")
+    assert (cfg.rollout.max_new_tokens, cfg.reward.overlong.l_cache) == (20480, 4096)
+    assert (cfg.trainer.train_batch_size, cfg.trainer.mini_batch_size, cfg.optim.lr) == (512, 512, 1e-6)
+    assert a.dynamic_sampling.enabled and a.dynamic_sampling.max_gen_batches == 10
+    assert (cfg.eval.n_samples, cfg.eval.top_p) == (32, 0.7)
+
+
+@pytest.mark.parametrize("recipe", sorted(f[:-5] for f in os.listdir(os.path.join(CONF_DIR, "recipes"))
+                                          if f.startswith("tiny_cpu")))
+def test_cpu_recipes_only_override_existing_keys(recipe):
+    base = dict(_yaml_keys_with_comments(os.path.join(CONF_DIR, "dapo_base.yaml")))
+    for key, _ in _yaml_keys_with_comments(os.path.join(CONF_DIR, "recipes", recipe + ".yaml")):
+        assert key == "defaults" or key in base or any(b.startswith(key + ".") for b in base), key
+    assert load_config(recipe).name == recipe
+
+
+def test_naive_grpo_recipe_is_the_papers_baseline():
+    dapo, grpo = load_config("tiny_cpu"), load_config("tiny_cpu_grpo")
+    a = grpo.algorithm
+    assert a.eps_low == a.eps_high == 0.2 and a.clip_c is None and a.agg == "seq-mean-token-mean"
+    assert not a.dynamic_sampling.enabled and not a.overlong_filter and not grpo.reward.overlong.enabled
+    # Everything else is the DAPO run's: same model, task, warm-up, budget.
+    for section in ("data", "model", "warmup", "rollout", "optim", "trainer", "eval"):
+        assert getattr(dapo, section) == getattr(grpo, section), section
+    assert dapo.algorithm.eps_high == 0.28 and dapo.algorithm.dynamic_sampling.enabled
+
+
+def test_overrides_set_add_and_delete():
+    cfg = load_config("tiny_cpu", ["trainer.max_steps=3", "optim.lr=1e-3", "algorithm.clip_c=null",
+                                   "++model.extra.attention_dropout=0.1", "optim.betas=[0.8,0.9]"])
+    assert cfg.trainer.max_steps == 3 and cfg.optim.lr == 1e-3 and cfg.algorithm.clip_c is None
+    assert cfg.model.extra == {"attention_dropout": 0.1} and cfg.optim.betas == [0.8, 0.9]
+    cfg = load_config("tiny_cpu", ["+model.extra.rope_scaling=null", "~model.extra.rope_scaling"])
+    assert cfg.model.extra == {}
+    assert load_config("tiny_cpu", ["name=x"]).run_dir == os.path.join("runs", "x")
+
+
+@pytest.mark.parametrize("override, pattern", [
+    ("trainer.max_step=3", r"unknown config key 'trainer.max_step'.*did you mean 'trainer.max_steps'"),
+    ("++trainer.bogus=1", r"unknown config key 'trainer.bogus'"),
+    ("trainer.max_steps=abc", r"config key 'trainer.max_steps'.*abc"),
+    ("optim.lr=fast", r"config key 'optim.lr'"),
+    ("algorithm.group_size=2.5", r"config key 'algorithm.group_size'"),
+    ("+trainer.max_steps=3", r"'trainer.max_steps' already exists"),
+    ("~trainer.nothing", r"no key 'trainer.nothing'"),
+    ("trainer.max_steps", r"not of the form key=value"),
+    ("algorithm.agg=token_mean", r"'algorithm.agg' = 'token_mean' is not one of"),
+    ("algorithm.eps_low=1.5", r"algorithm.eps_low"),
+    ("reward.overlong.l_cache=100", r"'reward.overlong.l_cache' must be in \(0, l_max=\d+\]"),
+    ("trainer.mini_batch_size=0", r"'trainer.mini_batch_size' must be >= 1"),
+    ("~trainer.max_steps", r"'trainer.max_steps' has no value"),
+    ("data.task=file", r"'data.train_file'"),
+])
+def test_bad_overrides_name_the_key(override, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config("tiny_cpu", [override])
+
+
+def test_bad_files_name_the_file(tmp_path):
+    with pytest.raises(ConfigError, match="known configs"):
+        load_config("no_such_recipe")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("defaults:\n  - /nope\n  - _self_\nname: x\n")
+    with pytest.raises(ConfigError, match="defaults entry '/nope' not found"):
+        load_config(str(bad))
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(f"defaults:\n  - /dapo_base\n  - _self_\ntrainer:\n  max_stpes: 4\n")
+    with pytest.raises(ConfigError, match="trainer.max_stpes"):
+        load_config(str(typo), config_dir=CONF_DIR)
+
+
+def test_schema_key_list_is_complete():
+    keys = _all_keys(Config)
+    assert "algorithm.dynamic_sampling.max_gen_batches" in keys and "reward.overlong.l_cache" in keys
+
+
+def test_every_warmup_setting_of_the_local_backend_is_configurable():
+    from nemo_dapo.local.warmup import WarmupConfig
+
+    ours = {f.name for f in fields(load_config("tiny_cpu").warmup)} - {"enabled"}
+    theirs = {f.name for f in fields(WarmupConfig)} - {"seed"}  # the run's seed is passed in
+    assert ours == theirs
