@@ -101,6 +101,10 @@ SUBCOMMANDS = [
     ("eval", "avg@k / pass@k / maj@k of a local model on a data set", _eval_arguments, _eval),
     ("plot", "PNG curves of run directories (and a comparison table for several)", _plot_arguments, _plot),
 ]
+# The cluster-side subcommands; both modules import neither NeMo nor torch.
+from nemo_dapo.aligner import plan as _plan, registry as _registry  # noqa: E402
+
+SUBCOMMANDS += [_plan.CLI, _registry.CLI]
 
 
 def build_parser() -> argparse.ArgumentParser:
