@@ -1,4 +1,4 @@
-"""Lint of the launch files: containers/Dockerfile, containers/dapo.sbatch, docs/cluster.md (docker/Slurm not needed).
+"""Lint of the launch files: containers/Dockerfile, containers/dapo.sbatch, the README (docker/Slurm not needed).
 
 The sbatch script is executed with a stand-in `srun` that records its arguments, and the command it would run in the
 container is composed with the recipe and validated, so a broken override in the script fails here, not on the
@@ -20,7 +20,7 @@ from nemo_dapo.aligner import config_validate as cv
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "containers" / "Dockerfile"
 SBATCH = ROOT / "containers" / "dapo.sbatch"
-DOCS = ROOT / "docs" / "cluster.md"
+DOCS = ROOT / "README.md"  # its "Run on a cluster" section
 
 
 def instructions(text: str) -> list:
@@ -118,7 +118,8 @@ def test_sbatch_refuses_to_run_without_its_inputs(fake_srun, tmp_path):
 
 def test_cluster_docs_show_the_commands_and_name_existing_files():
     text = DOCS.read_text()
-    assert text.startswith("## Run on a cluster")
+    assert "\n## Run on a cluster\n" in text
+    text = text[text.index("\n## Run on a cluster\n"):]
     for cmd in ("docker build -f containers/Dockerfile", "sbatch --nodes=16", "containers/dapo.sbatch",
                 "nemo-dapo plan", "srun --mpi=pmix", "--no-container-mount-home", "NCCL_ALGO=Tree",
                 "CUDA_DEVICE_MAX_CONNECTIONS=1"):
