@@ -77,9 +77,9 @@ class RunLogger:
     """Writes metrics of one run directory. ``resume_step``: keep only records with step <= it."""
 
     def __init__(self, run_dir: str, *, resume_step: Optional[int] = None, tensorboard: bool = True,
-                 total_steps: Optional[int] = None):
+                 total_steps: Optional[int] = None, total_samples: Optional[int] = None):
         os.makedirs(run_dir, exist_ok=True)
-        self.run_dir, self.total_steps = run_dir, total_steps
+        self.run_dir, self.total_steps, self.total_samples = run_dir, total_steps, total_samples
         self.path = os.path.join(run_dir, METRICS_FILE)
         self._t0 = time.time()
         self._truncate(resume_step)
@@ -129,6 +129,8 @@ class RunLogger:
         for label, key, fmt in _CONSOLE:
             if key in metrics and metrics[key] is not None and math.isfinite(float(metrics[key])):
                 parts.append(f"{label} {fmt.format(float(metrics[key]))}")
+        if self.total_samples and "counters/consumed_samples" in metrics:
+            parts.append(f"responses {int(metrics['counters/consumed_samples'])}/{self.total_samples}")
         parts.append(f"t {int(elapsed_s) // 60:02d}:{int(elapsed_s) % 60:02d}")
         log.info(" | ".join(parts))
 

@@ -112,6 +112,11 @@ def _summary(run_dir: str) -> dict:
         return json.load(f)
 
 
+def _label(summary: dict, run_dir: str) -> str:
+    name = summary.get("config") or os.path.basename(os.path.abspath(run_dir))
+    return name + (f" (seed {summary['seed']})" if "seed" in summary else "")
+
+
 def _cell(v) -> str:
     if v is None:
         return "-"
@@ -123,8 +128,7 @@ def comparison_table(run_dirs: list) -> str:
     summaries = [_summary(d) for d in run_dirs]
     lines = ["| run | " + " | ".join(h for h, _ in _TABLE) + " |", "|---|" + "---|" * len(_TABLE)]
     for s, d in zip(summaries, run_dirs):
-        name = s.get("config") or os.path.basename(os.path.abspath(d))
-        lines.append(f"| {name} | " + " | ".join(_cell(s.get(k)) for _, k in _TABLE) + " |")
+        lines.append(f"| {_label(s, d)} | " + " | ".join(_cell(s.get(k)) for _, k in _TABLE) + " |")
     return "\n".join(lines)
 
 
@@ -161,7 +165,7 @@ def compare_runs(run_dirs: list, out_dir: Optional[str] = None) -> tuple:
     fig, axes = plt.subplots(2, 4, figsize=(16.8, 6.0), squeeze=False)
     for run_dir in run_dirs:
         records = read_metrics(run_dir)
-        label = _summary(run_dir).get("config") or os.path.basename(os.path.abspath(run_dir))
+        label = _label(_summary(run_dir), run_dir)
         for ax, (key, _) in zip(axes.flat, panels):
             xs, ys = _series(records, key)
             if xs:

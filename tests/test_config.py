@@ -111,7 +111,7 @@ def test_bad_files_name_the_file(tmp_path):
     with pytest.raises(ConfigError, match="defaults entry '/nope' not found"):
         load_config(str(bad))
     typo = tmp_path / "typo.yaml"
-    typo.write_text(f"defaults:\n  - /dapo_base\n  - _self_\ntrainer:\n  max_stpes: 4\n")
+    typo.write_text("defaults:\n  - /dapo_base\n  - _self_\ntrainer:\n  max_stpes: 4\n")
     with pytest.raises(ConfigError, match="trainer.max_stpes"):
         load_config(str(typo), config_dir=CONF_DIR)
 

@@ -169,7 +169,8 @@ def train(cfg: Config) -> dict:
     run = LocalRun(cfg)
     base_eval = _resume(run)
     logger = RunLogger(cfg.run_dir, resume_step=run.step if base_eval else None,
-                       tensorboard=cfg.trainer.tensorboard, total_steps=cfg.trainer.max_steps)
+                       tensorboard=cfg.trainer.tensorboard, total_steps=cfg.trainer.max_steps,
+                       total_samples=cfg.trainer.max_samples)
     try:
         if base_eval is None:
             base = run.evaluate(cfg.eval.n_samples)
@@ -248,6 +249,7 @@ def _summary(run: LocalRun, base_eval: dict, final_eval: dict, *, wall_seconds: 
     c = run.loop.counters
     return {
         "config": cfg.name,
+        "seed": cfg.seed,
         "base_accuracy": base_acc,
         "final_accuracy": final_acc,
         "gain_points": round(100 * (final_acc - base_acc), 2),

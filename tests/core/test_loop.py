@@ -7,7 +7,6 @@ import threading
 import pytest
 import torch
 
-from nemo_dapo.core.advantages import group_advantages
 from nemo_dapo.core.dynamic_sampling import BatchFiller, BudgetExhausted
 from nemo_dapo.core.loop import DAPOLoop, LoopSettings
 from nemo_dapo.core.loop_data import PromptSampler, PromptSet, balanced_split
