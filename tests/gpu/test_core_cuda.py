@@ -22,8 +22,9 @@ import torch
 from nemo_dapo.core import logprobs as lp_mod
 from nemo_dapo.core.logprobs import (fused_logprobs_entropy, linear_logprobs_entropy, logits_logprobs_entropy,
                                      reference_logprobs_entropy)
-from nemo_dapo.core.loss import AGG_MODES, METRIC_REDUCTION, dapo_policy_loss, loss_normalizer, make_loss_fn
+from nemo_dapo.core.loss import AGG_MODES, dapo_policy_loss, make_loss_fn
 from nemo_dapo.core.types import RolloutBatch
+from tests.core.test_loss import reduce_metrics, split_loss  # the CPU tests' obvious reference, reused on CUDA
 
 pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda")
@@ -209,30 +210,6 @@ def random_batch(seed, b=8, t=48):
     logp = old + torch.randn(b, t, generator=g) * 0.3  # ratios on both sides of the clips
     adv = torch.randn(b, generator=g)
     return (logp.to(DEVICE, torch.bfloat16), old.to(DEVICE, torch.bfloat16), adv.to(DEVICE), mask.to(DEVICE))
-
-
-def split_loss(logp_values, old, adv, mask, agg, parts):
-    """Sum of micro-batch losses (each with the GLOBAL normaliser, trimmed to its own width) and d sum / d logp."""
-    logp = logp_values.clone().requires_grad_()
-    norm = sum(loss_normalizer(mask[rows], agg) for rows in parts)
-    total, metrics = 0.0, []
-    for rows in parts:
-        width = int(mask[rows].sum(-1).max().item()) if len(rows) else 0
-        loss, m = dapo_policy_loss(logp[rows][:, :width], old[rows][:, :width], adv[rows], mask[rows][:, :width],
-                                   **CLIP, clip_c=3.0, agg=agg, num_tokens=norm, num_seqs=norm, max_len=mask.shape[1])
-        total = total + loss
-        metrics.append(m)
-    total.backward()
-    return total, logp.grad, metrics
-
-
-def reduce_metrics(metrics):
-    out = {}
-    for key, how in METRIC_REDUCTION.items():
-        vals = [m[key] for m in metrics if key in m]
-        if vals:
-            out[key] = {"sum": sum, "min": min, "max": max}[how](vals)
-    return out
 
 
 def rows(*idx):
