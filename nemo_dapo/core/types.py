@@ -157,6 +157,9 @@ class Policy(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
+# loss_fn(logp, entropy, microbatch, num_tokens) -> (loss, metrics). A loss_fn may also carry
+# ``normalizer(batch) -> Tensor``: the micro-batch's share of the global count that ``num_tokens`` sums (tokens after
+# overlong filtering, or sequences for the sequence-level modes); the loop uses it when present, see core/loss.py.
 LossFn = Callable[[torch.Tensor, torch.Tensor, RolloutBatch, float], tuple]
 
 

@@ -8,7 +8,10 @@ Modules (import them directly; this package imports nothing so that ``import nem
 * ``policy``          ``MegatronPolicy``: the core ``Policy`` protocol on a GPTModel (TP, PP, EP, DP)
 * ``refit_gather``    expert-aware, bucketed weight gather for a rollout engine with its own TP size
 * ``model``           a small GPTModel from a plain ``GPTSpec``; the sharded <-> full parameter map
+* ``convert``         Hugging Face Llama / Qwen2 / Mixtral / Qwen2-MoE <-> megatron-core state dicts (torch only)
+* ``convert_shard``   TP / PP / EP sharding and merging of converted state dicts (torch only)
+* ``convert_build``   a GPTModel and TransformerConfig matching a Hugging Face config
 
-Tested on CPU over gloo with megatron-core 0.10.0 (the NeMo-Aligner 0.7.0 pin) and 0.16.1; the CPU runs need the
+CI tests megatron-core 0.10.0 (the NeMo-Aligner 0.7.0 pin) on CPU over gloo; 0.16.1 passed the same tests by hand; the CPU runs need the
 test-only patches in tests/support/megatron_cpu_shim.py, never imported here.
 """
