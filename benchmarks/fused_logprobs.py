@@ -36,6 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from _memory import proc_status_kib, profiled_peak  # noqa: E402
 SIZES = ((1024, 512, 32000), (4096, 512, 32000), (1024, 896, 151936))  # (tokens N, hidden H, vocab V)
 QUICK_SIZES = ((256, 128, 8192),)
 VARIANTS = ("reference", "fused")
@@ -68,23 +69,7 @@ def step(variant: str, chunk: int, h, w, t, a, b):
 
 def allocator_peak(variant: str, chunk: int, inputs) -> tuple[int, tuple]:
     """Peak bytes of live tensors allocated during one fwd+bwd (profiler memory events), and its outputs."""
-    from torch.profiler import ProfilerActivity, profile
-    gc.collect()
-    holder = {}
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        holder["out"] = step(variant, chunk, *inputs)  # the gradients stay alive inside the window
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak, holder["out"]
-
-
-def proc_status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+    return profiled_peak(lambda: step(variant, chunk, *inputs))
 
 
 def rss_child(args) -> None:

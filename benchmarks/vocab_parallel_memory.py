@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+from _memory import proc_status_kib, profiled_peak
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -67,11 +69,6 @@ def launch():
 # ---------------------------------------------------------------------------------------------------------------
 # worker (one per rank)
 # ---------------------------------------------------------------------------------------------------------------
-
-def proc_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
 
 def variants(chunks):
     import torch
@@ -111,7 +108,7 @@ def measure_rss(fn, inputs, device):
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     else:
-        base = proc_kib("VmRSS") * 1024
+        base = proc_status_kib("VmRSS") * 1024
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current RSS
     t0 = time.perf_counter()
@@ -119,7 +116,7 @@ def measure_rss(fn, inputs, device):
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    peak = (torch.cuda.max_memory_allocated() if device.type == "cuda" else proc_kib("VmHWM") * 1024) - base
+    peak = (torch.cuda.max_memory_allocated() if device.type == "cuda" else proc_status_kib("VmHWM") * 1024) - base
     h.grad = w.grad = None
     dist.barrier()
     return peak, seconds, out
@@ -127,18 +124,9 @@ def measure_rss(fn, inputs, device):
 
 def measure_allocator(fn, inputs):
     import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile
     h, w = inputs[0], inputs[1]
-    gc.collect()
     dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step(fn, *inputs)
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
+    peak, _ = profiled_peak(lambda: step(fn, *inputs))
     h.grad = w.grad = None
     dist.barrier()
     return peak
