@@ -14,6 +14,8 @@ FORBIDDEN = {
                                "nemo_dapo.megatron", "nemo_dapo.aligner"),
     "nemo_dapo.data": HEAVY + ("nemo_dapo.local", "nemo_dapo.megatron", "nemo_dapo.aligner"),
     "nemo_dapo.local": HEAVY + ("nemo_dapo.megatron", "nemo_dapo.aligner"),
+    # The engine server runs in an engine's own environment: torch + stdlib + the engine (imported lazily).
+    "nemo_dapo.engines": HEAVY + ("nemo_dapo.megatron", "nemo_dapo.aligner", "vllm"),
     "nemo_dapo.megatron": tuple(m for m in HEAVY if m != "megatron") + ("nemo_dapo.local", "nemo_dapo.aligner"),
 }
 

@@ -260,16 +260,8 @@ class TRTLLMGenerator:
         if pp_group is not None:
             parts = [None] * dist.get_world_size(pp_group)
             dist.all_gather_object(parts, result, group=pp_group)
-            return _cat_generations([x for x in parts if x is not None], self.pad_id)
+            return Generation.cat([x for x in parts if x is not None], self.pad_id)
         return result
-
-
-def _cat_generations(parts: list, pad_id: int) -> Generation:
-    width = max(g.response_ids.shape[1] for g in parts)
-    pad = lambda t, v: torch.nn.functional.pad(t, (0, width - t.shape[1]), value=v)  # noqa: E731
-    return Generation(response_ids=torch.cat([pad(g.response_ids, pad_id) for g in parts]),
-                      response_mask=torch.cat([pad(g.response_mask, 0.0) for g in parts]),
-                      truncated=torch.cat([g.truncated for g in parts]))
 
 
 def build_trtllm_engine(actor):

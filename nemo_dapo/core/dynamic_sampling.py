@@ -111,15 +111,19 @@ class BatchFiller:
     # ---- filling -------------------------------------------------------------------------------------------------
     def add(self, groups: Sequence[Group]) -> None:
         """Record one generation batch of scored groups; keep those with 0 < mean(acc) < 1."""
-        held = {g.uid for g in self._groups}
-        for g in groups:
-            _validate_group(g)
-            if g.uid in held:
-                raise ValueError(f"group uid {g.uid} appears twice in the filler; give every prompt draw its own "
-                                 "uid (duplicated prompts must not merge into one group)")
-            held.add(g.uid)
+        self._check_new(groups)  # a rejected batch does not count
+        self.begin_gen_batch()
+        self.add_groups(groups)
+        self.end_gen_batch()
+
+    # A streamed generation batch hands its groups over as they finish: begin, add_groups per group, end.
+    def begin_gen_batch(self) -> None:
         self._between_steps = False
         self._count["num_gen_batches"] += 1
+
+    def add_groups(self, groups: Sequence[Group]) -> None:
+        """Groups of the generation batch in progress (see :meth:`begin_gen_batch`)."""
+        self._check_new(groups)
         for g in groups:
             self._count["generated_groups"] += 1
             mean_acc = float(g.acc.float().mean())
@@ -130,8 +134,24 @@ class BatchFiller:
                 self._count["filtered_all_correct"] += 1
             else:
                 self._count["filtered_all_wrong"] += 1
-        if self.on_budget_exhausted == "raise" and self._budget_spent() and len(self._groups) < self.num_groups:
+
+    def _check_new(self, groups: Sequence[Group]) -> None:
+        held = {g.uid for g in self._groups}
+        for g in groups:
+            _validate_group(g)
+            if g.uid in held:
+                raise ValueError(f"group uid {g.uid} appears twice in the filler; give every prompt draw its own "
+                                 "uid (duplicated prompts must not merge into one group)")
+            held.add(g.uid)
+
+    def end_gen_batch(self) -> None:
+        """Close the generation batch; under "raise" an exhausted budget with too few groups raises here."""
+        if self.on_budget_exhausted == "raise" and self._budget_spent() and not self.full():
             raise BudgetExhausted(self._exhausted_message())
+
+    def full(self) -> bool:
+        """num_groups informative groups are held (a streamed batch may stop generating)."""
+        return len(self._groups) >= self.num_groups
 
     def _budget_spent(self) -> bool:
         return self.on_budget_exhausted != "unbounded" and self._count["num_gen_batches"] >= self.max_gen_batches
@@ -147,7 +167,7 @@ class BatchFiller:
 
     def ready(self) -> bool:
         """True when a training batch can be taken: num_groups held, or (train_partial) the budget is spent."""
-        if len(self._groups) >= self.num_groups:
+        if self.full():
             return True
         return self.on_budget_exhausted == "train_partial" and self._budget_spent()
 

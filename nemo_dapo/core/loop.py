@@ -4,7 +4,7 @@ One call of :meth:`DAPOLoop.step` is one rollout step:
 
     while the dynamic-sampling filler is not full:                       (generation batches)
         draw prompts (explicit uids) -> generate G responses each -> score (verifier + soft overlong penalty)
-        -> one Group per prompt -> filler.add
+        -> one Group per prompt -> filler (streaming: each group as soon as its G responses are done)
     take the training batch -> recompute old log-probs -> group advantages on the whole batch (shaped rewards)
     -> ppo_epochs x mini-batches of mini_batch_size samples, each one optimizer update with its GLOBAL token count
 
@@ -31,7 +31,8 @@ from nemo_dapo.core.dynamic_sampling import BatchFiller, Group
 from nemo_dapo.core.loop_data import PromptSampler, PromptSet, balanced_split, mix_seed
 from nemo_dapo.core.loss import METRIC_REDUCTION
 from nemo_dapo.core.overlong import soft_overlong_penalty
-from nemo_dapo.core.types import Generator, LocalReducer, LossFn, Policy, Reducer, RewardFn, RolloutBatch
+from nemo_dapo.core.types import (Generation, Generator, LocalReducer, LossFn, Policy, Reducer, RewardFn,
+                                  RolloutBatch)
 
 log = logging.getLogger("nemo_dapo")
 
@@ -39,8 +40,9 @@ log = logging.getLogger("nemo_dapo")
 # rank's share of the mini-batch loss, a skip anywhere is a skip everywhere; the rest (grad_norm, lr) is global.
 _POLICY_METRIC_REDUCTION = {**METRIC_REDUCTION, "loss": "sum", "skipped": "max"}
 
+FILLER_FULL_POLICIES = ("abort", "finish")
 COUNTERS = ("rollout_steps", "gen_batches", "optimizer_steps", "consumed_prompts", "consumed_samples",
-            "skipped_updates", "trained_samples", "trained_tokens")
+            "skipped_updates", "trained_samples", "trained_tokens", "generated_tokens", "aborted_tokens")
 
 
 @dataclass(frozen=True)
@@ -61,11 +63,19 @@ class LoopSettings:
     scale_by_std: bool = True  # False: Dr. GRPO advantages (no std division)
     shuffle_minibatches: bool = True  # shuffle samples before cutting mini-batches (seeded by the step)
     seed: int = 0
+    # Streaming dynamic sampling: submit a generation batch at once, score each group as it finishes, and once
+    # the filler is full either "abort" the requests still running or let them "finish" into the carried-over
+    # groups. Needs a generator with ``stream`` (engines/generator.py); False = one blocking generate per batch.
+    streaming: bool = False
+    on_filler_full: str = "abort"
 
     def __post_init__(self):
         for name in ("group_size", "mini_batch_size", "max_new_tokens", "ppo_epochs"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"LoopSettings.{name} must be >= 1, got {getattr(self, name)}")
+        if self.on_filler_full not in FILLER_FULL_POLICIES:
+            raise ValueError(f"LoopSettings.on_filler_full must be one of {FILLER_FULL_POLICIES}, got "
+                             f"{self.on_filler_full!r}")
         if self.overlong_shaping and not 0 < self.l_cache <= self.penalty_l_max:
             raise ValueError(f"LoopSettings: need 0 < l_cache <= l_max for overlong shaping, got "
                              f"l_cache={self.l_cache}, l_max={self.penalty_l_max}")
@@ -94,6 +104,9 @@ class DAPOLoop:
         self.sampler = sampler or PromptSampler(len(prompts), seed=settings.seed)
         self.reducer = reducer or LocalReducer()
         self.counters = dict.fromkeys(COUNTERS, 0)
+        if settings.streaming and not callable(getattr(generator, "stream", None)):
+            raise ValueError(f"streaming dynamic sampling needs a generator with stream() (an engine server "
+                             f"client); {type(generator).__name__} has none: set streaming off")
         if settings.mini_batch_size < self.reducer.world_size:
             raise ValueError(f"mini_batch_size={settings.mini_batch_size} is smaller than the "
                              f"{self.reducer.world_size} data-parallel ranks; every rank needs a share of each "
@@ -101,6 +114,7 @@ class DAPOLoop:
 
     # ---- phase 1: generation batches until the filler is full -----------------------------------------------------
     def _generate_groups(self, n_prompts: int, timers: dict) -> list:
+        """One generation batch: draw prompts, generate, score, hand the groups to the filler; returns them all."""
         s, red = self.settings, self.reducer
         indices, uids = self.sampler.draw(n_prompts)
         self.counters["gen_batches"] += 1
@@ -109,19 +123,74 @@ class DAPOLoop:
         # Each rank generates a contiguous slice of the prompts; all ranks drew the same prompts.
         lo = red.rank * n_prompts // red.world_size
         hi = (red.rank + 1) * n_prompts // red.world_size
-        groups = self._generate_and_score(indices[lo:hi], uids[lo:hi], timers) if hi > lo else []
-        gathered = red.gather_objects(groups)
-        return [g for part in gathered for g in part]
+        self.filler.begin_gen_batch()
+        if s.streaming and red.world_size == 1:
+            groups = self._stream_and_score(indices, uids, timers)
+        else:
+            # Under data parallelism the filler sees a batch only once every rank's share is gathered, so a
+            # streamed batch cannot stop early there: ranks drain their streams (same result, no abort saving).
+            groups = self._generate_and_score(indices[lo:hi], uids[lo:hi], timers) if hi > lo else []
+            groups = [g for part in red.gather_objects(groups) for g in part]
+            self.counters["generated_tokens"] += sum(g.payload.num_tokens() for g in groups)
+            self.filler.add_groups(groups)
+        self.filler.end_gen_batch()
+        return groups
+
+    def _prompt_rows(self, indices) -> tuple:
+        prompt_ids, prompt_mask = self.prompts.collate(indices)
+        return prompt_ids, prompt_mask
+
+    def _seed(self) -> int:
+        return mix_seed(self.settings.seed, self.counters["gen_batches"], self.reducer.rank)
 
     def _generate_and_score(self, indices, uids, timers) -> list:
         s, g = self.settings, self.settings.group_size
-        prompt_ids, prompt_mask = self.prompts.collate(indices)
-        prompt_ids, prompt_mask = _repeat_rows(prompt_ids, g), _repeat_rows(prompt_mask, g)
-        seed = mix_seed(s.seed, self.counters["gen_batches"], self.reducer.rank)
+        prompt_ids, prompt_mask = self._prompt_rows(indices)
         t0 = time.perf_counter()
-        out = self.generator.generate(prompt_ids, prompt_mask, max_new_tokens=s.max_new_tokens,
-                                      temperature=s.temperature, top_p=s.top_p, seed=seed)
+        if s.streaming:
+            stream = self.generator.stream(prompt_ids, prompt_mask, n=g, max_new_tokens=s.max_new_tokens,
+                                           temperature=s.temperature, top_p=s.top_p, seed=self._seed())
+            outs = dict(stream)
+            out = Generation.cat([outs[k] for k in range(len(indices))], self.prompts.pad_id)
+        else:
+            out = self.generator.generate(_repeat_rows(prompt_ids, g), _repeat_rows(prompt_mask, g),
+                                          max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+                                          top_p=s.top_p, seed=self._seed())
+        timers["gen"] += time.perf_counter() - t0
+        return self._score(indices, uids, prompt_ids, prompt_mask, out, timers)
+
+    def _stream_and_score(self, indices, uids, timers) -> list:
+        """Score each group as it finishes; once the filler is full apply ``on_filler_full``."""
+        s, g = self.settings, self.settings.group_size
+        prompt_ids, prompt_mask = self._prompt_rows(indices)
+        t0 = time.perf_counter()
+        stream = self.generator.stream(prompt_ids, prompt_mask, n=g, max_new_tokens=s.max_new_tokens,
+                                       temperature=s.temperature, top_p=s.top_p, seed=self._seed())
+        groups, t_scoring = [], 0.0
+        for k, out in stream:
+            t1 = time.perf_counter()
+            group = self._score([indices[k]], [uids[k]], prompt_ids[k:k + 1], prompt_mask[k:k + 1], out, timers)
+            t_scoring += time.perf_counter() - t1
+            groups.extend(group)
+            was_full = self.filler.full()
+            self.filler.add_groups(group)
+            if self.filler.full() and not was_full:
+                timers["filled_at"] = time.perf_counter()
+                if s.on_filler_full == "abort" and not stream.done:
+                    stream.abort()
+                    break
+        timers["gen"] += time.perf_counter() - t0 - t_scoring
+        self.counters["generated_tokens"] += stream.generated_tokens
+        self.counters["aborted_tokens"] += stream.aborted_tokens
+        timers["aborted_requests"] = timers.get("aborted_requests", 0) + stream.aborted_requests
+        timers["aborted_tokens"] = timers.get("aborted_tokens", 0) + stream.aborted_tokens
+        return groups
+
+    def _score(self, indices, uids, prompt_ids, prompt_mask, out, timers) -> list:
+        """Groups of G scored samples from prompts [N, P] and their responses [N * G, R] (prompt-major order)."""
+        s, g = self.settings, self.settings.group_size
         t1 = time.perf_counter()
+        prompt_ids, prompt_mask = _repeat_rows(prompt_ids, g), _repeat_rows(prompt_mask, g)
         truths = [self.prompts.ground_truths[i] for i in indices for _ in range(g)]
         score, acc, _ = self.reward_fn(out.response_ids, out.response_mask, truths)
         score, acc = score.float(), acc.float()
@@ -130,7 +199,6 @@ class DAPOLoop:
         if s.overlong_shaping:
             rewards = score + soft_overlong_penalty(lengths, l_max=s.penalty_l_max, l_cache=s.l_cache,
                                                     factor=s.overlong_penalty_factor)
-        timers["gen"] += t1 - t0
         timers["reward"] += time.perf_counter() - t1
         group_ids = torch.as_tensor(uids, dtype=torch.long).repeat_interleave(g)
         full = RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=out.response_ids,
@@ -248,10 +316,10 @@ class DAPOLoop:
         t_start, s = time.perf_counter(), self.settings
         timers = dict.fromkeys(("gen", "reward", "old_logp", "update"), 0.0)
         generated: list = []
+        tokens_before = (self.counters["generated_tokens"], self.counters["aborted_tokens"])
         while not self.filler.ready():
-            groups = self._generate_groups(self.filler.next_gen_batch_size(), timers)
-            generated.extend(groups)
-            self.filler.add(groups)
+            generated.extend(self._generate_groups(self.filler.next_gen_batch_size(), timers))
+        t_needed = timers.pop("filled_at", time.perf_counter()) - t_start
         groups = self.filler.take()
         stats = self.filler.step_stats()
         metrics = {f"filter/{k}": float(v) for k, v in stats.items()}
@@ -271,12 +339,17 @@ class DAPOLoop:
             metrics["train/batch_reward"] = float(batch.rewards.mean())
             metrics["train/batch_samples"] = float(len(batch))
             metrics["train/batch_tokens"] = float(batch.num_tokens())
+            sleep = getattr(self.generator, "sleep", None)
+            if callable(sleep):  # an engine frees its KV cache (and maybe weights) while the trainer trains
+                sleep()
             metrics.update(self._update(batch, timers))
             self.counters["trained_samples"] += len(batch)
             self.counters["trained_tokens"] += batch.num_tokens()
             self.generator.update_weights(self.policy)
+            metrics["rollout/trained_tokens"] = float(batch.num_tokens())
         step_s = time.perf_counter() - t_start
-        metrics.update({f"timing/{k}_s": v for k, v in timers.items()})
+        metrics.update(_rollout_metrics(self.counters, tokens_before, timers, t_needed))
+        metrics.update({f"timing/{k}_s": timers[k] for k in ("gen", "reward", "old_logp", "update")})
         metrics["timing/step_s"] = step_s
         gen_tokens = metrics.get("response/tokens", 0.0)
         metrics["perf/gen_tokens_per_s"] = gen_tokens / timers["gen"] if timers["gen"] > 0 else 0.0
@@ -297,6 +370,18 @@ class DAPOLoop:
         self.filler.load_state_dict(state["filler"])
         self.policy.load_state_dict(state["policy"])
         self.generator.update_weights(self.policy)
+
+
+def _rollout_metrics(counters: dict, before: tuple, timers: dict, t_needed: float) -> dict:
+    """Generated (aborted partial samples included) vs trained tokens, and how long the needed groups took.
+
+    ``time_to_last_needed_s``: from the step's start until the filler was full (streaming: the moment the last
+    needed group finished; batch mode: the end of the last generation batch)."""
+    out = {"rollout/generated_tokens": float(counters["generated_tokens"] - before[0]),
+           "rollout/aborted_tokens": float(counters["aborted_tokens"] - before[1]),
+           "rollout/aborted_requests": float(timers.get("aborted_requests", 0)),
+           "timing/to_last_needed_s": float(t_needed)}
+    return out
 
 
 def _generation_metrics(generated: list, s: LoopSettings) -> dict:

@@ -121,6 +121,19 @@ class Generation:
     truncated: torch.Tensor  # [B] bool
     logprobs: Optional[torch.Tensor] = None  # [B, R] sampling log-probs (engine side), 0 on padding
 
+    @staticmethod
+    def cat(parts: Sequence["Generation"], pad_id: int) -> "Generation":
+        """Row-wise concatenation, responses right-padded to the widest part (log-probs kept only if all have)."""
+        if not parts:
+            raise ValueError("Generation.cat needs at least one part")
+        width = max(p.response_ids.shape[1] for p in parts)
+        logprobs = None
+        if all(p.logprobs is not None for p in parts):
+            logprobs = torch.cat([_pad_right(p.logprobs, width, 0.0) for p in parts])
+        return Generation(response_ids=torch.cat([_pad_right(p.response_ids, width, pad_id) for p in parts]),
+                          response_mask=torch.cat([_pad_right(p.response_mask, width, 0.0) for p in parts]),
+                          truncated=torch.cat([p.truncated for p in parts]), logprobs=logprobs)
+
 
 @runtime_checkable
 class Generator(Protocol):

@@ -48,21 +48,6 @@ def _worker(conn, config, attn_implementation: str, shared: dict, eos_id: int, p
             conn.send(("error", repr(e)))
 
 
-def _join(parts: list, pad_id: int) -> Generation:
-    """Concatenate Generations row-wise, right-padding responses to the widest part."""
-    width = max(p.response_ids.shape[1] for p in parts)
-
-    def pad(t, value):
-        return torch.cat([t, t.new_full((t.shape[0], width - t.shape[1]), value)], dim=1)
-
-    logprobs = None
-    if all(p.logprobs is not None for p in parts):
-        logprobs = torch.cat([pad(p.logprobs, 0.0) for p in parts])
-    return Generation(response_ids=torch.cat([pad(p.response_ids, pad_id) for p in parts]),
-                      response_mask=torch.cat([pad(p.response_mask, 0.0) for p in parts]),
-                      truncated=torch.cat([p.truncated for p in parts]), logprobs=logprobs)
-
-
 class ParallelSampler:
     """``Generator`` over ``processes`` single-threaded processes (this one included) sharing ``model``'s weights.
 
@@ -133,7 +118,7 @@ class ParallelSampler:
             if status != "ok":
                 raise RuntimeError(f"generation worker {k} failed: {result}")
             parts.append(result)
-        return _join(parts, self.pad_id)
+        return Generation.cat(parts, self.pad_id)
 
     def close(self) -> None:
         for conn in self._conns:

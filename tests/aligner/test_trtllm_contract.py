@@ -17,7 +17,7 @@ import torch
 from omegaconf import OmegaConf
 
 from nemo_dapo.aligner import compat
-from nemo_dapo.aligner.generation import TRTLLMGenerator, _cat_generations, build_trtllm_engine
+from nemo_dapo.aligner.generation import TRTLLMGenerator, build_trtllm_engine
 from tests.aligner._fakes import CharTokenizer
 from tests.aligner.conftest import needs_nemo
 
@@ -191,15 +191,6 @@ def test_reshard_splits_prompts_over_pipeline_stages(monkeypatch):
         assert group == "pp-group"
     assert shares == [[0, 1], [2, 3, 4]]
     assert TRTLLMGenerator(FakeActor(), FakeGPTGenerateTRTLLM(), reshard=False)._my_rows(5) == ([0, 1, 2, 3, 4], None)
-
-
-def test_cat_generations_repads_parts():
-    from nemo_dapo.core.types import Generation
-
-    a = Generation(torch.tensor([[5, 6]]), torch.tensor([[1.0, 1.0]]), torch.tensor([False]))
-    b = Generation(torch.tensor([[7, 8, 9]]), torch.tensor([[1.0, 1.0, 1.0]]), torch.tensor([True]))
-    out = _cat_generations([a, b], pad_id=EOS)
-    assert out.response_ids.tolist() == [[5, 6, EOS], [7, 8, 9]] and out.response_mask[0].tolist() == [1, 1, 0]
 
 
 def _real_init_parameters():

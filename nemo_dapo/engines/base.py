@@ -1,0 +1,153 @@
+"""What an engine adapter is: the thin, engine-specific half of a rollout-engine server (torch + stdlib only).
+
+The server (``engines/server.py``) owns the socket and the protocol; an adapter owns one in-flight inference engine
+and is driven from the server's single thread:
+
+    adapter.add(request)             queue a request (n samples of one prompt); returns at once
+    adapter.step() -> [Completion]   advance every running request a little; return the requests that FINISHED
+    adapter.abort(ids) -> [Completion]  stop requests now; their partial samples come back with finish "aborted"
+    adapter.load_weights(named)      one bucket of (HF name, tensor); partial buckets are allowed
+    adapter.finish_weights()         after the last bucket: post-process, reset prefix caches
+    adapter.sleep(level) / wake()    free the KV cache (level 1) and the weights too (level 2) while the trainer trains
+
+Token conventions: ``prompt_ids`` are the prompt's real tokens (no padding); a sample's ``token_ids`` are the
+generated tokens, the stop/EOS token included when one ended it; ``logprobs[t]`` is the log-probability of
+``token_ids[t]`` under the distribution it was drawn from (after temperature / top-k / top-p), one float per token.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Optional, Protocol, Sequence
+
+import torch
+
+FINISH_REASONS = ("stop", "length", "aborted")
+
+
+class EngineError(RuntimeError):
+    """Any failure of a rollout engine, with a message naming the engine and what to do."""
+
+
+class EngineWeightError(EngineError):
+    """The engine rejected a weight (unknown name, wrong shape or dtype). ``name`` is the tensor."""
+
+    def __init__(self, message: str, name: str = ""):
+        super().__init__(message)
+        self.name = name
+
+
+@dataclass
+class Request:
+    """n samples of one prompt. ``seed`` None: the engine's own randomness; sample k of a seeded request uses a
+    stream derived from (seed, k), so a request's samples are reproducible whatever else the engine runs."""
+
+    id: str
+    prompt_ids: list
+    n: int = 1
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: Optional[int] = None
+    stop_token_ids: list = field(default_factory=list)
+    logprobs: bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.id, str) or not self.id:
+            raise ValueError(f"request id must be a non-empty string, got {self.id!r}")
+        self.prompt_ids = [int(t) for t in self.prompt_ids]
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        if not self.prompt_ids:
+            raise ValueError(f"request {self.id}: empty prompt (every request needs at least one token)")
+        if int(self.n) < 1 or int(self.max_new_tokens) < 1:
+            raise ValueError(f"request {self.id}: need n >= 1 and max_new_tokens >= 1, got n={self.n}, "
+                             f"max_new_tokens={self.max_new_tokens}")
+        if self.temperature < 0 or not 0.0 < self.top_p <= 1.0 or self.top_k < 0:
+            raise ValueError(f"request {self.id}: need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got "
+                             f"{self.temperature}, {self.top_p}, {self.top_k}")
+
+    def to_wire(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Request":
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"request has unknown fields {unknown}; client and server protocol versions differ?")
+        return cls(**d)
+
+
+@dataclass
+class Sample:
+    token_ids: list
+    logprobs: Optional[list]
+    finish_reason: str  # one of FINISH_REASONS
+
+    def __post_init__(self):
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason {self.finish_reason!r} is not one of {FINISH_REASONS}")
+        if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
+            raise ValueError(f"{len(self.logprobs)} log-probs for {len(self.token_ids)} tokens")
+
+
+@dataclass
+class Completion:
+    """A finished request: its n samples in index order."""
+
+    id: str
+    samples: list  # [Sample] * n
+
+    def to_wire(self) -> dict:
+        return {"id": self.id, "samples": [asdict(s) for s in self.samples]}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "Completion":
+        return cls(id=d["id"], samples=[Sample(**s) for s in d["samples"]])
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.samples)
+
+
+class EngineAdapter(Protocol):
+    name: str
+
+    def info(self) -> dict:
+        """Static facts for the hello reply: at least ``model`` and ``vocab_size``."""
+        ...
+
+    def add(self, request: Request) -> None: ...
+
+    def step(self) -> list: ...
+
+    def has_work(self) -> bool: ...
+
+    def abort(self, ids: Sequence[str]) -> list: ...
+
+    def load_weights(self, named: Iterable[tuple]) -> None:
+        """Copy (HF name, tensor) pairs into the model; raise EngineWeightError naming a rejected tensor. The
+        tensors are views of shared memory owned by the trainer: copy, never keep a reference."""
+        ...
+
+    def finish_weights(self) -> None: ...
+
+    def sleep(self, level: int) -> None: ...
+
+    def wake(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def check_weight(name: str, tensor: torch.Tensor, target: Optional[torch.Tensor], engine: str) -> None:
+    """Raise EngineWeightError unless ``target`` (the engine's parameter of that name) can take ``tensor``."""
+    if target is None:
+        raise EngineWeightError(f"engine {engine!r}: no parameter named {name!r}; the trainer sends Hugging Face "
+                                "names: check that both sides load the same architecture", name)
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise EngineWeightError(f"engine {engine!r}: weight {name!r} has shape {tuple(tensor.shape)}, the engine's "
+                                f"is {tuple(target.shape)}; the trainer and the engine hold different model configs",
+                                name)
+    if not (tensor.dtype.is_floating_point and target.dtype.is_floating_point) and tensor.dtype != target.dtype:
+        raise EngineWeightError(f"engine {engine!r}: weight {name!r} has dtype {tensor.dtype}, the engine's is "
+                                f"{target.dtype}", name)

@@ -1,0 +1,277 @@
+"""Trainer side of the rollout-engine protocol: a connection (``EngineClient``) and a server process (``EngineProcess``).
+
+``EngineClient`` sends commands from the caller's thread and reads every frame on a reader thread, which routes
+replies to the waiting command and completions into a queue. Every wait has a time-out, and a dead connection
+(engine killed, crashed, or unreachable) wakes all waiters with an :class:`EngineError` that names the engine and
+says what to do: the trainer never hangs on an engine.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from typing import Iterable, Optional, Sequence
+
+from nemo_dapo.engines import protocol as P
+from nemo_dapo.engines.base import Completion, EngineError, EngineWeightError, Request
+
+log = logging.getLogger("nemo_dapo")
+
+
+class EngineDied(EngineError):
+    """The engine's connection dropped (process killed or crashed)."""
+
+
+class EngineClient:
+    """One connection to one engine server.
+
+    connect_timeout_s: how long to keep trying to connect (an engine may take a minute to load);
+    request_timeout_s: the longest wait for a command's reply or for the next completion.
+    """
+
+    def __init__(self, address: str, *, authkey: Optional[bytes] = None, name: str = "engine",
+                 connect_timeout_s: float = 120.0, request_timeout_s: float = 600.0,
+                 process: Optional["EngineProcess"] = None):
+        self.address, self.name, self.request_timeout_s = address, name, request_timeout_s
+        self.process = process
+        authkey = authkey or os.environ.get("NEMO_DAPO_ENGINE_AUTHKEY", "").encode() or P.DEFAULT_AUTHKEY
+        self._conn = self._connect(address, authkey, connect_timeout_s)
+        self._cmd = itertools.count(1)
+        self._replies: dict = {}
+        self._cv = threading.Condition()
+        self.completions: "queue.Queue" = queue.Queue()
+        self._dead: Optional[str] = None
+        self._reader = threading.Thread(target=self._read, daemon=True, name=f"{name}-reader")
+        self._reader.start()
+        hello = self.call("hello", version=P.PROTOCOL_VERSION, timeout_s=min(60.0, request_timeout_s))
+        if hello.get("version") != P.PROTOCOL_VERSION:
+            self.close()
+            raise EngineError(f"engine {name!r} at {address} speaks protocol {hello.get('version')}, this trainer "
+                              f"{P.PROTOCOL_VERSION}: install the same nemo_dapo in both environments")
+        self.engine, self.info = hello.get("engine", name), hello.get("info", {})
+
+    def _connect(self, address: str, authkey: bytes, timeout_s: float):
+        deadline, last = time.monotonic() + timeout_s, None
+        while True:
+            if self.process is not None and self.process.poll() is not None:
+                raise EngineError(f"engine {self.name!r} exited with code {self.process.poll()} before it accepted "
+                                  f"connections; its log: {self.process.log_path}\n{self.process.log_tail()}")
+            try:
+                return P.connect(address, authkey)
+            except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError) as e:
+                last = e
+            except P.connection.AuthenticationError as e:
+                raise EngineError(f"engine {self.name!r} at {address} rejected the authkey: set the same "
+                                  "NEMO_DAPO_ENGINE_AUTHKEY for the trainer and the engine") from e
+            if time.monotonic() > deadline:
+                raise EngineError(f"engine {self.name!r} not reachable at {address} after {timeout_s:.0f} s "
+                                  f"({last!r}): start it (python -m nemo_dapo.engines.server ...) or raise the "
+                                  "connect time-out")
+            time.sleep(0.2)
+
+    # ---- the reader thread ----------------------------------------------------------------------------------------
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = P.recv(self._conn)
+                op = msg["op"]
+                if op == "completion":
+                    self.completions.put(Completion.from_wire(msg))
+                elif op in ("reply", "error"):
+                    with self._cv:
+                        self._replies[msg.get("cmd")] = msg
+                        self._cv.notify_all()
+                elif op == "fatal":
+                    self._die(f"engine {self.name!r} failed: {msg.get('message')}")
+                    return
+        except (EOFError, OSError, ValueError) as e:
+            self._die(f"connection to engine {self.name!r} at {self.address} lost ({e!r}): the engine process "
+                      "died or was killed")
+
+    def _die(self, why: str) -> None:
+        with self._cv:
+            if self._dead is None:
+                self._dead = why + self._process_note()
+            self._cv.notify_all()
+        self.completions.put(None)  # wakes a waiting next_completion()
+
+    def _process_note(self) -> str:
+        if self.process is None:
+            return ""
+        code = self.process.wait(timeout_s=2.0)  # the socket closes a moment before the process is reaped
+        return (f" (exit code {code}; log {self.process.log_path})" if code is not None
+                else f" (log {self.process.log_path})")
+
+    # ---- commands -------------------------------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self._dead is None
+
+    def _check(self) -> None:
+        if self._dead is not None:
+            raise EngineDied(self._dead)
+
+    def call(self, op: str, *, timeout_s: Optional[float] = None, **fields) -> dict:
+        """Send one command and wait for its reply; an ``error`` reply raises (EngineWeightError for weights)."""
+        self._check()
+        cmd = next(self._cmd)
+        try:
+            P.send(self._conn, {"op": op, "cmd": cmd, **fields})
+        except (OSError, ValueError) as e:
+            self._die(f"cannot send {op!r} to engine {self.name!r} ({e!r})")
+            self._check()
+        timeout = self.request_timeout_s if timeout_s is None else timeout_s
+        with self._cv:
+            ok = self._cv.wait_for(lambda: cmd in self._replies or self._dead is not None, timeout=timeout)
+            msg = self._replies.pop(cmd, None)
+        if msg is None:
+            self._check()
+            if not ok:
+                raise EngineError(f"engine {self.name!r} did not answer {op!r} within {timeout:.0f} s: it is stuck "
+                                  "or overloaded; raise the request time-out or check its log")
+        if msg["op"] == "error":
+            text = f"engine {self.name!r} refused {op!r}: {msg.get('message')}"
+            if msg.get("type") == "weight":
+                raise EngineWeightError(text, msg.get("name", ""))
+            raise EngineError(text)
+        return msg
+
+    def submit(self, requests: Sequence[Request]) -> None:
+        self.call("submit", requests=[r.to_wire() for r in requests])
+
+    def next_completion(self, timeout_s: Optional[float] = None) -> Completion:
+        """The next finished request (any order); raises EngineError on a time-out or a dead engine."""
+        self._check()
+        timeout = self.request_timeout_s if timeout_s is None else timeout_s
+        try:
+            c = self.completions.get(timeout=timeout)
+        except queue.Empty:
+            raise EngineError(f"engine {self.name!r} produced no completion in {timeout:.0f} s: it is stuck or the "
+                              "request time-out is too short for the generation length") from None
+        if c is None:
+            self.completions.put(None)
+            self._check()
+        return c
+
+    def abort(self, ids: Sequence[str]) -> int:
+        return int(self.call("abort", ids=list(ids)).get("aborted", 0))
+
+    def update_weights(self, buckets: Iterable[list], buffer: Optional[P.WeightBuffer] = None) -> dict:
+        """Send (name, tensor) buckets one by one through one shared-memory block, then ``update_weights_done``.
+
+        Extra memory: one block of the largest bucket. A failure part-way raises; the engine then refuses to
+        generate until a whole update succeeds."""
+        own = buffer is None
+        buffer = buffer or P.WeightBuffer()
+        stats = {"buckets": 0, "tensors": 0, "bytes": 0, "seconds": 0.0}
+        t0 = time.perf_counter()
+        try:
+            for bucket in buckets:
+                name, specs = buffer.pack(bucket)
+                self.call("update_weights", shm=name, tensors=specs)
+                stats["buckets"] += 1
+                stats["tensors"] += len(specs)
+                stats["bytes"] += sum(P.nbytes(P.dtype_of(s["dtype"]), s["shape"]) for s in specs)
+            self.call("update_weights_done")
+        finally:
+            if own:
+                buffer.close()
+        stats["seconds"] = time.perf_counter() - t0
+        stats["buffer_bytes"] = buffer.size if not own else None
+        return stats
+
+    def sleep(self, level: int = 1) -> None:
+        self.call("sleep", level=level)
+
+    def wake(self) -> None:
+        self.call("wake")
+
+    def health(self) -> dict:
+        return self.call("health", timeout_s=min(30.0, self.request_timeout_s))
+
+    def shutdown(self) -> None:
+        if self.alive:
+            try:
+                self.call("shutdown", timeout_s=10.0)
+            except EngineError:
+                pass
+        self.close()
+
+    def close(self) -> None:
+        try:
+            self._conn.close()
+        except OSError:
+            pass
+
+
+class EngineProcess:
+    """Starts ``python -m nemo_dapo.engines.server`` (possibly another environment's python) and owns it.
+
+    The server exits with its parent (``--parent-pid``); ``stop()`` shuts it down, then terminates it."""
+
+    def __init__(self, *, engine: str, model_dir: str, address: str, python: Optional[str] = None,
+                 options: Optional[dict] = None, log_path: Optional[str] = None, threads: Optional[int] = 1,
+                 env: Optional[dict] = None):
+        import json
+
+        self.engine, self.address = engine, address
+        self.python = python or sys.executable
+        if not os.path.exists(self.python):
+            raise EngineError(f"engine {engine!r}: python {self.python!r} does not exist; install the engine's "
+                              f"environment (bash scripts/install.sh VENV engine-{engine}) or fix the python path")
+        addr, family = P.parse_address(address)
+        if family == "AF_UNIX" and os.path.exists(addr):
+            os.unlink(addr)  # a stale socket of an earlier run
+        cmd = [self.python, "-m", "nemo_dapo.engines.server", "--engine", engine, "--model", model_dir,
+               "--address", address, "--parent-pid", str(os.getpid())]
+        if threads:
+            cmd += ["--threads", str(threads)]
+        for k, v in (options or {}).items():
+            cmd += ["--option", f"{k}={json.dumps(v)}"]
+        self.log_path = log_path or os.path.join(os.path.dirname(addr) if family == "AF_UNIX" else ".",
+                                                 f"engine-{engine}.log")
+        self._log = open(self.log_path, "ab")
+        run_env = {**os.environ, **(env or {})}
+        run_env.setdefault("OMP_NUM_THREADS", str(threads or 1))
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=run_env,
+                                     start_new_session=True)
+        log.info("started engine %s (pid %d) on %s; log %s", engine, self.proc.pid, address, self.log_path)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def poll(self) -> Optional[int]:
+        return self.proc.poll()
+
+    def wait(self, timeout_s: float) -> Optional[int]:
+        """Exit code, or None if still running after ``timeout_s``."""
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return b"".join(f.readlines()[-lines:]).decode(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self, client: Optional[EngineClient] = None, timeout_s: float = 15.0) -> None:
+        if client is not None:
+            client.shutdown()
+        try:
+            self.proc.wait(timeout=timeout_s if client is not None else 0.1)
+        except subprocess.TimeoutExpired:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._log.close()

@@ -1,0 +1,227 @@
+"""The engine server and client over a real socket and a real server process (the engine itself is a toy)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from nemo_dapo.engines import protocol as P
+from nemo_dapo.engines.base import EngineError, EngineWeightError, Request
+from nemo_dapo.engines.client import EngineClient, EngineDied, EngineProcess
+from nemo_dapo.engines.generator import EngineGenerator
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOY = "tests.engines.toy_engine:ToyEngine"
+ENV = {"PYTHONPATH": ROOT}
+
+
+def start(tmp_path, name="toy", **options):
+    proc = EngineProcess(engine=TOY, model_dir="-", address=f"unix:{tmp_path}/{name}.sock", options=options,
+                         log_path=str(tmp_path / f"{name}.log"), env=ENV)
+    client = EngineClient(proc.address, name=name, connect_timeout_s=60, request_timeout_s=20, process=proc)
+    return proc, client
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    """One server for the tests that leave it as they found it (weights zero, awake, idle)."""
+    proc, client = start(tmp_path_factory.mktemp("toy"))
+    yield proc, client
+    proc.stop(client if client.alive else None)
+
+
+def expected(req, j, offset=0):
+    toks = []
+    for t in range(req.max_new_tokens):
+        tok = ((req.seed or 0) + 7 * j + 3 * t + req.prompt_ids[-1] + offset) % 50
+        toks.append(tok)
+        if tok in req.stop_token_ids:
+            break
+    return toks
+
+
+def collect(client, n):
+    return {c.id: c for c in (client.next_completion() for _ in range(n))}
+
+
+def test_hello_reports_engine_and_info(toy):
+    _, client = toy
+    assert client.engine == TOY and client.info == {"model": "toy", "vocab_size": 50}
+    assert client.health()["running"] == 0
+
+
+def test_submit_streams_completions_with_tokens_logprobs_and_finish_reasons(toy):
+    _, client = toy
+    reqs = [Request(id="a", prompt_ids=[1, 2], n=2, max_new_tokens=5, seed=3),
+            Request(id="b", prompt_ids=[4], n=1, max_new_tokens=30, seed=1, stop_token_ids=[11])]
+    client.submit(reqs)
+    done = collect(client, 2)
+    for r in reqs:
+        for j, s in enumerate(done[r.id].samples):
+            assert s.token_ids == expected(r, j)
+            assert s.logprobs == [-0.5] * len(s.token_ids)
+    assert [s.finish_reason for s in done["a"].samples] == ["length", "length"]
+    b = done["b"].samples[0]
+    assert b.finish_reason == "stop" and b.token_ids[-1] == 11  # the stop token is kept
+
+
+def test_in_flight_completions_arrive_in_finish_order_not_submit_order(toy):
+    _, client = toy
+    client.submit([Request(id=f"q{k}", prompt_ids=[1], max_new_tokens=m) for k, m in enumerate([9, 2, 5])])
+    order = [client.next_completion().id for _ in range(3)]
+    assert order == ["q1", "q2", "q0"]
+
+
+def test_abort_returns_partial_samples_marked_aborted(tmp_path):
+    proc, client = start(tmp_path, step_delay_s=0.02)
+    try:
+        client.submit([Request(id="long", prompt_ids=[1], n=2, max_new_tokens=10_000),
+                       Request(id="short", prompt_ids=[1], max_new_tokens=2)])
+        assert client.next_completion().id == "short"
+        time.sleep(0.1)
+        assert client.abort(["long", "unknown"]) == 1
+        c = client.next_completion()
+        assert c.id == "long" and all(s.finish_reason == "aborted" for s in c.samples)
+        assert 0 < len(c.samples[0].token_ids) < 10_000
+        assert client.health()["running"] == 0
+    finally:
+        proc.stop(client)
+
+
+def test_weight_update_through_shared_memory_changes_generation(toy):
+    _, client = toy
+    req = Request(id="x", prompt_ids=[5], max_new_tokens=4, seed=2)
+    stats = client.update_weights([[("w", torch.tensor([1.0, 2.0, 3.0, 4.0]))]])
+    assert stats["buckets"] == 1 and stats["tensors"] == 1 and stats["bytes"] == 16
+    client.submit([req])
+    assert client.next_completion().samples[0].token_ids == expected(req, 0, offset=10)
+    client.update_weights([[("w", torch.zeros(4))]])
+
+
+def test_rejected_weight_names_the_tensor_and_blocks_generation_until_a_full_update(toy):
+    _, client = toy
+    with pytest.raises(EngineWeightError, match="'model.bogus.weight'") as e:
+        client.update_weights([[("w", torch.ones(4))], [("model.bogus.weight", torch.ones(4))]])
+    assert e.value.name == "model.bogus.weight"
+    with pytest.raises(EngineWeightError, match=r"shape \(5,\)"):
+        client.update_weights([[("w", torch.ones(5))]])
+    with pytest.raises(EngineError, match="mixed weights"):
+        client.submit([Request(id="y", prompt_ids=[1])])
+    client.update_weights([[("w", torch.zeros(4))]])
+    client.submit([Request(id="y", prompt_ids=[1])])
+    assert client.next_completion().id == "y"
+
+
+def test_update_refused_while_requests_run(tmp_path):
+    proc, client = start(tmp_path, step_delay_s=0.05)
+    try:
+        client.submit([Request(id="r", prompt_ids=[1], max_new_tokens=1000)])
+        with pytest.raises(EngineError, match="still running"):
+            client.update_weights([[("w", torch.ones(4))]])
+    finally:
+        proc.stop(client)
+
+
+def test_sleep_refuses_requests_until_wake(toy):
+    _, client = toy
+    client.sleep(2)
+    assert client.health()["sleeping"]
+    with pytest.raises(EngineError, match="asleep"):
+        client.submit([Request(id="s", prompt_ids=[1])])
+    client.wake()
+    client.submit([Request(id="s", prompt_ids=[1])])
+    assert client.next_completion().id == "s"
+
+
+def test_wrong_protocol_version_is_refused_at_connect(tmp_path):
+    sock = f"unix:{tmp_path}/old.sock"
+    code = ("import sys, nemo_dapo.engines.protocol as P; P.PROTOCOL_VERSION = 99; "
+            "from nemo_dapo.engines.server import main; sys.exit(main(sys.argv[1:]))")
+    proc = subprocess.Popen([sys.executable, "-c", code, "--engine", TOY, "--model", "-", "--address", sock],
+                            env={**os.environ, **ENV}, stderr=subprocess.DEVNULL)
+    try:
+        with pytest.raises(EngineError, match="protocol version mismatch: client speaks 1, .* speaks 99"):
+            EngineClient(sock, name="old", connect_timeout_s=60)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_unreachable_engine_is_a_clear_error_not_a_hang(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(EngineError, match="not reachable at unix:.*nobody.sock after 1 s"):
+        EngineClient(f"unix:{tmp_path}/nobody.sock", connect_timeout_s=1.0)
+    assert time.monotonic() - t0 < 10
+
+
+def test_engine_killed_mid_generation_raises_engine_died_promptly(tmp_path):
+    proc, client = start(tmp_path, step_delay_s=0.05)
+    client.submit([Request(id="r", prompt_ids=[1], max_new_tokens=100_000)])
+    time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(EngineDied, match="connection to engine 'toy' .* lost.*exit code -9"):
+        client.next_completion(timeout_s=30)
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(EngineDied):  # every later call fails the same way, at once
+        client.health()
+    proc.stop()
+
+
+def test_engine_crash_inside_step_is_reported_with_its_cause(tmp_path):
+    proc, client = start(tmp_path, fail_after_steps=3)
+    client.submit([Request(id="r", prompt_ids=[1], max_new_tokens=100)])
+    with pytest.raises(EngineDied, match="failed while generating: RuntimeError\\('toy engine crashed on purpose'"):
+        client.next_completion()
+    assert proc.proc.wait(timeout=10) == 1
+    proc.stop()
+
+
+def test_a_stuck_engine_times_out(tmp_path):
+    proc, client = start(tmp_path, step_delay_s=0.5)
+    try:
+        client.submit([Request(id="r", prompt_ids=[1], max_new_tokens=100)])
+        with pytest.raises(EngineError, match="no completion in 1 s"):
+            client.next_completion(timeout_s=1.0)
+    finally:
+        proc.stop(client)
+
+
+def test_generator_batch_and_stream_agree_and_stream_abort_counts_tokens(tmp_path):
+    proc, client = start(tmp_path, lengths=[3, 3, 3, 40])
+    try:
+        gen = EngineGenerator(client, eos_id=49, pad_id=0)
+        ids = torch.tensor([[0, 0, 7], [0, 8, 9]])
+        mask = (torch.arange(3) >= torch.tensor([[2], [1]])).long()
+        out = gen.generate(ids, mask, max_new_tokens=6, temperature=1.0, seed=5)
+        assert out.response_ids.shape[0] == 2 and out.logprobs is not None
+        assert torch.equal(out.response_mask.sum(-1), torch.tensor([3.0, 3.0]))
+        stream = gen.stream(ids, mask, n=2, max_new_tokens=50, seed=5)
+        first_k, first = next(iter(stream))
+        assert first.response_ids.shape[0] == 2
+        stream.abort()
+        assert stream.done and stream.aborted_requests == 1 and stream.aborted_tokens > 0
+        assert stream.generated_tokens == int(first.response_mask.sum()) + stream.aborted_tokens
+    finally:
+        proc.stop(client)
+
+
+def test_weight_buffer_roundtrip_of_mixed_dtypes_and_reuse():
+    buf = P.WeightBuffer()
+    tensors = [("a", torch.randn(3, 5)), ("b", torch.arange(7, dtype=torch.int64)),
+               ("c", torch.randn(2, 2).to(torch.bfloat16)), ("d", torch.zeros(0, 4))]
+    try:
+        name, specs = buf.pack(tensors)
+        peer = P.AttachedBuffer(name)
+        got = dict(peer.tensors(specs))
+        for n, t in tensors:
+            assert got[n].dtype == t.dtype and torch.equal(got[n], t)
+        del got
+        peer.close()
+        size = buf.size
+        assert buf.pack([("a", torch.ones(2))])[0] == name and buf.size == size  # reused, not re-allocated
+    finally:
+        buf.close()
