@@ -126,6 +126,7 @@ def main(argv: Optional[list] = None) -> int:
     from nemo_dapo.config import ConfigError
     from nemo_dapo.core.dynamic_sampling import BudgetExhausted
     from nemo_dapo.data.readers import DataFormatError
+    from nemo_dapo.engines.base import EngineError
 
     try:
         return args.run(args)
@@ -136,6 +137,9 @@ def main(argv: Optional[list] = None) -> int:
         print(f"nemo-dapo {args.command}: error: {e} (keys under algorithm.dynamic_sampling; the checkpoints are "
               "kept, so rerunning with a changed key resumes the run)", file=sys.stderr)
         return 3
+    except EngineError as e:
+        print(f"nemo-dapo {args.command}: rollout engine error: {e}", file=sys.stderr)
+        return 4
 
 
 if __name__ == "__main__":

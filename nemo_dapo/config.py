@@ -133,11 +133,27 @@ class RewardConfig:
 
 
 @dataclass
+class EngineServerConfig:
+    python: Optional[str] = MISSING
+    address: Optional[str] = MISSING
+    connect_timeout_s: float = MISSING
+    request_timeout_s: float = MISSING
+    bucket_mb: int = MISSING
+    max_batch_size: int = MISSING
+    sleep_level: int = MISSING
+    threads: int = MISSING
+
+
+@dataclass
 class RolloutConfig:
     max_new_tokens: int = MISSING
     processes: int = MISSING
     temperature: float = MISSING
     top_p: float = MISSING
+    engine: str = MISSING
+    streaming: bool = MISSING
+    on_filler_full: str = MISSING
+    server: EngineServerConfig = field(default_factory=EngineServerConfig)
 
 
 @dataclass
@@ -203,6 +219,9 @@ CHOICES = {
     "model.arch": ("llama", "qwen2"),
     "algorithm.agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
     "algorithm.dynamic_sampling.on_budget_exhausted": ("raise", "train_partial", "unbounded"),
+    "rollout.engine": ("inprocess", "local", "vllm"),
+    "rollout.on_filler_full": ("abort", "finish"),
+    "rollout.server.sleep_level": (0, 1, 2),
 }
 
 
@@ -221,8 +240,8 @@ def validate(cfg: Config) -> Config:
     positive = ("algorithm.group_size", "trainer.train_batch_size", "trainer.mini_batch_size", "trainer.ppo_epochs",
                 "trainer.keep_last", "trainer.save_every", "trainer.val_samples", "rollout.max_new_tokens",
                 "eval.n_samples", "eval.batch_size", "rollout.processes", "data.heldout_size", "data.train_size",
-                "reward.num_workers",
-                "algorithm.dynamic_sampling.max_gen_batches")
+                "reward.num_workers", "rollout.server.bucket_mb", "rollout.server.max_batch_size",
+                "rollout.server.threads", "algorithm.dynamic_sampling.max_gen_batches")
     for key in positive:
         if _get(cfg, key) < 1:
             raise ConfigError(f"config key '{key}' must be >= 1, got {_get(cfg, key)}")
@@ -248,6 +267,9 @@ def validate(cfg: Config) -> Config:
     if not 0 < r.top_p <= 1 or r.temperature < 0:
         raise ConfigError(f"config keys 'rollout.temperature'/'rollout.top_p' need temperature >= 0 and "
                           f"0 < top_p <= 1, got {r.temperature} / {r.top_p}")
+    if r.streaming and r.engine == "inprocess":
+        raise ConfigError("config key 'rollout.streaming' needs an engine server: set rollout.engine=local or "
+                          "rollout.engine=vllm (or rollout.streaming=false)")
     if cfg.data.task == "file" and not cfg.data.train_file:
         raise ConfigError("config key 'data.train_file' must name a verl/DAPO-Math parquet or jsonl file when "
                           "data.task=file")

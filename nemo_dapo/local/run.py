@@ -32,6 +32,7 @@ from nemo_dapo.core.loop_data import PromptSampler
 from nemo_dapo.core.loop_eval import EvalResult, evaluate
 from nemo_dapo.core.loss import make_loss_fn
 from nemo_dapo.core.reward import RuleReward
+from nemo_dapo.engines.base import EngineError
 from nemo_dapo.local.policy import LocalPolicy
 from nemo_dapo.local.run_data import build_prompt_sets
 from nemo_dapo.local.run_model import prepare_base_model
@@ -60,7 +61,8 @@ def loop_settings(cfg: Config) -> LoopSettings:
                         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, overlong_shaping=ov.enabled,
                         l_cache=ov.l_cache, l_max=ov.l_max, overlong_penalty_factor=ov.penalty_factor,
                         adv_eps=a.adv_eps, scale_by_std=a.scale_by_std,
-                        shuffle_minibatches=cfg.trainer.shuffle_minibatches, seed=cfg.seed)
+                        shuffle_minibatches=cfg.trainer.shuffle_minibatches, seed=cfg.seed,
+                        streaming=cfg.rollout.streaming, on_filler_full=cfg.rollout.on_filler_full)
 
 
 def build_filler(cfg: Config) -> BatchFiller:
@@ -95,8 +97,15 @@ class LocalRun:
         self.policy = LocalPolicy(self.model, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
                                   betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, grad_clip=cfg.optim.grad_clip,
                                   warmup_steps=cfg.optim.warmup_steps, micro_batch_size=t.micro_batch_size)
-        self.sampler = ParallelSampler(self.model, eos_id=self.tokenizer.eos_token_id,
-                                       pad_id=self.tokenizer.pad_token_id, processes=cfg.rollout.processes)
+        self.engine = None
+        if cfg.rollout.engine == "inprocess":
+            self.sampler = ParallelSampler(self.model, eos_id=self.tokenizer.eos_token_id,
+                                           pad_id=self.tokenizer.pad_token_id, processes=cfg.rollout.processes)
+        else:
+            from nemo_dapo.local.run_engine import EngineRollouts
+
+            self.engine = EngineRollouts(cfg, self.model, self.tokenizer, self.policy)
+            self.sampler = self.engine.generator
         self.reward = build_reward(cfg, self.tokenizer)
         self.loop = DAPOLoop(policy=self.policy, generator=self.sampler, reward_fn=self.reward,
                              loss_fn=build_loss(cfg), prompts=self.train_set, filler=build_filler(cfg),
@@ -115,7 +124,10 @@ class LocalRun:
                         indices=indices)
 
     def close(self) -> None:
-        self.sampler.close()
+        if self.engine is not None:
+            self.engine.close()
+        else:
+            self.sampler.close()
 
     def state_dict(self, base_eval: dict) -> dict:
         return {"loop": self.loop.state_dict(), "rng": rng_state(), "base_eval": base_eval,
@@ -217,7 +229,15 @@ def _train_steps(run: LocalRun, logger: RunLogger, base_eval: dict, t_start: flo
     t_rl = time.time()
     saved = run.step
     while not _stop_reason(run, t_rl):
-        metrics = run.loop.step()
+        try:
+            metrics = run.loop.step()
+        except EngineError as e:
+            # Nothing of the failed step is lost: the policy is untouched until generation ends, and the loop's
+            # state (prompts drawn, groups already scored) is saved as it stands; rerunning resumes from it.
+            save_checkpoint(_ckpt_dir(cfg), run.step, run.state_dict(base_eval), keep_last=t.keep_last)
+            raise EngineError(f"{e}\nrollout step {run.step + 1} stopped; checkpoint saved in {_ckpt_dir(cfg)}: "
+                              "start the engine again (or fix the cause above) and rerun the same command to "
+                              "resume") from e
         step, last = run.step, bool(_stop_reason(run, t_rl))
         if t.val_every and (step % t.val_every == 0 or last):
             metrics.update(run.evaluate(t.val_samples, t.val_problems).summary("val/"))

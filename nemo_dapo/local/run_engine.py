@@ -1,0 +1,62 @@
+"""The CPU job's rollouts through an engine server (``rollout.engine: local | vllm``) instead of the in-process sampler.
+
+The trainer writes its current model once as a Hugging Face directory (``run_dir/engine_model``, what the engine
+loads at start), starts ``python -m nemo_dapo.engines.server`` with the configured interpreter (the vLLM engine
+lives in a venv of its own), connects, and pushes its weights in memory after every update. The socket lives in a
+short private directory (Unix socket paths are limited to ~100 characters).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+
+from nemo_dapo.config import Config
+from nemo_dapo.engines.client import EngineClient, EngineProcess
+from nemo_dapo.engines.generator import EngineGenerator
+
+log = logging.getLogger("nemo_dapo")
+
+
+class EngineRollouts:
+    """Owns the engine process (when the trainer starts it) and the client; ``generator`` is the loop's."""
+
+    def __init__(self, cfg: Config, model, tokenizer, policy):
+        srv, engine = cfg.rollout.server, cfg.rollout.engine
+        self.proc, self._sock_dir = None, None
+        address = srv.address
+        if address is None:
+            model_dir = os.path.join(os.path.abspath(cfg.run_dir), "engine_model")
+            _save_hf(model, tokenizer, model_dir)
+            self._sock_dir = tempfile.mkdtemp(prefix="nemo-dapo-")
+            address = f"unix:{self._sock_dir}/engine.sock"
+            options = {"max_batch_size": srv.max_batch_size}
+            if engine == "vllm":
+                options["seed"] = cfg.seed
+            self.proc = EngineProcess(engine=engine, model_dir=model_dir, address=address, python=srv.python,
+                                      options=options, threads=srv.threads,
+                                      log_path=os.path.join(cfg.run_dir, f"engine-{engine}.log"))
+        self.client = EngineClient(address, name=engine, connect_timeout_s=srv.connect_timeout_s,
+                                   request_timeout_s=srv.request_timeout_s, process=self.proc)
+        log.info("rollouts through engine %s at %s (%s)", engine, address, self.client.info)
+        self.generator = EngineGenerator(self.client, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+                                         bucket_bytes=srv.bucket_mb << 20, sleep_level=srv.sleep_level)
+        self.generator.update_weights(policy)  # resumed or not, the engine starts from the trainer's weights
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stop(self.client if self.client.alive else None)
+        else:
+            self.client.close()
+        if self._sock_dir:
+            shutil.rmtree(self._sock_dir, ignore_errors=True)
+
+
+def _save_hf(model, tokenizer, directory: str) -> None:
+    tmp = directory + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(directory, ignore_errors=True)
+    os.replace(tmp, directory)

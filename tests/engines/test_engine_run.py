@@ -1,0 +1,88 @@
+"""The CPU job with rollouts through the local engine server: weights reach the engine every step, and an engine
+killed mid-run ends the run with a clear error and a checkpoint that the next run resumes from."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from nemo_dapo.core.types import RolloutBatch
+from nemo_dapo.logging import read_metrics
+from tests.local.test_run import TINY, base_dir, tiny_cfg  # noqa: F401 - base_dir is a fixture
+
+pytestmark = pytest.mark.slow
+ENGINE = ["rollout.engine=local", "rollout.streaming=true", "algorithm.dynamic_sampling.enabled=true",
+          "algorithm.dynamic_sampling.max_gen_batches=2"]
+
+
+def _engine_vs_trainer(run, seed: int) -> tuple:
+    """Sample a completion from the engine; return (engine log-probs, trainer log-probs) of its tokens [B, R]."""
+    ids, mask = run.train_set.collate([0, 1, 2])
+    out = run.sampler.generate(ids, mask, max_new_tokens=8, temperature=1.0, seed=seed)
+    batch = RolloutBatch(prompt_ids=ids, prompt_mask=mask, response_ids=out.response_ids,
+                         response_mask=out.response_mask, group_ids=torch.arange(3), truncated=out.truncated)
+    trainer, _ = run.policy.logprobs(batch)
+    return out.logprobs, trainer, batch
+
+
+def test_engine_weights_follow_the_trainer_every_step(tmp_path, base_dir):  # noqa: F811
+    from nemo_dapo.local.run import LocalRun
+
+    # Dynamic sampling off, so every step trains and refits. The toy base's rewards are nearly all equal (its
+    # advantages ~0), so each step's weight change is forced by perturbing the weights before it: the engine must
+    # show them after the step, which only the loop's refit can bring about.
+    cfg = tiny_cfg(str(tmp_path), f"model.path={base_dir}", *ENGINE, "algorithm.dynamic_sampling.enabled=false")
+    run = LocalRun(cfg)
+    try:
+        engine_lp, trainer_lp, batch = _engine_vs_trainer(run, seed=1)
+        valid = batch.response_mask > 0
+        assert (engine_lp - trainer_lp)[valid].abs().max() < 1e-4  # same weights, same numerics (fp32)
+        for k in range(2):
+            with torch.no_grad():
+                for p in run.model.parameters():
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(k)) * 0.05)
+            m = run.loop.step()
+            assert m.get("actor/updates", 0) > 0, "the step must train, or this test proves nothing"
+            stale, _ = run.policy.logprobs(batch)  # the trainer's NEW log-probs of the OLD completion ...
+            assert (stale - trainer_lp)[valid].abs().max() > 1e-3  # ... moved: the weights changed
+            engine_lp, trainer_lp, batch = _engine_vs_trainer(run, seed=1)
+            valid = batch.response_mask > 0
+            assert (engine_lp - trainer_lp)[valid].abs().max() < 1e-4  # the engine has the new weights
+        assert run.sampler.last_update["tensors"] == len(run.model.state_dict())
+    finally:
+        run.close()
+
+
+def _train_cmd(run_dir, base, steps):
+    return [sys.executable, "-m", "nemo_dapo.cli", "train", *TINY, f"run_dir={run_dir}", f"model.path={base}",
+            *ENGINE, f"trainer.max_steps={steps}", "rollout.server.request_timeout_s=30"]
+
+
+def test_engine_killed_mid_run_gives_a_clear_error_and_a_resumable_checkpoint(tmp_path, base_dir):  # noqa: F811
+    run_dir = str(tmp_path / "run")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(_train_cmd(run_dir, base_dir, 10_000), stderr=subprocess.PIPE, text=True, env=env)
+    engine_pid, lines = None, []
+    for line in proc.stderr:
+        lines.append(line)
+        found = re.search(r"started engine local \(pid (\d+)\)", line)
+        engine_pid = int(found.group(1)) if found else engine_pid
+        if engine_pid and re.search(r"step [3-9]/", line):
+            break
+    assert engine_pid, "".join(lines)
+    os.kill(engine_pid, signal.SIGKILL)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=60) == 4, rest
+    assert "rollout engine error" in rest and "engine 'local'" in rest and "rerun the same command" in rest, rest
+    done = max(r["step"] for r in read_metrics(run_dir, "train"))
+    assert os.path.isfile(os.path.join(run_dir, "checkpoints", f"step_{done:08d}.pt"))
+    # The same command with a live engine resumes after the last finished step.
+    again = subprocess.run(_train_cmd(run_dir, base_dir, done + 1), capture_output=True, text=True, env=env,
+                           timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"rollout step {done})" in again.stderr and "resumed from" in again.stderr
+    assert [r["step"] for r in read_metrics(run_dir, "train")][-1] == done + 1

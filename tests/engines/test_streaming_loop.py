@@ -1,0 +1,57 @@
+"""Streaming dynamic sampling: the shared step loop over a real engine server process (toy engine, fake policy)."""
+import pytest
+import torch
+
+from nemo_dapo.engines.generator import EngineGenerator
+from tests.core.test_loop import FakePolicy, make_loop
+from tests.engines.test_protocol import start
+
+# Sample j of the k-th request stops after LENGTHS[(k + j) % 8] tokens: most short, a few at the cap.
+LENGTHS = [3, 3, 4, 3, 5, 3, 4, 40]
+
+
+class WeightedFakePolicy(FakePolicy):
+    """The fake policy plus the one weight of the toy engine, so that every step pushes a real update."""
+
+    def hf_weight_buckets(self, bucket_bytes):
+        yield [("w", torch.zeros(4))]
+
+
+@pytest.fixture
+def engine(tmp_path):
+    proc, client = start(tmp_path, lengths=LENGTHS, step_delay_s=0.002)
+    yield client
+    proc.stop(client)
+
+
+def loop_over(client, **kw):
+    policy = WeightedFakePolicy()
+    gen = EngineGenerator(client, eos_id=49, pad_id=0, sleep_level=1)
+    return make_loop(generator=gen, policy=policy, ds=True, groups=4, group_size=4, mini=8, max_new_tokens=40,
+                     streaming=True, **kw)
+
+
+def test_abort_once_full_trains_on_the_first_finished_groups_and_counts_the_waste(engine):
+    loop = loop_over(engine, on_filler_full="abort")
+    m = loop.step()
+    assert m["filter/trained_groups"] == 4 and m["train/batch_samples"] == 16
+    assert m["rollout/aborted_requests"] > 0 and m["rollout/aborted_tokens"] > 0
+    assert m["rollout/generated_tokens"] == m["response/tokens"] + m["rollout/aborted_tokens"]
+    assert m["counters/aborted_tokens"] == m["rollout/aborted_tokens"]
+    assert 0 < m["timing/to_last_needed_s"] <= m["timing/step_s"]
+    assert engine.health()["running"] == 0  # nothing left behind in the engine
+    m2 = loop.step()  # the next step starts clean: late completions of aborted requests never leak into it
+    assert m2["filter/trained_groups"] == 4
+
+
+def test_finish_policy_lets_running_groups_complete_into_the_carry_over(engine):
+    loop = loop_over(engine, on_filler_full="finish")
+    m = loop.step()
+    assert m["rollout/aborted_requests"] == 0 and m["rollout/aborted_tokens"] == 0
+    assert m["filter/trained_groups"] == 4 and m["filter/carried"] + m["filter/discarded"] > 0
+    assert m["timing/to_last_needed_s"] < m["timing/step_s"]
+
+
+def test_streaming_needs_a_stream_capable_generator():
+    with pytest.raises(ValueError, match="streaming dynamic sampling needs a generator with stream"):
+        make_loop(streaming=True)
