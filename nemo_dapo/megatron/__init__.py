@@ -7,6 +7,7 @@ Modules (import them directly; this package imports nothing so that ``import nem
                       ``DPReducer`` (the loop's Reducer over the data-parallel group)
 * ``policy``          ``MegatronPolicy``: the core ``Policy`` protocol on a GPTModel (TP, PP, EP, DP)
 * ``refit_gather``    expert-aware, bucketed weight gather for a rollout engine with its own TP size
+* ``refit_hf``        the whole model as bounded buckets of (HF name, tensor) for an engine's weight update
 * ``model``           a small GPTModel from a plain ``GPTSpec``; the sharded <-> full parameter map
 * ``convert``         Hugging Face Llama / Qwen2 / Mixtral / Qwen2-MoE <-> megatron-core state dicts (torch only)
 * ``convert_shard``   TP / PP / EP sharding and merging of converted state dicts (torch only)

@@ -36,8 +36,10 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from nemo_dapo.core.loss import METRIC_REDUCTION
 from nemo_dapo.core.types import RolloutBatch
+from nemo_dapo.megatron.convert import hf_arch
 from nemo_dapo.megatron.model import unwrap
 from nemo_dapo.megatron.reduction import megatron_loss_scale, scale_for_schedule
+from nemo_dapo.megatron.refit_hf import hf_weight_buckets, layer_spec_name
 from nemo_dapo.megatron.vocab_parallel import vocab_parallel_logprobs_entropy
 
 
@@ -125,11 +127,13 @@ class MegatronPolicy:
     itself) or a megatron ``MegatronOptimizer`` built over the DDP model (it clips with its own config).
     ``micro_batch_size``: rows per micro-batch. ``max_grad_norm``: global gradient-norm clip (None: off).
     ``temperature``: logits are divided by it (use the sampling temperature). ``chunk_size``: tokens per chunk
-    of the fused log-prob/entropy.
+    of the fused log-prob/entropy. ``hf_config``: the Hugging Face config the model was built from (see
+    ``convert_build``), needed only by :meth:`hf_weight_buckets`; ``hf_spec``: its layer spec for the name map
+    (``"local"`` / ``"te"``; default: read from the model's parameter names).
     """
 
     def __init__(self, model, optimizer, *, micro_batch_size: int, max_grad_norm: Optional[float] = 1.0,
-                 temperature: float = 1.0, chunk_size: int = 1024):
+                 temperature: float = 1.0, chunk_size: int = 1024, hf_config=None, hf_spec: Optional[str] = None):
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         if parallel_state.get_virtual_pipeline_model_parallel_world_size() not in (None, 1):
@@ -147,6 +151,11 @@ class MegatronPolicy:
         self.temperature, self.chunk_size = float(temperature), int(chunk_size)
         self.device = next(inner.parameters()).device
         self._megatron_optimizer = isinstance(optimizer, MegatronOptimizer)
+        self.hf_config = hf_config
+        if hf_config is not None:
+            hf_arch(hf_config)  # refuse an unsupported family now, not at the first refit
+            hf_spec = hf_spec or layer_spec_name(inner)
+        self.hf_spec = hf_spec
 
     # ---- batching ------------------------------------------------------------------------------------------------
     def _microbatches(self, batch: Optional[RolloutBatch]) -> tuple:
@@ -315,6 +324,18 @@ class MegatronPolicy:
         self.optimizer.zero_grad()
         for p in self.inner.parameters():
             p.grad = None
+
+    # ---- refit -----------------------------------------------------------------------------------------------------
+    def hf_weight_buckets(self, bucket_bytes: int, *, dtype: Optional[torch.dtype] = None, stats=None):
+        """The whole model as buckets ``[(HF name, tensor), ...]`` of at most ``bucket_bytes`` for a rollout engine's
+        weight update (``refit_hf.hf_weight_buckets``): EVERY rank must call it and consume it to the end; every
+        rank receives the full model (no engine-TP cut). No tensor aliases a parameter: training may go on once a
+        bucket is consumed. Needs ``hf_config`` at construction."""
+        if self.hf_config is None:
+            raise ValueError("MegatronPolicy.hf_weight_buckets needs the model's Hugging Face config: construct the "
+                             "policy with hf_config=... (the config convert_build built the model from)")
+        return hf_weight_buckets(self.model, self.hf_config, bucket_bytes=bucket_bytes, spec=self.hf_spec,
+                                 dtype=dtype, stats=stats)
 
     # ---- state -----------------------------------------------------------------------------------------------------
     def _layout(self) -> dict:

@@ -1,0 +1,227 @@
+"""HF-named refit stream (refit_hf): the re-bucketing of a converted state dict (fast, one process) and
+``hf_weight_buckets`` on sharded models under TP=2, PP=2 and EP=2 (slow: tests/megatron/workers/refit_hf_worker.py,
+one torchrun for every layout and family)."""
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the HF refit tests compare against transformers' models")
+
+from nemo_dapo.megatron.convert import hf_to_megatron, megatron_to_hf  # noqa: E402
+from nemo_dapo.megatron.refit_gather import RefitStats  # noqa: E402
+from nemo_dapo.megatron.refit_hf import hf_buckets  # noqa: E402
+from tests.megatron.workers.convert_models import PADDED_VOCAB, configs, randomize_, tiny_model  # noqa: E402
+from tests.support.dist import run_torchrun  # noqa: E402
+
+WORKER = Path(__file__).parent / "workers" / "refit_hf_worker.py"
+FAMILIES = ("llama", "qwen2", "mixtral", "qwen2_moe")
+CASES = [f"tp2/{f}" for f in FAMILIES] + [f"pp2/{f}" for f in FAMILIES] + ["ep2/mixtral", "ep2/qwen2_moe"]
+LAYOUTS = ("tp2", "pp2", "ep2")
+
+
+@lru_cache(maxsize=None)
+def checkpoint(family):
+    state = {n: t.detach().clone() for n, t in tiny_model(family).state_dict().items()}
+    if configs()[family].tie_word_embeddings:
+        state.pop("lm_head.weight")
+    return state
+
+
+def megatron_full(family):
+    return hf_to_megatron(checkpoint(family), configs()[family], padded_vocab=PADDED_VOCAB)
+
+
+def join(buckets, bucket_bytes):
+    out, sizes = {}, []
+    for b in buckets:
+        size = sum(t.numel() * t.element_size() for _, t in b)
+        assert size <= bucket_bytes or len(b) == 1, (size, [n for n, _ in b])
+        sizes.append(size)
+        for name, t in b:
+            assert name not in out, name
+            out[name] = t
+    return out, sizes
+
+
+def assert_same(got, want):
+    assert sorted(got) == sorted(want)
+    for n in want:
+        assert got[n].shape == want[n].shape and got[n].dtype == want[n].dtype, n
+        assert torch.equal(got[n], want[n]), n
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# re-bucketing, one process
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bucket_bytes", [1, 3000, 20_000, 1 << 30])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_buckets_rebuild_the_hf_checkpoint_within_the_bound(family, bucket_bytes):
+    cfg, full = configs()[family], megatron_full(family)
+    stats = RefitStats()
+    got, sizes = join(hf_buckets(iter(full.items()), cfg, bucket_bytes=bucket_bytes, stats=stats), bucket_bytes)
+    assert_same(got, checkpoint(family))
+    assert_same(got, megatron_to_hf(full, cfg))  # the converter's own names and tensors
+    assert stats.buckets == len(sizes) and stats.bytes == sum(sizes)
+    assert stats.peak_buffered_bytes <= bucket_bytes + stats.max_tensor_bytes
+    if bucket_bytes == 1 << 30:
+        assert len(sizes) == 1
+    elif bucket_bytes == 3000:
+        assert len(sizes) > 10 and max(sizes) > bucket_bytes  # several buckets, some tensors alone
+
+
+def test_small_views_are_copied_and_large_ones_sent_alone():
+    """A piece cut from a bigger tensor (vocabulary rows, gate/up halves) must not pin its parent once it shares
+    a bucket; one larger than the bucket goes alone as a view (no copy)."""
+    cfg, full = configs()["qwen2"], megatron_full("qwen2")
+    for bucket_bytes in (1 << 30, 1):
+        for bucket in hf_buckets(iter(full.items()), cfg, bucket_bytes=bucket_bytes):
+            for name, t in bucket:
+                owns = t.untyped_storage().nbytes() == t.numel() * t.element_size()
+                assert owns or len(bucket) == 1, (bucket_bytes, name)
+                if bucket_bytes == 1 and name == "model.embed_tokens.weight":
+                    assert not owns  # the padded embedding cut to 250 rows, not copied
+
+
+def test_qkv_is_split_one_piece_at_a_time_like_the_converter():
+    """q, k and v (weights and biases) equal ``split_qkv``'s with several query groups and with one (where a piece
+    is a plain slice of the fused tensor); in a shared bucket each owns its storage, alone it may be a view."""
+    from transformers import AutoModelForCausalLM
+
+    one_group = type(configs()["qwen2"])(**{**configs()["qwen2"].to_dict(), "num_key_value_heads": 1})
+    for cfg in (configs()["qwen2"], one_group):
+        hf = randomize_(AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32), 3).state_dict()
+        full = hf_to_megatron(hf, cfg, padded_vocab=PADDED_VOCAB)
+        want = megatron_to_hf(full, cfg)
+        for bucket_bytes in (1, 1 << 30):
+            got, _ = join(hf_buckets(iter(full.items()), cfg, bucket_bytes=bucket_bytes), bucket_bytes)
+            for p in "qkv":
+                for kind in ("weight", "bias"):
+                    n = f"model.layers.1.self_attn.{p}_proj.{kind}"
+                    assert torch.equal(got[n], want[n]) and got[n].is_contiguous(), n
+                    owns = got[n].untyped_storage().nbytes() == got[n].numel() * got[n].element_size()
+                    assert owns or bucket_bytes == 1, n
+
+
+def test_wrong_or_incomplete_streams_are_refused():
+    cfg, full = configs()["mixtral"], megatron_full("mixtral")
+    with pytest.raises(KeyError, match="not a tensor of the mixtral map"):
+        list(hf_buckets(iter([("decoder.layers.9.mlp.router.weight", torch.zeros(4, 32))]), cfg, bucket_bytes=64))
+    partial = [(n, t) for n, t in full.items() if ".experts.local_experts.3." not in n]
+    with pytest.raises(ValueError, match="never came"):
+        list(hf_buckets(iter(partial), cfg, bucket_bytes=1 << 20))
+    twice = list(full.items())[:3] + list(full.items())[:1]
+    with pytest.raises(ValueError, match="came twice"):
+        list(hf_buckets(iter(twice), cfg, bucket_bytes=1 << 20))
+    with pytest.raises(KeyError, match="spec"):  # TE names against the local map
+        te = [("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", torch.ones(32))]
+        list(hf_buckets(iter(te), cfg, bucket_bytes=64))
+
+
+def test_consumed_inputs_are_released_before_the_next_is_pulled():
+    """The input stream's tensors must not be referenced by the generator once their pieces left (a lazy gather
+    would otherwise hold two gathered tensors)."""
+    import weakref
+
+    cfg, full = configs()["qwen2"], megatron_full("qwen2")
+    refs = []
+
+    def stream():
+        for name, t in full.items():
+            t = t.clone()  # the only reference is the one handed over
+            refs.append((name, weakref.ref(t)))
+            yield name, t
+            del t
+            alive = [n for n, r in refs if r() is not None]
+            assert not alive, alive  # consumer drops its buckets: nothing may survive, this one included
+
+    for bucket in hf_buckets(stream(), cfg, bucket_bytes=1):
+        del bucket
+
+
+def test_gather_buckets_are_emptied_as_they_are_taken():
+    """``iter_refit_buckets`` keeps its bucket list until resumed; the adaptor must empty it so that a tensor the
+    converter has finished with is freed before the next gather starts."""
+    import weakref
+
+    from nemo_dapo.megatron.refit_hf import _one_at_a_time
+
+    refs = []
+
+    def gather():
+        for i in range(3):
+            bucket = [(f"t{i}", torch.zeros(4))]
+            refs.append(weakref.ref(bucket[0][1]))
+            yield bucket  # held here, as iter_refit_buckets does
+            assert all(r() is None for r in refs), i  # resumed: the consumer dropped the previous tensor
+
+    for name, t in _one_at_a_time(gather()):
+        del t
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# hf_weight_buckets on sharded models (torchrun)
+# ---------------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("refit_hf")
+    run_torchrun(WORKER, nproc=2, out_dir=out)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_stream_equals_the_hf_state_dict_on_every_rank(results, case):
+    for rank, res in enumerate(results):
+        r = res[case]
+        for stream in ("small", "huge", "bf16"):
+            s = r[stream]
+            assert s["exact"] and s["duplicates"] == 0, (case, rank, stream, s["cmp"])
+            assert s["stats_bytes"] == s["want_bytes"], (case, rank, stream)
+        assert r["after_mutation"], (case, rank)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_buckets_respect_the_bound(results, case):
+    for rank, res in enumerate(results):
+        r = res[case]
+        for stream in ("small", "bf16"):
+            s = r[stream]
+            assert s["bucket_ok"], (case, rank, stream, s)  # <= bucket bytes, or a single oversized tensor
+            assert s["buckets"] > 5 and s["oversized"] > 0, (case, rank, stream, s)
+            assert s["peak"] <= s["bound"], (case, rank, stream, s)  # pending bucket + one gathered tensor
+            assert s["stats_buckets"] == s["buckets"]
+        assert r["huge"]["buckets"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_yielded_tensors_do_not_alias_the_model(results, case):
+    for rank, res in enumerate(results):
+        assert res[case]["no_alias"], (case, rank)
+        assert res[case]["model_unchanged"], (case, rank)  # every yielded tensor was overwritten in place
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_perturbed_shard_shows_in_exactly_its_hf_tensors(results, layout):
+    """Negative control: the comparison sees a change of one shard on one rank, on both ranks, in exactly the HF
+    tensors made from it (QKV bias of TP rank 1; layer 2 on PP stage 1; expert 2 = EP rank 1's local expert 0)."""
+    for rank, res in enumerate(results):
+        r = res[f"perturb/{layout}"]
+        assert r["wrong_value"] == r["expected"] and r["other"], (layout, rank, r)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_policy_method_streams_the_same_weights(results, layout):
+    for rank, res in enumerate(results):
+        (key,) = [k for k in res if k.startswith(f"policy/{layout}/")]
+        r = res[key]
+        assert r["exact"] and r["bucket_ok"] and r["no_alias"] and r["duplicates"] == 0, (key, rank, r)
+        assert r["spec"] == "local" and r["buckets"] > 5
