@@ -23,6 +23,7 @@ BUDGET_POLICIES = ("raise", "train_partial", "unbounded")
 VERIFIERS = ("dapo", "tolerant", "math_verify")  # the CPU path's reward.verifier choices (nemo_dapo/config.py)
 DATA_FORMATS = ("dapo_math", "verl", "aime2024", "aime2025", "math500", "gsm8k")  # nemo_dapo.data.readers.READERS
 DISTRIBUTED_OPTIMIZERS = ("distributed_fused_adam", "mcore_distributed_optim")
+ROLLOUT_ENGINES = ("legacy", "trtllm", "vllm", "local")  # trainer.dapo.rollout_engine (engine-server names)
 
 REPO_CONF = Path(__file__).resolve().parents[2] / "conf"
 PACKAGE_CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -266,6 +267,12 @@ def _gen_batches(cfg: dict, prompts: int, dp_gen: int):
                    f"trainer.dapo.trt_llm.reshard); fix: make it a multiple of {dp_gen}")
 
 
+def _rollout_engine(cfg: dict, s: dict):
+    engine = select(cfg, "trainer.dapo.rollout_engine")
+    if engine not in ROLLOUT_ENGINES:
+        yield f"trainer.dapo.rollout_engine={engine!r} must be one of {ROLLOUT_ENGINES}"
+
+
 def _dynamic_sampling(cfg: dict, s: dict):
     ds = "trainer.dapo.dynamic_sampling"
     policy = select(cfg, f"{ds}.on_budget_exhausted", "raise")
@@ -363,8 +370,8 @@ def _arch_agrees(cfg: dict, s: dict):
                    "model; fix plan.arch (it only feeds `nemo-dapo plan` and these checks)")
 
 
-RULES = (_layout, _experts, _optimizer, _batches, _dynamic_sampling, _lengths, _loss, _sampling, _reward, _data,
-         _arch_agrees)
+RULES = (_layout, _experts, _optimizer, _batches, _rollout_engine, _dynamic_sampling, _lengths, _loss, _sampling,
+         _reward, _data, _arch_agrees)
 
 
 def check_config(cfg) -> list[str]:

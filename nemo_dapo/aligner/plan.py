@@ -15,11 +15,13 @@ or torch, so ``nemo-dapo plan`` runs anywhere. The formulas follow the project's
 * TRT-LLM engine per GPU: bf16 weights / (gen TP x gen PP); KV cache 2 x layers x KV heads x head dim x 2 bytes per
   token, with the KV heads of a GPU = ceil(groups / gen TP) (heads are replicated when TP exceeds them), reserved
   for batch x (max input + max generation) tokens because a static batch must be able to run to the cap.
-* Decode: each step of a static batch reads the engine weights and the batch's KV; a step costs
-  max(latency floor, bytes / (eta x HBM bandwidth), FLOPs / (0.5 x peak)) per pipeline stage, stages in sequence.
-  NeMo-Aligner's engine batches statically (ModelRunner, no in-flight batching), so every batch runs until its
-  longest sample ends. The in-flight figure is the bandwidth/compute ceiling min(eta BW / (KV/token x context),
-  0.5 peak / FLOPs/token) per GPU, for comparison.
+* Decode: a step of one engine at batch b costs max(latency floor, bytes / (eta x HBM bandwidth), FLOPs / (0.5 x
+  peak)) per pipeline stage, stages in sequence; bytes = engine weights (for MoE only the experts a batch touches)
+  + b x context x KV/token. Generation time comes from ONE response-length model (mean, share truncated at the
+  cap, the rest a truncated exponential) for three engines: static batches (the legacy NeMo-Aligner path: each
+  batch waits for its longest sample), in-flight batching (throughput of the same KV pool, plus the long tail) and
+  streaming with early stop (the dynamic-sampling filler aborts what it no longer needs); formulas in
+  ``nemo_dapo/aligner/plan_generation.py``. ``trainer.dapo.rollout_engine`` says which one the run uses.
 * Training FLOPs per token: old log-prob 2N, update 8N (forward 2N + backward 4N + recompute 2N), N = active params,
   plus causal attention 4 L heads d (S / 2) per forward; time = FLOPs / (GPUs x peak x HFU).
 Lines marked GUESS in ``DEFAULT_ASSUMPTIONS`` are judgement calls; override them under ``plan.assume``.
@@ -31,6 +33,10 @@ import sys
 import textwrap
 from dataclasses import dataclass
 from typing import Optional
+
+from nemo_dapo.aligner.plan_generation import (ENGINE_MODEL, MODEL_LABELS, ResponseLengths, decode_step_seconds,
+                                              engine_memory, format_generation, generation_times,
+                                              inflight_tokens_per_s_per_gpu, needed_fraction)
 
 GB = 1e9
 KIB = 1024
@@ -55,6 +61,7 @@ DEFAULT_ASSUMPTIONS = {
     "mean_response_tokens": 6000,  # GUESS: mid-run mean response length
     "truncated_fraction": 0.05,  # GUESS: share of responses that hit the generation cap
     "oversample": 3.0,  # generated groups per kept group (the reference's 3x generation batch)
+    "pass_rate": None,  # None: trainer.dapo.dynamic_sampling.prior_pass_rate (share of groups the filler keeps)
     "hfu": None,  # None: 0.40 dense / 0.25 MoE on H100, 0.42 / 0.27 on H20 (mid of SCALE.md 3.3 ranges)
     "decode_efficiency": 0.75,  # eta: achieved fraction of HBM bandwidth while decoding
     "decode_step_floor_ms": None,  # None: 10 ms dense, 25 ms MoE (GUESS: per-token latency of one engine)
@@ -186,43 +193,6 @@ def training_memory(arch: Arch, layout: Layout, *, seq_tokens: int, in_flight: i
             "activations": activations, "logits": logits}
 
 
-def engine_memory(arch: Arch, *, gen_tp: int, gen_pp: int, batch: int, max_seq: int) -> dict:
-    """Bytes per GPU of a TRT-LLM engine: bf16 weights, and KV cache for ``batch`` sequences of ``max_seq`` tokens."""
-    kv_heads = math.ceil(arch.num_query_groups / gen_tp)
-    kv_per_token = arch.kv_bytes_per_token(layers=math.ceil(arch.num_layers / gen_pp), kv_heads=kv_heads)
-    return {"engine_weights": 2 * arch.total_params() / (gen_tp * gen_pp),
-            "kv_cache": batch * max_seq * kv_per_token, "kv_per_token": kv_per_token}
-
-
-def expected_batch_length(batch: int, *, l_max: int, mean_response: float, truncated_fraction: float) -> float:
-    """Decode steps of one static batch = its longest response: the cap if any sample is truncated, else ~3x mean
-    (GUESS for the longest of the untruncated)."""
-    p_cap = 1.0 - (1.0 - truncated_fraction) ** batch
-    return p_cap * l_max + (1.0 - p_cap) * min(l_max, 3.0 * mean_response)
-
-
-def decode_step_seconds(arch: Arch, gpu: Gpu, *, gen_tp: int, gen_pp: int, batch: int, context: float,
-                        efficiency: float, floor_s: float) -> float:
-    """Seconds per decode step of one static batch: stages in sequence, each bandwidth- or compute-bound."""
-    eng = engine_memory(arch, gen_tp=gen_tp, gen_pp=gen_pp, batch=batch, max_seq=1)
-    weights = eng["engine_weights"]
-    if arch.is_moe:  # a batch touches 1 - (1 - k/E)^batch of the experts of each layer
-        touched = 1.0 - (1.0 - arch.moe_router_topk / arch.num_moe_experts) ** batch
-        expert_bytes = 2 * arch.num_layers * arch.expert_layer_params() / (gen_tp * gen_pp)
-        weights -= expert_bytes * (1.0 - touched)
-    stage_bytes = weights + batch * context * eng["kv_per_token"]
-    flops = batch * (2 * arch.active_params() + arch.attention_flops_per_token(2 * context)) / (gen_tp * gen_pp)
-    stage = max(stage_bytes / (efficiency * gpu.hbm_tb_s * 1e12), flops / (0.5 * gpu.bf16_tflops * 1e12))
-    return max(floor_s, gen_pp * stage)
-
-
-def inflight_tokens_per_s_per_gpu(arch: Arch, gpu: Gpu, *, context: float, efficiency: float) -> float:
-    """Decode ceiling of an in-flight-batching engine with a full KV pool (weight reads amortised)."""
-    bandwidth = efficiency * gpu.hbm_tb_s * 1e12 / (arch.kv_bytes_per_token() * context)
-    compute = 0.5 * gpu.bf16_tflops * 1e12 / (2 * arch.active_params() + arch.attention_flops_per_token(2 * context))
-    return min(bandwidth, compute)
-
-
 def default_hfu(arch: Arch, gpu_key: str) -> float:
     if gpu_key == "h20":
         return 0.27 if arch.is_moe else 0.42
@@ -280,6 +250,9 @@ def make_plan(cfg: dict) -> dict:
     layout = Layout(world=s["world"], tp=s["tp"], pp=s["pp"], cp=s["cp"], ep=s["ep"],
                     sequence_parallel=bool(select(cfg, "model.sequence_parallel", False)))
     phases, gen = _memory_phases(cfg, arch, layout, a)
+    if gen["engine"] not in ENGINE_MODEL:
+        raise PlanError(f"trainer.dapo.rollout_engine={gen['engine']!r}: `nemo-dapo plan` models "
+                        f"{sorted(ENGINE_MODEL)} ('local', the project's small-model engine, is not sized here)")
     budget = a["usable_fraction"] * gpu.memory_gb * GB
     plan = {"gpu": gpu, "gpu_key": gpu_key, "arch": arch, "layout": layout, "assume": a, "phases": phases,
             "budget": budget, "fits": all(sum(p.values()) <= budget for p in phases.values()), "gen": gen}
@@ -300,6 +273,7 @@ def _memory_phases(cfg: dict, arch: Arch, layout: Layout, a: dict) -> tuple:
                             grad_bytes=2 if select(cfg, "model.optim.grad_sync_dtype") in ("bf16", "fp16") else 4)
     trt = select(cfg, "trainer.dapo.trt_llm", {})
     gen = {"tp": layout.tp, "pp": 1 if trt.get("reshard") else layout.pp, "trt": bool(trt.get("enable")),
+           "engine": _need(select(cfg, "trainer.dapo.rollout_engine"), "trainer.dapo.rollout_engine"),
            "batch": select(cfg, "model.dapo.rollout_micro_batch_size"),
            "max_seq": trt.get("max_input_len", 0) + select(cfg, "model.dapo.length_params.max_length"),
            # NeMo-Aligner offloads only apex distributed-Adam states while generating
@@ -318,34 +292,55 @@ def _memory_phases(cfg: dict, arch: Arch, layout: Layout, a: dict) -> tuple:
     return phases, gen
 
 
+def _response_lengths(a: dict, l_max: int) -> ResponseLengths:
+    try:
+        return ResponseLengths(l_max, min(a["mean_response_tokens"], l_max), a["truncated_fraction"])
+    except ValueError as e:
+        raise PlanError(f"plan.assume.mean_response_tokens / truncated_fraction: {e}") from None
+
+
+def _generation(cfg: dict, plan: dict, *, generated: float, l_max: int, oversample: float) -> dict:
+    """Generation seconds of the three engine models (plan_generation.py) and the figures behind them."""
+    from nemo_dapo.aligner.config_validate import select
+
+    arch, gpu, a, g = plan["arch"], plan["gpu"], plan["assume"], plan["gen"]
+    lengths, prompt = _response_lengths(a, l_max), a["mean_prompt_tokens"]
+    t = {"lengths": lengths, "generation": None, "gen": None,
+         "ceiling": inflight_tokens_per_s_per_gpu(arch, gpu, context=lengths.mean_context(1, prompt),
+                                                  efficiency=a["decode_efficiency"])}
+    if not g["trt"]:
+        return t  # Megatron generation (debug path) is not estimated
+    floor = (a["decode_step_floor_ms"] or (25.0 if arch.is_moe else 10.0)) / 1e3
+    step = lambda b, ctx: decode_step_seconds(arch, gpu, gen_tp=g["tp"], gen_pp=g["pp"], batch=b,  # noqa: E731
+                                              context=ctx, efficiency=a["decode_efficiency"], floor_s=floor)
+    engines = plan["layout"].world // (g["tp"] * g["pp"])
+    pass_rate = a["pass_rate"] or _need(select(cfg, "trainer.dapo.dynamic_sampling.prior_pass_rate"),
+                                        "trainer.dapo.dynamic_sampling.prior_pass_rate")
+    if not 0 < pass_rate <= 1:
+        raise PlanError(f"pass rate {pass_rate} (plan.assume.pass_rate or dynamic_sampling.prior_pass_rate) must be "
+                        "in (0, 1]")
+    gen = generation_times(lengths, requests=generated / engines, group_size=select(cfg, "trainer.dapo.group_size"),
+                           static_batch=g["batch"], pool_tokens=g["batch"] * g["max_seq"], prompt=prompt,
+                           needed=needed_fraction(oversample, pass_rate), step_s=step, pipeline_stages=g["pp"])
+    return {**t, "gen": gen, "engines": engines, "batches_per_engine": gen["batches"], "pass_rate": pass_rate,
+            "steps_per_batch": gen["batch_max"], "step_ms": gen["static_step_s"] * 1e3,
+            "generation": gen[ENGINE_MODEL[g["engine"]]]}
+
+
 def _step_time(cfg: dict, plan: dict, gpu_key: str) -> dict:
     from nemo_dapo.aligner.config_validate import select
 
     arch, gpu, layout, a, g = plan["arch"], plan["gpu"], plan["layout"], plan["assume"], plan["gen"]
     prompts, group = select(cfg, "trainer.dapo.prompts_per_step"), select(cfg, "trainer.dapo.group_size")
     l_max = select(cfg, "model.dapo.length_params.max_length")
-    prompt_len, resp_len = a["mean_prompt_tokens"], min(a["mean_response_tokens"], l_max)
     oversample = a["oversample"] if select(cfg, "trainer.dapo.dynamic_sampling.enabled", True) else 1.0
     generated = prompts * group * oversample
-    floor = (a["decode_step_floor_ms"] or (25.0 if arch.is_moe else 10.0)) / 1e3
-    inflight = inflight_tokens_per_s_per_gpu(arch, gpu, context=prompt_len + resp_len,
-                                             efficiency=a["decode_efficiency"])
-    t = {"generated_samples": generated, "inflight_generation": generated * resp_len / (inflight * layout.world)}
-    if g["trt"]:
-        engines = layout.world // (g["tp"] * g["pp"])
-        batches = math.ceil(generated / engines / g["batch"])
-        steps = expected_batch_length(g["batch"], l_max=l_max, mean_response=resp_len,
-                                      truncated_fraction=a["truncated_fraction"])
-        step_s = decode_step_seconds(arch, gpu, gen_tp=g["tp"], gen_pp=g["pp"], batch=g["batch"],
-                                     context=prompt_len + steps / 2, efficiency=a["decode_efficiency"],
-                                     floor_s=floor)
-        t.update(engines=engines, batches_per_engine=batches, steps_per_batch=steps, step_ms=step_s * 1e3,
-                 generation=batches * steps * step_s)
-    else:
-        t["generation"] = None  # Megatron generation (debug path) is not estimated
+    t = {"generated_samples": generated, "oversample": oversample,
+         **_generation(cfg, plan, generated=generated, l_max=l_max, oversample=oversample)}
+    seq_len = a["mean_prompt_tokens"] + t["lengths"].mean
     hfu = a["hfu"] or default_hfu(arch, gpu_key)
-    t.update(training_seconds(arch, gpu, world=layout.world, tokens=prompts * group * (prompt_len + resp_len),
-                              seq_len=prompt_len + resp_len, hfu=hfu), hfu=hfu)
+    t.update(training_seconds(arch, gpu, world=layout.world, tokens=prompts * group * seq_len, seq_len=seq_len,
+                              hfu=hfu), hfu=hfu)
     engine_bytes = plan["phases"]["generate"].get("engine_weights", 0.0)
     other = engine_bytes / (a["refit_gb_per_s"] * GB)
     if g["offloaded"]:
@@ -353,8 +348,29 @@ def _step_time(cfg: dict, plan: dict, gpu_key: str) -> dict:
     if select(cfg, "trainer.dapo.trt_llm.unload_engine_train"):
         other += engine_bytes / (a["pcie_gb_per_s"] * GB)
     t["refit_and_offload"] = other
-    t["total"] = sum(t[k] or 0.0 for k in ("generation", "old_logprob", "training", "refit_and_offload"))
+    t["total"] = t["old_logprob"] + t["training"] + other + (t["generation"] or 0.0)
+    if t["gen"]:  # the step under each engine model, everything but generation unchanged
+        t["totals"] = {k: t["total"] - t["generation"] + t["gen"][k] for k in MODEL_LABELS}
     return t
+
+
+def _format_time(plan: dict) -> list:
+    """The step-time block of the report: fixed phases, then generation and step total under each engine model."""
+    t, g, lengths = plan["time"], plan["gen"], plan["time"]["lengths"]
+    lines = ["", f"step time, s (est.; {t['generated_samples']:.0f} samples generated, HFU {t['hfu']:.0%})",
+             *textwrap.wrap(f"response lengths (one model for every engine): mean {lengths.mean:.0f} tokens, "
+                            f"{lengths.truncated_fraction:.0%} truncated at {lengths.l_max}, the rest a truncated "
+                            f"exponential (shape {lengths.shape or 0:.2f}); see nemo_dapo/aligner/plan_generation.py",
+                            117, initial_indent="  ", subsequent_indent="    "),
+             f"  old log-probs (2N/token)          {t['old_logprob']:10.0f}",
+             f"  training (8N/token)               {t['training']:10.0f}",
+             f"  refit + Adam offload + reload     {t['refit_and_offload']:10.0f}"]
+    if not t["gen"]:
+        return lines + [f"  {'generation':<34}not estimated (Megatron generation, debug path)",
+                        f"  {'total':<45}{t['total']:10.0f} ({t['total'] / 60:3.0f} min)"]
+    return lines + format_generation(t["gen"], t["totals"], engine=g["engine"], batch=g["batch"],
+                                     gpus_per_engine=g["tp"] * g["pp"], ceiling=t["ceiling"],
+                                     oversample=t["oversample"], pass_rate=t["pass_rate"], total=t["total"])
 
 
 def format_plan(plan: dict, title: str = "") -> str:
@@ -384,20 +400,9 @@ def format_plan(plan: dict, title: str = "") -> str:
     verdict = "fits" if plan["fits"] else "DOES NOT FIT"
     lines.append(f"  {'total':<31}{gb(sum(tr.values()))}  {gb(sum(ge.values()))}   budget {gb(plan['budget']).strip()}"
                  f" ({a['usable_fraction']:.0%} of {gpu.memory_gb:.0f}) -> {verdict}")
-    lines += ["", f"step time, s (est.; {t['generated_samples']:.0f} samples generated, mean response "
-                  f"{a['mean_response_tokens']} tokens, HFU {t['hfu']:.0%})"]
-    if g["trt"]:
-        lines.append(f"  generation, static batches     {t['generation']:9.0f}   ({t['batches_per_engine']} "
-                     f"batches/engine x {t['steps_per_batch']:.0f} steps x {t['step_ms']:.1f} ms)")
-    else:
-        lines.append("  generation                     not estimated (Megatron generation, debug path)")
-    lines += [f"  old log-probs (2N/token)       {t['old_logprob']:9.0f}",
-              f"  training (8N/token)            {t['training']:9.0f}",
-              f"  refit + Adam offload + reload  {t['refit_and_offload']:9.0f}",
-              f"  total                          {t['total']:9.0f}   ({t['total'] / 60:.0f} min)",
-              f"  (in-flight batching would generate in ~{t['inflight_generation']:.0f} s: bandwidth/compute ceiling)",
+    lines += [*_format_time(plan),
               "", *textwrap.wrap("assumptions: " + ", ".join(f"{k}={v}" for k, v in a.items()), 119),
-              "formulas and sources: nemo_dapo/aligner/plan.py (module docstring)"]
+              "formulas and sources: nemo_dapo/aligner/plan.py and plan_generation.py (module docstrings)"]
     return "\n".join(lines)
 
 

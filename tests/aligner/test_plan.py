@@ -1,10 +1,13 @@
 """`nemo-dapo plan` arithmetic against hand computations and the sizing tables of the design notes (SCALE.md)."""
 import argparse
 import math
+import random
+import statistics
 
 import pytest
 
 from nemo_dapo.aligner import plan as P
+from nemo_dapo.aligner import plan_generation as G
 
 QWEN25_32B = P.Arch(num_layers=64, hidden_size=5120, ffn_hidden_size=27648, num_attention_heads=40,
                     num_query_groups=8, kv_channels=128, vocab_size=152064, qkv_bias=True, name="Qwen2.5-32B")
@@ -124,8 +127,11 @@ def test_training_flops_match_the_design_notes():
 
 
 def test_static_batch_length_and_step_time():
-    assert P.expected_batch_length(32, l_max=20480, mean_response=6000, truncated_fraction=0.0) == 18000
-    assert P.expected_batch_length(32, l_max=20480, mean_response=6000, truncated_fraction=1.0) == 20480
+    # E[longest of 32]: no truncation -> ~3x the mean (the guess this model replaced); all truncated -> the cap
+    assert G.expected_batch_length(32, l_max=20480, mean_response=6000, truncated_fraction=0.0) == \
+        pytest.approx(17969, abs=2)
+    assert G.expected_batch_length(32, l_max=20480, mean_response=20480, truncated_fraction=1.0) == \
+        pytest.approx(20480)
     kw = dict(gen_tp=8, gen_pp=1, context=10000, efficiency=0.75)
     small = P.decode_step_seconds(QWEN25_32B, P.GPUS["h100"], batch=1, floor_s=0.01, **kw)
     big = P.decode_step_seconds(QWEN25_32B, P.GPUS["h100"], batch=512, floor_s=0.01, **kw)
@@ -146,7 +152,8 @@ def run_cli(*argv) -> int:
 def test_every_recipe_plans_and_fits(recipe, capsys):
     assert run_cli(recipe) == 0
     out = capsys.readouterr().out
-    assert "ESTIMATES" in out and "-> fits" in out and "generation, static batches" in out
+    assert "ESTIMATES" in out and "-> fits" in out
+    assert all(f"generation, {label}" in out for label in P.MODEL_LABELS.values())
 
 
 def test_plan_reports_a_layout_that_does_not_fit(capsys):
@@ -180,3 +187,152 @@ def test_plan_reports_loader_errors_without_a_traceback(capsys):
     assert run_cli("qwen2.5-32b_h100", "model.dapo.eps_hihg=0.3") == 2
     assert "no key 'model.dapo.eps_hihg'" in capsys.readouterr().err
     assert run_cli("no-such-recipe") == 2
+
+
+# ---- generation time of the three engine models from one response-length model (plan_generation.py) ----------
+def sample_lengths(lengths: G.ResponseLengths, rng: random.Random) -> float:
+    """The slow obvious reference: the cap with probability f, else an exponential draw rejected at the cap."""
+    if rng.random() < lengths.truncated_fraction:
+        return lengths.l_max
+    while True:
+        x = rng.expovariate(lengths.shape / lengths.l_max)
+        if x < lengths.l_max:
+            return x
+
+
+@pytest.mark.parametrize("mean,f", [(6000, 0.05), (6000, 0.0), (3000, 0.1), (12000, 0.2)])
+def test_length_model_mean_and_batch_max_match_sampling(mean, f):
+    lengths = G.ResponseLengths(20480, mean, f)
+    assert lengths.max_moment(1) == pytest.approx(mean, rel=1e-4)  # the shape is solved for the configured mean
+    rng = random.Random(0)
+    for batch, k in [(1, 1), (4, 1), (32, 1), (1, 2)]:
+        draws = [max(sample_lengths(lengths, rng) for _ in range(batch)) ** k for _ in range(4000)]
+        mc = statistics.fmean(draws)
+        assert abs(lengths.max_moment(batch, k) - mc) < 4 * statistics.stdev(draws) / len(draws) ** 0.5 + 1e-3 * mc
+
+
+@pytest.mark.parametrize("mean,f", [(6000, 0.05), (6000, 0.0), (500, 0.0), (15000, 0.5), (19000, 0.0)])
+def test_expected_batch_max_grows_with_the_batch(mean, f):
+    lengths = G.ResponseLengths(20480, mean, f)
+    maxima = [lengths.max_moment(b) for b in range(1, 65)] + [lengths.max_moment(512)]
+    assert maxima[0] == pytest.approx(mean, rel=1e-3)
+    assert all(a < b or a == pytest.approx(20480) for a, b in zip(maxima, maxima[1:])) and maxima[-1] <= 20480
+    # concave in the batch (each response added lengthens the batch less), which the engine ordering relies on
+    steps = [b - a for a, b in zip(maxima[:64], maxima[1:64])]
+    assert all(s1 >= s2 - 1e-6 for s1, s2 in zip(steps, steps[1:]))
+
+
+def test_length_model_rejects_impossible_inputs():
+    with pytest.raises(ValueError, match="truncated_fraction x l_max"):
+        G.ResponseLengths(20480, 1000, 0.1)  # 10 % at 20480 alone average 2048
+    assert G.ResponseLengths(2048, 2048, 0.05).at_cap  # a mean at the cap: every response is truncated
+    assert G.ResponseLengths(2048, 2048, 0.05).max_moment(8) == pytest.approx(2048)
+
+
+def engine_times(arch, gpu, *, tp, pp, batch, mean, f, requests, needed, floor_s=0.01, group=16, l_max=20480):
+    step = lambda b, ctx: P.decode_step_seconds(arch, P.GPUS[gpu], gen_tp=tp, gen_pp=pp, batch=b,  # noqa: E731
+                                                context=ctx, efficiency=0.75, floor_s=floor_s)
+    return G.generation_times(G.ResponseLengths(l_max, mean, f), requests=requests, group_size=group,
+                              static_batch=batch, pool_tokens=batch * (2048 + l_max), prompt=250, needed=needed,
+                              step_s=step, pipeline_stages=pp)
+
+
+GRID = [dict(arch=arch, gpu=gpu, tp=tp, pp=pp, batch=batch, mean=mean, f=f, requests=requests, needed=needed)
+        for arch, tp, pp in [(QWEN25_32B, 8, 1), (QWEN25_32B, 2, 1), (MOE_235B, 4, 8)]
+        for gpu in ("h100", "h20") for batch in (1, 8, 32, 128) for mean, f in [(6000, 0.05), (2000, 0.0),
+                                                                                 (12000, 0.3)]
+        for requests, needed in [(1536, 2 / 3), (40, 1.0), (5000, 0.4)]]
+
+
+@pytest.mark.parametrize("case", GRID[::7], ids=lambda c: f"{c['arch'].name}-tp{c['tp']}pp{c['pp']}-{c['gpu']}-"
+                         f"b{c['batch']}-m{c['mean']}-f{c['f']}-n{c['requests']}")
+def test_static_at_least_inflight_at_least_streaming(case):
+    t = engine_times(**case)
+    assert t["static"] >= t["inflight"] >= t["streaming"] > 0
+    if case["needed"] >= 1:
+        assert t["streaming"] == t["inflight"]
+
+
+@pytest.mark.parametrize("case", GRID[3::7][:12])
+def test_inflight_is_at_least_the_l_max_tail(case):
+    """The longest response (~ the cap when any is truncated) decodes at least at the batch-1 step latency."""
+    t = engine_times(**case)
+    one = P.decode_step_seconds(case["arch"], P.GPUS[case["gpu"]], gen_tp=case["tp"], gen_pp=case["pp"], batch=1,
+                                context=250, efficiency=0.75, floor_s=0.01)
+    longest = G.ResponseLengths(20480, case["mean"], case["f"]).max_moment(case["requests"])
+    assert t["inflight"] >= longest * one
+    if case["f"] > 0 and case["requests"] > 1000:  # someone is truncated: the tail is the cap
+        assert longest == pytest.approx(20480, rel=1e-6) and t["inflight"] >= 0.999999 * 20480 * one
+
+
+def test_inflight_tail_dominates_when_the_engine_is_fast():
+    """A throughput-cheap engine with a per-step latency floor: in-flight = the cap x the floor, not the tokens."""
+    t = engine_times(QWEN25_32B, "h100", tp=8, pp=1, batch=64, mean=12000, f=0.5, requests=100, needed=1.0,
+                     floor_s=0.05)  # all 100 fit in the pool at once; one of them is (almost surely) truncated
+    assert t["inflight"] == pytest.approx(20480 * 0.05, rel=1e-6)
+    assert t["slots"] == 100 and t["inflight_parts"]["longest"] == t["inflight"] > t["inflight_parts"]["throughput"]
+
+
+def plan_of(recipe, *overrides):
+    from nemo_dapo.aligner.config_validate import load_config
+    from omegaconf import OmegaConf
+
+    return P.make_plan(OmegaConf.to_container(load_config(recipe, overrides), resolve=True))
+
+
+def test_plan_32b_h100_generation_by_hand():
+    plan = plan_of("qwen2.5-32b_h100")
+    t, gen = plan["time"], plan["time"]["gen"]
+    lengths = G.ResponseLengths(20480, 6000, 0.05)
+    step = lambda b, ctx: P.decode_step_seconds(QWEN25_32B, P.GPUS["h100"], gen_tp=8, gen_pp=1, batch=b,  # noqa
+                                                context=ctx, efficiency=0.75, floor_s=0.01)
+    n = 512 * 16 * 3 / 16  # responses per engine
+    batch_max = lengths.max_moment(32)
+    static = math.ceil(n / 32) * batch_max * step(32, 250 + lengths.max_moment(32, 2) / (2 * batch_max))
+    context = 250 + lengths.max_moment(1, 2) / (2 * 6000)
+    slots = math.floor(32 * 22528 / context)  # the static engine's KV reservation, filled at the mean context
+    rate = slots / step(slots, context)
+    admitted = lambda k: (k - slots) * 6000 / rate  # noqa: E731
+    inflight = max(n * 6000 / rate, admitted(n) + lengths.max_moment(slots) * step(1, 250 + lengths.max_moment(
+        slots) / 2), lengths.max_moment(n) * step(1, 250 + lengths.max_moment(slots) / 2))
+    stream = admitted(n / (3.0 * 0.5)) + lengths.max_moment(16) * step(slots, context)  # pass rate = prior 0.5
+    assert (gen["static"], gen["inflight"], gen["streaming"]) == pytest.approx((static, inflight, stream))
+    assert gen["slots"] == slots > 32
+    assert t["generation"] == gen["static"]  # legacy (the default) runs static batches
+    assert t["total"] == pytest.approx(t["old_logprob"] + t["training"] + t["refit_and_offload"] + static)
+
+
+def test_rollout_engine_selects_the_model_and_the_total(capsys):
+    legacy, trtllm = plan_of("qwen2.5-32b_h100")["time"], plan_of(
+        "qwen2.5-32b_h100", "trainer.dapo.rollout_engine=trtllm")["time"]
+    assert trtllm["total"] == pytest.approx(legacy["totals"]["inflight"])
+    assert legacy["total"] == pytest.approx(legacy["totals"]["static"])
+    assert legacy["total"] > trtllm["total"]
+    assert run_cli("qwen2.5-32b_h100", "trainer.dapo.rollout_engine=vllm") == 0
+    assert "in-flight batching" in next(line for line in capsys.readouterr().out.splitlines() if "<-" in line)
+    assert run_cli("qwen2.5-32b_h100", "trainer.dapo.rollout_engine=trt") == 2
+    assert "config problem: trainer.dapo.rollout_engine='trt' must be one of" in capsys.readouterr().out
+    assert run_cli("qwen2.5-32b_h100", "trainer.dapo.rollout_engine=local") == 2
+    from nemo_dapo.aligner.config_validate import ROLLOUT_ENGINES
+
+    assert set(P.ENGINE_MODEL) < set(ROLLOUT_ENGINES)
+
+
+def test_streaming_without_dynamic_sampling_aborts_nothing():
+    t = plan_of("qwen2.5-32b_h100", "trainer.dapo.dynamic_sampling.enabled=False")["time"]
+    assert t["gen"]["needed"] == 1.0 and t["gen"]["streaming"] == t["gen"]["inflight"]
+    assert t["generated_samples"] == 512 * 16
+
+
+def test_printed_32b_h100_plan_shows_every_engine_and_its_step(capsys):
+    plan = plan_of("qwen2.5-32b_h100")
+    assert run_cli("qwen2.5-32b_h100") == 0
+    out = capsys.readouterr().out
+    gen, totals = plan["time"]["gen"], plan["time"]["totals"]
+    for key, label in P.MODEL_LABELS.items():
+        row = next(line for line in out.splitlines() if line.startswith(f"  generation, {label}"))
+        assert f"{gen[key]:10.0f} {totals[key]:10.0f} ({totals[key] / 60:3.0f} min)" in row
+    static_row = next(line for line in out.splitlines() if "<- trainer.dapo.rollout_engine=legacy" in line)
+    assert "static batches" in static_row
+    assert gen["static"] > 5 * gen["inflight"] > 5 * gen["streaming"]  # the legacy path's penalty, SCALE.md 3.4
+    assert "total (legacy: static batches)" in out
