@@ -51,6 +51,7 @@ class Request:
     seed: Optional[int] = None
     stop_token_ids: list = field(default_factory=list)
     logprobs: bool = True
+    ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks: lengths set by the workload)
 
     def __post_init__(self):
         if not isinstance(self.id, str) or not self.id:
