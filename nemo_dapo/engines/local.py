@@ -7,7 +7,7 @@ Layout. ``max_batch_size`` slots; live sequences are rows ``[0, L)`` of one prea
 a decode step writes every row's pending token at column c. The attention mask over columns ``[min start, c]`` is
 ``column >= start_b``; positions count real tokens (prompt token 0 has position 0, as in ``position_ids_from_mask``),
 so where a row sits in the cache does not change its output. Requests wait in a FIFO of sequences (a request of n
-samples is n sequences); free slots are refilled at once: the new prompts are prefilled among themselves (left-padded,
+samples is n sequences); free slots are refilled from the queue (once ``refill_min`` are free): the new prompts are prefilled among themselves (left-padded,
 each distinct prompt once), their K/V copied into columns ``[c - p, c)`` of the free rows, and their first token
 sampled; then they decode with the rest. A finished row is replaced by the last row (one row copy), so a decode step
 always runs on exactly the L live rows. When c reaches the capacity the live window is shifted to column 0 (one copy;
@@ -126,8 +126,12 @@ class LocalEngine:
     response: a longer prompt is refused by ``add``, a budget past it is cut (finish ``length``)."""
 
     def __init__(self, model, *, eos_id: int, pad_id: int, max_batch_size: int = 64, max_seq_len: Optional[int] = None,
-                 steps_per_call: int = 4, name: str = "local"):
+                 steps_per_call: int = 4, refill_min: Optional[int] = None, name: str = "local"):
         self.model, self.name = model, name
+        # Free slots are refilled once this many are free (or the queue is shorter): each refill is a prefill
+        # forward of its own; refilling one slot at a time made in-flight decoding ~1.3x slower on CPU
+        # (benchmarks/rollout_engine.py).
+        self.refill_min = max(1, int(refill_min if refill_min is not None else max_batch_size // 8))
         self.eos_id, self.pad_id = int(eos_id), int(pad_id)
         self.max_batch_size, self.steps_per_call = int(max_batch_size), int(steps_per_call)
         self.max_seq_len = int(max_seq_len or model.config.max_position_embeddings)
@@ -246,7 +250,7 @@ class LocalEngine:
 
     def _admit(self, done: list) -> None:
         free = self.max_batch_size - len(self._rows)
-        if free == 0 or not self._queue:
+        if free == 0 or not self._queue or (self._rows and free < min(self.refill_min, len(self._queue))):
             return
         from nemo_dapo.local.model import position_ids_from_mask
         from nemo_dapo.local.sampler import _PreallocatedCache
