@@ -128,8 +128,9 @@ def engine_python(engine: str) -> str:
 def bench_engine(engine: str, model_dir: str, args, lengths, informative) -> dict:
     tmp = tempfile.mkdtemp(prefix="nemo-dapo-bench-")
     options = {"max_batch_size": args.slots}
-    proc = EngineProcess(engine=engine, model_dir=model_dir, address=f"unix:{tmp}/e.sock", python=engine_python(engine),
-                         options=options, log_path=os.path.join(tmp, "engine.log"), threads=1,
+    proc = EngineProcess(engine=engine, model_dir=model_dir, address=f"unix:{tmp}/e.sock",
+                         python=engine_python(engine), options=options, threads=1,
+                         log_path=os.path.join(tmp, "engine.log"),
                          env={"PYTHONPATH": ROOT})
     client = EngineClient(proc.address, name=engine, connect_timeout_s=600, request_timeout_s=600, process=proc)
     out = {"a": [], "b": [], "c": []}

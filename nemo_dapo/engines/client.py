@@ -1,4 +1,4 @@
-"""Trainer side of the rollout-engine protocol: a connection (``EngineClient``) and a server process (``EngineProcess``).
+"""Trainer side of the rollout-engine protocol: a connection (``EngineClient``), a server process (``EngineProcess``).
 
 ``EngineClient`` sends commands from the caller's thread and reads every frame on a reader thread, which routes
 replies to the waiting command and completions into a queue. Every wait has a time-out, and a dead connection

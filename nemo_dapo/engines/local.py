@@ -8,9 +8,9 @@ a decode step writes every row's pending token at column c. The attention mask o
 ``column >= start_b``; positions count real tokens (prompt token 0 has position 0, as in ``position_ids_from_mask``),
 so where a row sits in the cache does not change its output. Requests wait in a FIFO of sequences (a request of n
 samples is n sequences); free slots are refilled from the queue once ``refill_min`` are free: the new prompts are
-prefilled among themselves (left-padded, each distinct prompt once), their K/V copied into columns ``[c - p, c)`` of the free rows, and their first token
-sampled; then they decode with the rest. A finished row is replaced by the last row (one row copy), so a decode step
-always runs on exactly the L live rows. When c reaches the capacity the live window is shifted to column 0 (one copy;
+prefilled among themselves (left-padded, each distinct prompt once), their K/V copied into columns ``[c - p, c)`` of
+the free rows, and their first token sampled; then they decode with the rest. A finished row is replaced by the last
+row (one row copy), so a decode step always runs on exactly the L live rows. When c reaches the capacity the live window is shifted to column 0 (one copy;
 the capacity grows by doubling up to ``2 * max_seq_len`` so that shifts stay rare).
 
 Randomness: sample k of a request has its own stream, a ``random.Random`` seeded with ``mix_seed(request.seed, k)``

@@ -1,4 +1,4 @@
-"""The CPU job's rollouts through an engine server (``rollout.engine: local | vllm``) instead of the in-process sampler.
+"""The CPU job's rollouts through an engine server (``rollout.engine: local | vllm``), not the in-process sampler.
 
 The trainer writes its current model once as a Hugging Face directory (``run_dir/engine_model``, what the engine
 loads at start), starts ``python -m nemo_dapo.engines.server`` with the configured interpreter (the vLLM engine
