@@ -1,0 +1,249 @@
+"""vLLM as a rollout engine: ``VLLMEngine`` steps vLLM's in-process ``LLMEngine`` (facts from vLLM 0.32's source).
+
+* In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, forced): ``step()`` is one schedule + forward; no ``__main__``
+  guard. vLLM's CPU worker then binds no threads and forbids ``torch.set_num_threads`` later: pass ``num_threads``.
+* Token ids only (``skip_tokenizer_init``; never downloads); config.json's EOS ids join every request's stop ids.
+  Sample k of request ``id`` is vLLM request ``"id#k"`` (n=1, DELTA outputs, seed ``seed * 1_000_003 + k``): greedy
+  n > 1 works, aborts keep partial tokens. Log-probs: ``logprobs=0``, ``logprobs_mode="processed_logprobs"``.
+* Weights: vLLM's layerwise reload (as in its IPC / NCCL weight-transfer engines). The first ``load_weights`` opens
+  an update (layers sit on the meta device until complete: ``step()`` is refused until ``finish_weights``, which
+  re-runs vLLM's post-processing, e.g. CPU weight packing, and resets the prefix cache, recomputing running KV).
+  Names and shapes are checked against the checkpoint's safetensors headers. A module an update touches must get
+  all its tensors (q, k, v; weight, bias), else ``finish_weights`` raises and the engine refuses further work (vLLM
+  would compute with uninitialised memory). Tied embeddings: vLLM's CPU lm_head keeps its own packed copy, so
+  ``lm_head.weight`` and ``model.embed_tokens.weight`` are always loaded together.
+* Sleep: vLLM's CPU worker ignores it: sleep pauses the scheduler and drops the prefix cache but frees nothing
+  (``info()["sleep_frees_memory"]``); on GPU pass ``enable_sleep_mode=True``.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from .base import Completion, EngineError, EngineWeightError, Request, Sample, check_weight
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "aborted"}
+SEED_STRIDE = 1_000_003
+_QUIET = "vllm.model_executor.model_loader.reload.layerwise"  # warns once per untouched layer on every update
+
+
+def _checkpoint_shapes(model_dir: str) -> dict:
+    """HF name -> shape of every tensor in the directory's safetensors files (headers only)."""
+    from safetensors import safe_open
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise EngineError(f"engine 'vllm': no *.safetensors in {model_dir!r} (save_pretrained writes them)")
+    shapes = {}
+    for f in files:
+        with safe_open(os.path.join(model_dir, f), framework="pt") as fh:
+            shapes.update((k, tuple(fh.get_slice(k).get_shape())) for k in fh.keys())
+    return shapes
+
+
+def _rpc_reload(worker, phase: str, weights=None):
+    """Runs on vLLM's worker (collective_rpc): one phase of a layerwise weight reload."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import reload
+    model = worker.model_runner.model
+    with set_current_vllm_config(worker.vllm_config):
+        if phase == "packed":
+            return dict(getattr(model, "packed_modules_mapping", None) or {})
+        if phase == "start":
+            return reload.initialize_layerwise_reload(model)
+        if phase == "load":
+            return len(model.load_weights(weights) or ())
+        quiet = logging.getLogger(_QUIET)
+        quiet.disabled, was = True, quiet.disabled
+        try:
+            reload.finalize_layerwise_reload(model, worker.model_runner.model_config)
+        finally:
+            quiet.disabled = was
+
+
+class VLLMEngine:
+    """EngineAdapter. ``model_dir``: a local HF checkpoint (config.json + safetensors). ``kv_cache_gb``: vLLM's KV
+    cache; on CPU ``VLLM_CPU_KVCACHE_SPACE`` or 1 GiB (vLLM: 92% of RAM). ``engine_kwargs``: EngineArgs."""
+
+    def __init__(self, model_dir, *, max_batch_size: int = 256, max_seq_len: Optional[int] = None,
+                 dtype: str = "float32", seed: int = 0, kv_cache_gb: Optional[float] = None,
+                 gpu_memory_utilization: float = 0.9, enforce_eager: bool = True,
+                 num_threads: Optional[int] = None, name: str = "vllm", **engine_kwargs):
+        self.name, self.model_dir = name, os.fspath(model_dir)
+        try:
+            with open(os.path.join(self.model_dir, "config.json")) as f:
+                self._config = json.load(f)
+        except FileNotFoundError:
+            raise EngineError(f"engine {name!r}: no config.json in {self.model_dir!r} (never downloads)") from None
+        self._shapes = _checkpoint_shapes(self.model_dir)
+        self._eos = [int(e) for e in torch.tensor(self._config.get("eos_token_id") or []).reshape(-1).tolist()]
+        emb, head = "model.embed_tokens.weight", "lm_head.weight"
+        tied = self._config.get("tie_word_embeddings") and emb in self._shapes and head not in self._shapes
+        self._tied = {emb: head, head: emb} if tied else {}
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        if num_threads:
+            torch.set_num_threads(int(num_threads))
+        try:
+            from vllm import EngineArgs, LLMEngine, SamplingParams, TokensPrompt, __version__
+            from vllm.platforms import current_platform
+            from vllm.sampling_params import RequestOutputKind
+            from vllm.usage.usage_lib import UsageContext
+        except ImportError as e:
+            raise EngineError(f"engine {name!r}: vllm is not importable ({e}); run the engine in the venv made by "
+                              "`bash scripts/install.sh VENV engine-vllm`") from e
+        self._version, self._cpu = __version__, current_platform.is_cpu()
+        self._SamplingParams, self._TokensPrompt, self._DELTA = SamplingParams, TokensPrompt, RequestOutputKind.DELTA
+        kv_gb = kv_cache_gb
+        if kv_gb is None and self._cpu and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            kv_gb = 1.0
+        args = dict(model=self.model_dir, skip_tokenizer_init=True, dtype=dtype, seed=seed,
+                    max_num_seqs=max_batch_size, max_model_len=max_seq_len, enforce_eager=enforce_eager,
+                    logprobs_mode="processed_logprobs", gpu_memory_utilization=gpu_memory_utilization,
+                    disable_log_stats=True, kv_cache_memory_bytes=kv_gb and int(kv_gb * (1 << 30)))
+        self._engine = LLMEngine.from_engine_args(EngineArgs(**{**args, **engine_kwargs}),
+                                                  usage_context=UsageContext.LLM_CLASS)
+        self._dtype, self._max_batch_size = self._engine.model_config.dtype, max_batch_size
+        self._fused = {part: whole for whole, parts in self._reload("packed").items() for part in parts}
+        self._live: dict = {}  # id -> (tokens per sample, log-probs per sample or None, finish per sample)
+        self._updating, self._received, self._broken, self._asleep = False, set(), None, False
+
+    def info(self) -> dict:
+        return {"engine": "vllm", "name": self.name, "model": self.model_dir, "vllm_version": self._version,
+                "vocab_size": int(self._config["vocab_size"]), "max_seq_len": self._engine.model_config.max_model_len,
+                "max_batch_size": self._max_batch_size, "dtype": str(self._dtype).replace("torch.", ""),
+                "device": "cpu" if self._cpu else "cuda", "sleep_frees_memory": not self._cpu}
+
+    def add(self, request: Request) -> None:
+        self._check_alive()
+        if request.id in self._live:
+            raise EngineError(f"engine {self.name!r}: request {request.id!r} is already running")
+        stops = list(dict.fromkeys(list(request.stop_token_ids) + self._eos))
+        prompt, added = self._TokensPrompt(prompt_token_ids=list(request.prompt_ids)), []
+        try:
+            for k in range(request.n):
+                seed = None if request.seed is None else (int(request.seed) * SEED_STRIDE + k) % (1 << 63)
+                params = self._SamplingParams(
+                    n=1, temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, seed=seed,
+                    max_tokens=request.max_new_tokens, stop_token_ids=stops, detokenize=False,
+                    logprobs=0 if request.logprobs else None, output_kind=self._DELTA)
+                self._engine.add_request(f"{request.id}#{k}", prompt, params)
+                added.append(f"{request.id}#{k}")
+        except Exception as e:
+            self._engine.abort_request(added)
+            raise EngineError(f"engine {self.name!r}: vLLM rejected request {request.id!r}: {e}") from e
+        self._live[request.id] = ([[] for _ in added], [[] for _ in added] if request.logprobs else None,
+                                  [None] * len(added))
+
+    def step(self) -> list:
+        self._check_alive(stepping=True)
+        done = []
+        for out in self._engine.step():
+            rid, _, k = out.request_id.rpartition("#")
+            if rid not in self._live:
+                continue
+            (tokens, logprobs, finish), k = self._live[rid], int(k)
+            for c in out.outputs:
+                tokens[k].extend(ids := [int(t) for t in c.token_ids])
+                if logprobs is not None:
+                    logprobs[k].extend(float(pos[t].logprob) for t, pos in zip(ids, c.logprobs or ()))
+                if c.finish_reason is not None and c.finish_reason not in _FINISH:
+                    raise EngineError(f"engine {self.name!r}: sample {k} of {rid!r} ended with {c.finish_reason!r}")
+                if c.finish_reason is not None:
+                    finish[k] = _FINISH[c.finish_reason]
+            if all(finish):
+                done.append(self._complete(rid))
+        return done
+
+    def has_work(self) -> bool:
+        return bool(self._live)
+
+    def abort(self, ids: Sequence[str]) -> list:
+        out = []
+        for rid in (i for i in ids if i in self._live):
+            finish = self._live[rid][2]
+            self._engine.abort_request([f"{rid}#{k}" for k, f in enumerate(finish) if f is None])
+            finish[:] = [f or "aborted" for f in finish]
+            out.append(self._complete(rid))
+        return out
+
+    def _complete(self, rid: str) -> Completion:
+        tokens, logprobs, finish = self._live.pop(rid)
+        return Completion(rid, [Sample(t, None if logprobs is None else logprobs[k], finish[k])
+                                for k, t in enumerate(tokens)])
+
+    def _group(self, name: str) -> str:
+        """The vLLM module a HF tensor lands in: 'layers.0.self_attn.k_proj.bias' -> 'layers.0.self_attn.qkv_proj'."""
+        parts = name.split(".")
+        return name if len(parts) < 2 else ".".join(parts[:-2] + [self._fused.get(parts[-2], parts[-2])])
+
+    def load_weights(self, named: Iterable[tuple]) -> None:
+        self._check_alive()
+        batch = {}
+        for name, tensor in named:  # copies: vLLM buffers tensors until their module is complete
+            shape = self._shapes[name] if name in self._shapes else self._shapes.get(self._tied.get(name))
+            try:
+                check_weight(name, tensor, None if shape is None else torch.empty(shape, device="meta"), self.name)
+            except EngineWeightError:
+                if self._updating:  # earlier buckets of this update are in: the model is half-updated
+                    self._broken = f"a weight update was interrupted by the rejected tensor {name!r}"
+                raise
+            batch[name] = tensor.detach().to(dtype=self._dtype, copy=True)
+        for name, alias in self._tied.items():  # tied: vLLM's CPU lm_head keeps its own packed copy: load both
+            if name in batch and alias not in batch:
+                batch[alias] = batch[name]
+        if not batch:
+            return
+        if not self._updating:
+            self._reload("start")
+            self._updating, self._received = True, set()
+        self._reload("load", list(batch.items()))
+        self._received.update(batch)
+
+    def _reload(self, phase: str, batch=None):
+        try:
+            return self._engine.collective_rpc(_rpc_reload, args=(phase, batch))[0]
+        except Exception as e:  # a failed phase leaves the model half-updated
+            self._broken = f"vLLM failed in weight-update phase {phase!r} ({type(e).__name__}: {e})"
+            raise EngineWeightError(f"engine {self.name!r}: {self._broken}", batch[0][0] if batch else "") from e
+
+    def finish_weights(self) -> None:
+        self._check_alive()
+        if self._updating:
+            touched = {self._group(n) for n in self._received}
+            missing = sorted(n for n in self._shapes if self._group(n) in touched and n not in self._received)
+            self._reload("finish")
+            self._updating = False
+            if missing:
+                self._broken = (f"the update sent part of module(s) {sorted({self._group(n) for n in missing})}"
+                                f" (missing {missing[:4]}{' ...' * (len(missing) > 4)}): the model is inconsistent")
+                raise EngineWeightError(f"engine {self.name!r}: {self._broken}; restart the engine", missing[0])
+        self._engine.reset_prefix_cache(reset_running_requests=True)
+
+    def sleep(self, level: int) -> None:
+        self._check_alive()
+        if level not in (1, 2) or self._live or self._updating:
+            raise EngineError(f"engine {self.name!r}: sleep({level}) needs level 1 or 2, no requests, no update")
+        self._engine.sleep(level=level, mode="abort")
+        self._asleep = True
+
+    def wake(self) -> None:
+        if self._asleep:
+            self._engine.wake_up()
+            self._asleep = False
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):  # best effort at teardown (also when already closed)
+            self._engine.engine_core.shutdown()
+        self._engine = None
+
+    def _check_alive(self, stepping: bool = False) -> None:
+        why = ("closed" if self._engine is None else f"unusable: {self._broken}; restart it" if self._broken else
+               "in a weight update; call finish_weights()" if stepping and self._updating else
+               "asleep; call wake()" if stepping and self._asleep else None)
+        if why:
+            raise EngineError(f"engine {self.name!r} is {why}")
