@@ -158,7 +158,10 @@ def main(argv=None) -> int:
     p.add_argument("--slots", type=int, default=64, help="sequences decoded together (engine max_batch_size)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (a smoke run, not a measurement)")
     args = p.parse_args(argv)
+    if args.quick:
+        args.groups, args.needed, args.cap, args.slots, args.repeats = 8, 2, 64, 16, 1
     lengths, informative = workload(args.groups, args.group_size, args.cap, args.seed)
     flat = [n for g in lengths for n in g]
     print(f"workload: {len(flat)} responses, mean {statistics.mean(flat):.1f} tokens, median "
@@ -182,7 +185,9 @@ def main(argv=None) -> int:
         results.append(f"{engine}_inflight_vs_static={tps['b'] / tps['a']:.2f}x "
                        f"{engine}_stream_time_cut={1 - r['c']['to_needed'] / r['b']['to_needed']:.0%} "
                        f"{engine}_stream_tokens_saved={1 - r['c']['tokens'] / r['b']['tokens']:.0%} "
-                       f"{engine}_static_to_needed_vs_stream={r['a']['to_needed'] / r['c']['to_needed']:.2f}x")
+                       f"{engine}_static_to_needed_vs_stream={r['a']['to_needed'] / r['c']['to_needed']:.2f}x "
+                       f"{engine}_tokens_static={r['a']['tokens']:.0f} {engine}_tokens_inflight={r['b']['tokens']:.0f} "
+                       f"{engine}_tokens_stream={r['c']['tokens']:.0f}")
     print("RESULT " + " ".join(results))
     return 0
 

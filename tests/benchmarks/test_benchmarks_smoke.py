@@ -64,3 +64,13 @@ def test_vocab_parallel_memory_quick():
         pytest.skip("benchmarks/vocab_parallel_memory.py is not present")
     r = run_quick("vocab_parallel_memory.py", "--hidden", "64", "--vocab", "4096", "--chunks", "128")
     assert any(k.endswith("_time_ratio") for k in r), r
+
+
+@pytest.mark.slow
+def test_rollout_engine_quick():
+    r = run_quick("rollout_engine.py", "--engines", "local")
+    # The workload is seeded and its lengths imposed (ignore_eos): every mode decodes the same responses, and the
+    # early stop generates strictly fewer tokens.
+    assert r["local_tokens_static"] == r["local_tokens_inflight"]
+    assert 0 < int(r["local_tokens_stream"]) < int(r["local_tokens_inflight"])
+    assert r["local_inflight_vs_static"].endswith("x") and float(r["local_inflight_vs_static"][:-1]) > 0

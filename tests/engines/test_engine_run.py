@@ -17,6 +17,23 @@ from tests.local.test_run import TINY, base_dir, tiny_cfg  # noqa: F401 - base_d
 pytestmark = pytest.mark.slow
 ENGINE = ["rollout.engine=local", "rollout.streaming=true", "algorithm.dynamic_sampling.enabled=true",
           "algorithm.dynamic_sampling.max_gen_batches=2"]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VLLM_PYTHON = os.environ.get("NEMO_DAPO_VLLM_PYTHON", os.path.join(ROOT, ".venv-vllm", "bin", "python"))
+# vLLM's CPU attention needs head_dim 32: one head of the toy model's 32 dims
+HEAD_DIM_32 = ["model.num_attention_heads=1", "model.num_key_value_heads=1"]
+ENGINES = {
+    "local": ["rollout.engine=local"],
+    "vllm": HEAD_DIM_32 + ["rollout.engine=vllm", f"rollout.server.python={VLLM_PYTHON}"],
+}
+
+
+@pytest.fixture(scope="module")
+def base_dir_hd32(tmp_path_factory):
+    from nemo_dapo.local.run_model import BASE_DIR, prepare_base_model
+
+    run_dir = str(tmp_path_factory.mktemp("base32"))
+    prepare_base_model(tiny_cfg(run_dir, *HEAD_DIM_32))
+    return os.path.join(run_dir, BASE_DIR)
 
 
 def _engine_vs_trainer(run, seed: int) -> tuple:
@@ -29,13 +46,18 @@ def _engine_vs_trainer(run, seed: int) -> tuple:
     return out.logprobs, trainer, batch
 
 
-def test_engine_weights_follow_the_trainer_every_step(tmp_path, base_dir):  # noqa: F811
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_engine_weights_follow_the_trainer_every_step(tmp_path, base_dir, base_dir_hd32, engine):  # noqa: F811
     from nemo_dapo.local.run import LocalRun
 
+    if engine == "vllm" and not os.path.exists(VLLM_PYTHON):
+        pytest.skip(f"no vLLM engine venv at {VLLM_PYTHON} (bash scripts/install.sh .venv-vllm engine-vllm)")
     # Dynamic sampling off, so every step trains and refits. The toy base's rewards are nearly all equal (its
     # advantages ~0), so each step's weight change is forced by perturbing the weights before it: the engine must
     # show them after the step, which only the loop's refit can bring about.
-    cfg = tiny_cfg(str(tmp_path), f"model.path={base_dir}", *ENGINE, "algorithm.dynamic_sampling.enabled=false")
+    base = base_dir_hd32 if engine == "vllm" else base_dir
+    cfg = tiny_cfg(str(tmp_path), f"model.path={base}", *ENGINE, *ENGINES[engine],
+                   "algorithm.dynamic_sampling.enabled=false")
     run = LocalRun(cfg)
     try:
         engine_lp, trainer_lp, batch = _engine_vs_trainer(run, seed=1)
