@@ -178,11 +178,11 @@ class EngineClient:
                 stats["tensors"] += len(specs)
                 stats["bytes"] += sum(P.nbytes(P.dtype_of(s["dtype"]), s["shape"]) for s in specs)
             self.call("update_weights_done")
+            stats["buffer_bytes"] = buffer.size
         finally:
             if own:
                 buffer.close()
         stats["seconds"] = time.perf_counter() - t0
-        stats["buffer_bytes"] = buffer.size if not own else None
         return stats
 
     def sleep(self, level: int = 1) -> None:

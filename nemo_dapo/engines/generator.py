@@ -151,10 +151,11 @@ class EngineGenerator:
         if not requests:
             return completions_to_generation([], self.pad_id)
         self.client.submit(requests)
-        done: dict = {}
+        wanted, done = {r.id for r in requests}, {}
         while len(done) < len(requests):
             c = self.client.next_completion()
-            done[c.id] = c
+            if c.id in wanted:  # never a late completion of an aborted stream
+                done[c.id] = c
         return completions_to_generation([done[r.id] for r in requests], self.pad_id)
 
     def sleep(self) -> None:

@@ -14,7 +14,7 @@ Client -> server: every command carries ``cmd`` (a client-chosen int) and is ans
     update_weights_done {}                           -> {}   post-process, reset caches; generation may resume
     sleep            {level: 1|2}                    -> {}   level 1 frees the KV cache, 2 the weights too
     wake             {}                              -> {}
-    health           {}                              -> {running, queued, weights_ok, sleeping, uptime_s}
+    health           {}                              -> {running, weights_ok, sleeping, uptime_s, engine}
     shutdown         {}                              -> {}   then the server exits
 
 Server -> client, unprompted:
