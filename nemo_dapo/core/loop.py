@@ -136,16 +136,12 @@ class DAPOLoop:
         self.filler.end_gen_batch()
         return groups
 
-    def _prompt_rows(self, indices) -> tuple:
-        prompt_ids, prompt_mask = self.prompts.collate(indices)
-        return prompt_ids, prompt_mask
-
     def _seed(self) -> int:
         return mix_seed(self.settings.seed, self.counters["gen_batches"], self.reducer.rank)
 
     def _generate_and_score(self, indices, uids, timers) -> list:
         s, g = self.settings, self.settings.group_size
-        prompt_ids, prompt_mask = self._prompt_rows(indices)
+        prompt_ids, prompt_mask = self.prompts.collate(indices)
         t0 = time.perf_counter()
         if s.streaming:
             stream = self.generator.stream(prompt_ids, prompt_mask, n=g, max_new_tokens=s.max_new_tokens,
@@ -162,7 +158,7 @@ class DAPOLoop:
     def _stream_and_score(self, indices, uids, timers) -> list:
         """Score each group as it finishes; once the filler is full apply ``on_filler_full``."""
         s, g = self.settings, self.settings.group_size
-        prompt_ids, prompt_mask = self._prompt_rows(indices)
+        prompt_ids, prompt_mask = self.prompts.collate(indices)
         t0 = time.perf_counter()
         stream = self.generator.stream(prompt_ids, prompt_mask, n=g, max_new_tokens=s.max_new_tokens,
                                        temperature=s.temperature, top_p=s.top_p, seed=self._seed())
@@ -183,7 +179,6 @@ class DAPOLoop:
         self.counters["generated_tokens"] += stream.generated_tokens
         self.counters["aborted_tokens"] += stream.aborted_tokens
         timers["aborted_requests"] = timers.get("aborted_requests", 0) + stream.aborted_requests
-        timers["aborted_tokens"] = timers.get("aborted_tokens", 0) + stream.aborted_tokens
         return groups
 
     def _score(self, indices, uids, prompt_ids, prompt_mask, out, timers) -> list:
