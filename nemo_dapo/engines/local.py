@@ -2,16 +2,17 @@
 layout: ``model.model`` decoder + ``model.lm_head``), in the server's process, on the model's device.
 
 Layout. ``max_batch_size`` slots; live sequences are rows ``[0, L)`` of one preallocated KV cache per layer,
-``[slots, kv_heads, capacity, head_dim]``. All rows share a column cursor ``c``: row b owns the contiguous columns
-``[start_b, c)`` (its prompt, then its generated tokens but the last, which is "pending": sampled, not yet fed) and
-a decode step writes every row's pending token at column c. The attention mask over columns ``[min start, c]`` is
-``column >= start_b``; positions count real tokens (prompt token 0 has position 0, as in ``position_ids_from_mask``),
-so where a row sits in the cache does not change its output. Requests wait in a FIFO of sequences (a request of n
-samples is n sequences); free slots are refilled from the queue once ``refill_min`` are free: the new prompts are
-prefilled among themselves (left-padded, each distinct prompt once), their K/V copied into columns ``[c - p, c)`` of
-the free rows, and their first token sampled; then they decode with the rest. A finished row is replaced by the last
-row (one row copy), so a decode step always runs on exactly the L live rows. When c reaches the capacity the live window is shifted to column 0 (one copy;
-the capacity grows by doubling up to ``2 * max_seq_len`` so that shifts stay rare).
+``[slots, kv_heads, capacity, head_dim]`` (``nemo_dapo.local.kv_cache``). All rows share a column cursor ``c``: row b
+owns the contiguous columns ``[start_b, c)`` (its prompt, then its generated tokens but the last, which is "pending":
+sampled, not yet fed) and a decode step writes every row's pending token at column c. The attention mask over columns
+``[min start, c]`` is ``column >= start_b``; positions count real tokens (prompt token 0 has position 0, as in
+``position_ids_from_mask``), so where a row sits in the cache does not change its output. Requests wait in a FIFO of
+sequences (a request of n samples is n sequences); free slots are refilled from the queue once ``refill_min`` are
+free: the new prompts are prefilled among themselves (left-padded, each distinct prompt once), their K/V copied into
+columns ``[c - p, c)`` of the free rows, and their first token sampled; then they decode with the rest. A finished
+row is replaced by the last row (one row copy), so a decode step always runs on exactly the L live rows. When c
+reaches the capacity the live window is shifted to column 0 (one copy; the capacity grows by doubling up to ``2 *
+max_seq_len`` so that shifts stay rare).
 
 Randomness: sample k of a request has its own stream, a ``random.Random`` seeded with ``mix_seed(request.seed, k)``
 (an unseeded request takes its seed from torch's global RNG when added); each token is one uniform draw from it,
@@ -55,41 +56,6 @@ def inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     tok = torch.searchsorted(cdf, (u.to(cdf) * cdf[:, -1])[:, None], right=True).squeeze(1)
     last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(-1)
     return torch.minimum(tok, last)
-
-
-_SLOT_CACHE = None
-
-
-def _slot_cache():
-    """The ``transformers`` Cache over the slot buffers, defined on first use (importing this module stays light)."""
-    global _SLOT_CACHE
-    if _SLOT_CACHE is None:
-        from transformers import Cache
-
-        class SlotCache(Cache):
-            """Per-layer buffers [slots, kv_heads, capacity, head_dim]. Before a decode forward the engine sets the
-            view: rows [0, rows), key columns [lo, hi); ``update`` writes the new token at column hi in place."""
-
-            def __init__(self):
-                super().__init__()
-                self.keys, self.values = [], []
-                self.rows = self.lo = self.hi = 0
-
-            def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
-                end = self.hi + key_states.shape[-2]
-                self.keys[layer_idx][:self.rows, :, self.hi:end] = key_states
-                self.values[layer_idx][:self.rows, :, self.hi:end] = value_states
-                return (self.keys[layer_idx][:self.rows, :, self.lo:end],
-                        self.values[layer_idx][:self.rows, :, self.lo:end])
-
-            def get_seq_length(self, layer_idx=0) -> int:
-                return self.hi - self.lo
-
-            def get_max_cache_shape(self):
-                return None  # the attention mask sets the key length
-
-        _SLOT_CACHE = SlotCache
-    return _SLOT_CACHE()
 
 
 class _Job:
@@ -252,8 +218,8 @@ class LocalEngine:
         free = self.max_batch_size - len(self._rows)
         if free == 0 or not self._queue or (self._rows and free < min(self.refill_min, len(self._queue))):
             return
+        from nemo_dapo.local.kv_cache import InPlaceCache
         from nemo_dapo.local.model import position_ids_from_mask
-        from nemo_dapo.local.sampler import _PreallocatedCache
 
         new = [self._queue.popleft() for _ in range(min(free, len(self._queue)))]
         jobs = list(dict.fromkeys(s.job for s in new))  # each distinct prompt is prefilled once
@@ -266,19 +232,16 @@ class LocalEngine:
             ids[u, P - lens[u]:] = torch.tensor(j.request.prompt_ids)
             mask[u, P - lens[u]:] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        tmp = _PreallocatedCache(capacity=P)
+        tmp = InPlaceCache(capacity=P)
         out = self.model.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
                                past_key_values=tmp, use_cache=True)
         logits = self.model.lm_head(out.last_hidden_state[:, -1]).float()[which]
         if self._cache is None:  # first prefill (or after sleep): slot buffers shaped like the prefill's K/V
-            self._cache, cap = _slot_cache(), self._capacity_for(P)
-            for src, dst in ((tmp.keys, self._cache.keys), (tmp.values, self._cache.values)):
-                dst.extend(t.new_empty(self.max_batch_size, t.shape[1], cap, t.shape[3]) for t in src)
+            self._cache = InPlaceCache.like(tmp, batch=self.max_batch_size, capacity=self._capacity_for(P))
         self._make_room(P)
         L, c, n = len(self._rows), self._c, len(new)
-        for src, dst in ((tmp.keys, self._cache.keys), (tmp.values, self._cache.values)):
-            for t, buf in zip(src, dst):
-                buf[L:L + n, :, c - P:c] = t[which]  # right-aligned prompts: the padding lands left of start_b
+        for t, buf in zip(tmp.keys + tmp.values, self._cache.keys + self._cache.values):
+            buf[L:L + n, :, c - P:c] = t[which]  # right-aligned prompts: the padding lands left of start_b
         plen = torch.tensor(lens, device=self.device)[which]
         self._start[L:L + n], self._pos[L:L + n] = c - plen, plen
         self._rows.extend(new)
@@ -289,11 +252,10 @@ class LocalEngine:
             self._make_room(0)
         L, c = len(self._rows), self._c
         lo = int(self._start[:L].min())
-        cache = self._cache
-        cache.rows, cache.lo, cache.hi = L, lo, c
+        self._cache.set_window(L, lo, c)  # rows [0, L) write column c, attend to columns [lo, c]
         mask = (torch.arange(lo, c + 1, device=self.device)[None, :] >= self._start[:L, None]).long()
         out = self.model.model(input_ids=self._pending[:L, None], attention_mask=mask,
-                               position_ids=self._pos[:L, None], past_key_values=cache, use_cache=True)
+                               position_ids=self._pos[:L, None], past_key_values=self._cache, use_cache=True)
         self._c, self._pos[:L] = c + 1, self._pos[:L] + 1
         self._emit(0, self.model.lm_head(out.last_hidden_state[:, -1]).float(), done)
 
@@ -368,12 +330,13 @@ class LocalEngine:
         width = c - lo
         new_lo = max(0, need_left - width)
         new_cap = max(cap, self._capacity_for(new_lo + width + 1))
-        cache = self._cache
-        for bufs in (cache.keys, cache.values):
-            for j, buf in enumerate(bufs):
+        for layer in self._cache.layers:
+            for name in ("keys", "values"):
+                buf = getattr(layer, name)
                 window = buf[:L, :, lo:c].clone()  # source and target may overlap
                 if new_cap != buf.shape[2]:
-                    buf = bufs[j] = buf.new_empty(buf.shape[0], buf.shape[1], new_cap, buf.shape[3])
+                    buf = buf.new_empty(buf.shape[0], buf.shape[1], new_cap, buf.shape[3])
+                    setattr(layer, name, buf)
                 buf[:L, :, new_lo:new_lo + width] = window
         self._start[:L] += new_lo - lo
         self._c = new_lo + width

@@ -39,47 +39,6 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generato
     return tok, logp.gather(1, tok[:, None]).squeeze(1)
 
 
-def _cache_base():
-    from transformers import Cache
-
-    return Cache
-
-
-class _PreallocatedCache(_cache_base()):
-    """KV cache written in place into buffers sized for prompt + budget (``DynamicCache`` concatenates each step,
-    which made cache copies the largest cost of CPU decoding). Returns views of the filled prefix."""
-
-    def __init__(self, capacity: int):
-        super().__init__()
-        self.capacity = capacity
-        self.keys, self.values, self.lengths = [], [], []
-
-    def update(self, key_states, value_states, layer_idx, cache_kwargs=None):
-        if layer_idx == len(self.keys):
-            b, h, _, d = key_states.shape
-            self.keys.append(key_states.new_empty(b, h, self.capacity, d))
-            self.values.append(value_states.new_empty(b, h, self.capacity, d))
-            self.lengths.append(0)
-        start, n = self.lengths[layer_idx], key_states.shape[-2]
-        if start + n > self.capacity:
-            raise RuntimeError(f"KV cache overflow: {start + n} > capacity {self.capacity}")
-        self.keys[layer_idx][:, :, start:start + n] = key_states
-        self.values[layer_idx][:, :, start:start + n] = value_states
-        self.lengths[layer_idx] = start + n
-        return self.keys[layer_idx][:, :, :start + n], self.values[layer_idx][:, :, :start + n]
-
-    def get_seq_length(self, layer_idx=0) -> int:
-        return self.lengths[layer_idx] if layer_idx < len(self.lengths) else 0
-
-    def get_max_cache_shape(self):
-        return None  # the attention mask, not the buffer size, sets the key length
-
-    def select_rows(self, idx: torch.Tensor) -> None:
-        for i in range(len(self.keys)):
-            self.keys[i] = self.keys[i].index_select(0, idx)
-            self.values[i] = self.values[i].index_select(0, idx)
-
-
 def _budget(max_new_tokens: Union[int, torch.Tensor], batch: int) -> torch.Tensor:
     if isinstance(max_new_tokens, torch.Tensor):
         budget = max_new_tokens.to(torch.long).reshape(-1)
@@ -134,34 +93,43 @@ class LocalSampler:
         budget = _budget(max_new_tokens, B)
         if seed is None:
             seed = int(torch.randint(0, 2 ** 62, (1,)).item())
-        gen = torch.Generator().manual_seed(int(seed))
+        # decoding runs on the model's device (the draws too: a CPU generator cannot drive a CUDA multinomial); the
+        # result comes back on the prompts' device. On the CPU the draws are those of torch.Generator() for the seed.
+        device = next(self.model.parameters()).device
+        gen = torch.Generator(device=device).manual_seed(int(seed))
+        budget = budget.to(device)
         was_training = self.model.training
         self.model.eval()
         try:
-            tokens, logps, lengths, hit_eos = self._decode(prompt_ids, prompt_mask.long(), budget, temperature, top_p,
-                                                           gen)
+            tokens, logps, lengths, hit_eos = self._decode(prompt_ids.to(device), prompt_mask.to(device).long(),
+                                                           budget, temperature, top_p, gen)
         finally:
             self.model.train(was_training)
         width = int(lengths.max().item()) if B else 0
-        mask = (torch.arange(width)[None, :] < lengths[:, None]).float()
-        return Generation(response_ids=tokens[:, :width], response_mask=mask,
-                          truncated=~hit_eos & (lengths >= budget), logprobs=logps[:, :width])
+        mask = (torch.arange(width, device=device)[None, :] < lengths[:, None]).float()
+        out = prompt_ids.device
+        return Generation(response_ids=tokens[:, :width].to(out), response_mask=mask.to(out),
+                          truncated=(~hit_eos & (lengths >= budget)).to(out), logprobs=logps[:, :width].to(out))
 
     def _decode(self, prompt_ids, prompt_mask, budget, temperature, top_p, gen):
+        from nemo_dapo.local.kv_cache import InPlaceCache
+
         B, limit = prompt_ids.shape[0], int(budget.max().item()) if prompt_ids.shape[0] else 0
-        tokens = torch.full((B, limit), self.pad_id, dtype=torch.long)
-        logps = torch.zeros(B, limit)
-        lengths = torch.zeros(B, dtype=torch.long)
-        hit_eos = torch.zeros(B, dtype=torch.bool)
+        device = prompt_ids.device
+        tokens = torch.full((B, limit), self.pad_id, dtype=torch.long, device=device)
+        logps = torch.zeros(B, limit, device=device)
+        lengths = torch.zeros(B, dtype=torch.long, device=device)
+        hit_eos = torch.zeros(B, dtype=torch.bool, device=device)
         rows = torch.nonzero(budget > 0).squeeze(1)  # original indices of the rows in the running batch
         if limit == 0 or rows.numel() == 0:
             return tokens, logps, lengths, hit_eos
-        cache = _PreallocatedCache(capacity=prompt_ids.shape[1] + limit)
+        cache = InPlaceCache(capacity=prompt_ids.shape[1] + limit)  # K/V written in place, prompt + budget columns
         mask = prompt_mask[rows]
         out = self.model.model(input_ids=prompt_ids[rows], attention_mask=mask,
                                position_ids=position_ids_from_mask(mask), past_key_values=cache, use_cache=True)
         hidden, next_pos = out.last_hidden_state[:, -1], mask.sum(-1)
-        alive = torch.ones(rows.numel(), dtype=torch.bool)  # finished rows ride along until the next compaction
+        # finished rows ride along until the next compaction
+        alive = torch.ones(rows.numel(), dtype=torch.bool, device=device)
         for t in range(limit):
             tok, lp = sample_next(self.model.lm_head(hidden).float(), temperature, top_p, gen)
             live = rows[alive]

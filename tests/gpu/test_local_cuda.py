@@ -8,7 +8,8 @@ Run on a GPU machine (skipped elsewhere by tests/conftest.py):
 batch tensors are on. What is checked:
   * ``LocalPolicy`` with the model and the batch on CUDA: log-probs equal the full-logits reference and the same
     policy on the CPU; gradients equal the CPU ones; one update runs and changes the weights;
-  * ``LocalSampler`` on a CUDA model (reported: XFAIL with the error when it cannot run there);
+  * ``LocalSampler`` on a CUDA model and CUDA prompts (decoding, K/V cache and seeded draws on the device): it runs,
+    and its log-probs of the sampled tokens equal the trainer's (``LocalPolicy`` on CUDA) at temperature 1;
   * the combination that works without device support in the sampler: sampling on a CPU copy, training on CUDA,
     refit through ``update_weights``; its CPU sampling speed at 64 prompts x 16 new tokens (lines ``RESULT``).
 """
@@ -118,21 +119,27 @@ def test_policy_on_cuda_matches_reference_and_cpu():
 def test_sampler_on_a_cuda_model():
     model = tiny_model().to(DEVICE)
     sampler = LocalSampler(model, eos_id=EOS, pad_id=PAD)
-    ids, mask, _ = prompts()
-    try:
-        sync()
-        t0 = time.perf_counter()
-        gen = sampler.generate(ids.to(DEVICE), mask.to(DEVICE), max_new_tokens=NEW_TOKENS, temperature=1.0, seed=0)
-        sync()
-        seconds = time.perf_counter() - t0
-    except Exception as e:  # noqa: BLE001 - the report is the point of this check
-        msg = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-        print(f"RESULT local_sampler_cuda supported=False error={msg!r}")
-        pytest.xfail(f"LocalSampler cannot generate with a CUDA model: {msg}")
+    ids, mask, groups = prompts()
+    ids, mask = ids.to(DEVICE), mask.to(DEVICE)
+    sync()
+    t0 = time.perf_counter()
+    gen = sampler.generate(ids, mask, max_new_tokens=NEW_TOKENS, temperature=1.0, seed=0)
+    sync()
+    seconds = time.perf_counter() - t0
     tokens = int(gen.response_mask.sum())
     print(f"RESULT local_sampler_cuda supported=True batch={BATCH} new_tokens={NEW_TOKENS} "
           f"tokens_per_s={tokens / seconds:.0f}")
     assert gen.response_ids.shape[0] == BATCH and tokens > 0 and bool((gen.logprobs <= 0).all())
+    assert gen.response_ids.device.type == "cuda" and gen.logprobs.device.type == "cuda"
+    again = sampler.generate(ids, mask, max_new_tokens=NEW_TOKENS, temperature=1.0, seed=0)
+    assert torch.equal(again.response_ids, gen.response_ids)  # the seed fixes the (CUDA generator's) draws
+    batch = RolloutBatch(prompt_ids=ids, prompt_mask=mask, response_ids=gen.response_ids,
+                         response_mask=gen.response_mask, group_ids=groups.to(DEVICE), truncated=gen.truncated,
+                         engine_logp=gen.logprobs, pad_id=PAD)
+    want, _ = LocalPolicy(model, lr=1e-3, micro_batch_size=16).logprobs(batch)
+    gap = ((want - gen.logprobs) * gen.response_mask).abs().max().item()
+    print(f"RESULT local_sampler_cuda_vs_trainer_logp max_gap={gap:.3g}")
+    assert gap < 1e-4
 
 
 def sample_batch(sampler, seed):
