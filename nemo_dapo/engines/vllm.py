@@ -122,14 +122,16 @@ class VLLMEngine:
         self._check_alive()
         if request.id in self._live:
             raise EngineError(f"engine {self.name!r}: request {request.id!r} is already running")
-        stops = list(dict.fromkeys(list(request.stop_token_ids) + self._eos))
+        # ignore_eos as vLLM means it: the model's EOS does not end a sample, the request's stop tokens still do
+        stops = list(dict.fromkeys(list(request.stop_token_ids) + ([] if request.ignore_eos else self._eos)))
         prompt, added = self._TokensPrompt(prompt_token_ids=list(request.prompt_ids)), []
         try:
             for k in range(request.n):
                 seed = None if request.seed is None else (int(request.seed) * SEED_STRIDE + k) % (1 << 63)
                 params = self._SamplingParams(
                     n=1, temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, seed=seed,
-                    max_tokens=request.max_new_tokens, stop_token_ids=stops, detokenize=False,
+                    max_tokens=request.max_new_tokens, stop_token_ids=stops, ignore_eos=request.ignore_eos,
+                    detokenize=False,
                     logprobs=0 if request.logprobs else None, output_kind=self._DELTA)
                 self._engine.add_request(f"{request.id}#{k}", prompt, params)
                 added.append(f"{request.id}#{k}")

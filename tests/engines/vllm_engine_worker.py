@@ -167,6 +167,10 @@ def main_checks(tmp):
     RESULTS["eos_ended_samples"] = eos_ended
     check("eos_stops", eos_ended > 0, "no sample ended with EOS (config.json's eos_token_id)")
     check("samples_differ", len({tuple(s.token_ids) for s in out["r0"].samples}) > 1, out["r0"].samples)
+    # ignore_eos (benchmarks impose lengths): the model's EOS, frequent in this model, no longer ends a sample
+    long = run(engine, [Request(id="ie", prompt_ids=prompts[0], n=4, max_new_tokens=40, seed=3, ignore_eos=True)])
+    check("ignore_eos", all(len(s.token_ids) == 40 and s.finish_reason == "length" for s in long["ie"].samples),
+          [(len(s.token_ids), s.finish_reason) for s in long["ie"].samples])
 
     again = run(engine, [Request(id="again", prompt_ids=reqs[0].prompt_ids, n=4, max_new_tokens=24, seed=100,
                                  stop_token_ids=stops)])["again"]
