@@ -124,13 +124,14 @@ def main(argv: Optional[list] = None) -> int:
         parser.print_help()
         return 2
     from nemo_dapo.config import ConfigError
+    from nemo_dapo.core.checkpoint import CheckpointError
     from nemo_dapo.core.dynamic_sampling import BudgetExhausted
     from nemo_dapo.data.readers import DataFormatError
     from nemo_dapo.engines.base import EngineError
 
     try:
         return args.run(args)
-    except (ConfigError, DataFormatError, FileNotFoundError) as e:
+    except (ConfigError, DataFormatError, FileNotFoundError, CheckpointError) as e:
         print(f"nemo-dapo {args.command}: error: {e}", file=sys.stderr)
         return 2
     except BudgetExhausted as e:

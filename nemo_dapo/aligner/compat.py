@@ -79,11 +79,13 @@ def pack_state(state: dict) -> torch.Tensor:
 
 
 def unpack_state(packed: torch.Tensor) -> dict:
-    """Inverse of :func:`pack_state`. The bytes were written by this same program, hence ``weights_only=False``."""
+    """Inverse of :func:`pack_state`; like every checkpoint read, it never runs code from the bytes."""
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or packed.dim() != 1:
         raise ValueError(f"checkpoint entry {CHECKPOINT_KEY!r} must be a 1-D uint8 tensor written by pack_state, "
                          f"got {type(packed).__name__}")
-    return torch.load(io.BytesIO(packed.cpu().numpy().tobytes()), map_location="cpu", weights_only=False)
+    from nemo_dapo.core.checkpoint import safe_load
+
+    return safe_load(io.BytesIO(packed.cpu().numpy().tobytes()), what=f"checkpoint entry {CHECKPOINT_KEY!r}")
 
 
 def device() -> torch.device:

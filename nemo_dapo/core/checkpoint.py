@@ -9,6 +9,7 @@ cleaned up by the next save.
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import re
 import tempfile
@@ -88,8 +89,26 @@ def load_checkpoint(path: str) -> dict:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint {path!r} does not exist; list the run's checkpoints/ directory or "
                                 "start without resuming")
-    # weights_only=False: the state holds Python RNG state and plain containers written by this same program.
-    return torch.load(path, map_location="cpu", weights_only=False)
+    with open(path, "rb") as f:
+        return safe_load(f, what=f"checkpoint {path!r}")
+
+
+def safe_load(f, *, what: str):
+    """``torch.load`` that never runs code from the file (a planted ``step_*.pt`` must not execute on resume):
+    tensors, containers, numbers, strings and the project's own :class:`RolloutBatch` only (the filler's groups)."""
+    from nemo_dapo.core.types import RolloutBatch
+
+    try:
+        with torch.serialization.safe_globals([RolloutBatch]):
+            return torch.load(f, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{what} holds objects other than tensors and plain data, so it was not written by "
+                              f"nemo_dapo and is not loaded (nothing in it was run): {str(e).splitlines()[0]}. "
+                              "Delete it or resume from another checkpoint.") from None
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded safely or is not ours."""
 
 
 def rng_state() -> dict:

@@ -56,3 +56,39 @@ def test_errors_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match="keep_last"):
         ck.save_checkpoint(str(tmp_path), 1, {}, keep_last=0)
     assert ck.list_checkpoints(str(tmp_path / "nowhere")) == []
+
+
+class _Planted:
+    """What a crafted checkpoint would hold: unpickling it runs a shell command."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_planted_pickle_is_refused_and_never_runs(tmp_path):
+    from nemo_dapo.core.checkpoint import CheckpointError, checkpoint_path, load_checkpoint
+
+    marker = tmp_path / "pwned"
+    path = checkpoint_path(str(tmp_path), 3)
+    torch.save({"loop": _Planted(marker)}, path)
+    with pytest.raises(CheckpointError, match=r"step_00000003\.pt.* not loaded \(nothing in it was run\)"):
+        load_checkpoint(path)
+    assert not marker.exists()
+
+
+def test_safe_load_keeps_the_loop_state_exact(tmp_path):
+    from nemo_dapo.core.checkpoint import load_checkpoint, rng_state, save_checkpoint
+    from nemo_dapo.core.types import RolloutBatch
+
+    batch = RolloutBatch(prompt_ids=torch.tensor([[0, 5]]), prompt_mask=torch.tensor([[0, 1]]),
+                         response_ids=torch.tensor([[7, 2]]), response_mask=torch.ones(1, 2),
+                         group_ids=torch.tensor([4]), truncated=torch.tensor([False]), pad_id=0)
+    state = {"filler": {"groups": [{"uid": 4, "payload": batch, "age": 1}]}, "rng": rng_state(), "x": (1, 2.5, "a")}
+    got = load_checkpoint(save_checkpoint(str(tmp_path), 1, state))
+    assert got["rng"]["python"] == state["rng"]["python"] and torch.equal(got["rng"]["torch"], state["rng"]["torch"])
+    payload = got["filler"]["groups"][0]["payload"]
+    assert isinstance(payload, RolloutBatch) and torch.equal(payload.response_ids, batch.response_ids)
+    assert got["x"] == (1, 2.5, "a")
