@@ -186,8 +186,8 @@ def main(argv=None) -> int:
                        f"{engine}_stream_time_cut={1 - r['c']['to_needed'] / r['b']['to_needed']:.0%} "
                        f"{engine}_stream_tokens_saved={1 - r['c']['tokens'] / r['b']['tokens']:.0%} "
                        f"{engine}_static_to_needed_vs_stream={r['a']['to_needed'] / r['c']['to_needed']:.2f}x "
-                       f"{engine}_tokens_static={r['a']['tokens']:.0f} {engine}_tokens_inflight={r['b']['tokens']:.0f} "
-                       f"{engine}_tokens_stream={r['c']['tokens']:.0f}")
+                       f"{engine}_tokens_static={r['a']['tokens']:.0f} "
+                       f"{engine}_tokens_inflight={r['b']['tokens']:.0f} {engine}_tokens_stream={r['c']['tokens']:.0f}")
     print("RESULT " + " ".join(results))
     return 0
 

@@ -13,6 +13,6 @@ Modules (import them directly; this package imports nothing so that ``import nem
 * ``convert_shard``   TP / PP / EP sharding and merging of converted state dicts (torch only)
 * ``convert_build``   a GPTModel and TransformerConfig matching a Hugging Face config
 
-CI tests megatron-core 0.10.0 (the NeMo-Aligner 0.7.0 pin) on CPU over gloo; 0.16.1 passed the same tests by hand; the CPU runs need the
-test-only patches in tests/support/megatron_cpu_shim.py, never imported here.
+CI tests megatron-core 0.10.0 (the NeMo-Aligner 0.7.0 pin) on CPU over gloo; 0.16.1 passed the same tests by hand;
+the CPU runs need the test-only patches in tests/support/megatron_cpu_shim.py, never imported here.
 """
