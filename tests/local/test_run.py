@@ -15,7 +15,7 @@ from nemo_dapo.core.types import RolloutBatch
 from nemo_dapo.logging import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-AIME = os.path.join(REPO, "..", "shared", "data", "aime-2024.parquet")
+AIME = os.path.join(REPO, "tests", "fixtures", "aime-2024-head64.parquet")  # 64 rows of the real file
 
 # A ~20k-parameter model, a few warm-up updates, 2 prompts x 4 samples per step: every phase runs, in seconds.
 TINY = [
