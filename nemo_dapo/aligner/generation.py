@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from nemo_dapo.aligner.layout import pack_tokens
 from nemo_dapo.core.types import Generation, RolloutBatch
-from nemo_dapo.local.sampler import sample_next
+from nemo_dapo.core.sampling import sample_next
 
 # NeMo / megatron are imported inside the generators, so that ``check_generation_lengths`` stays cheap to import
 # (the config validator calls it before anything heavy is loaded).

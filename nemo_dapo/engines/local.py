@@ -30,32 +30,8 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from nemo_dapo.core.loop_data import mix_seed
+from nemo_dapo.core.sampling import inverse_cdf, sample_next, sampling_logp
 from nemo_dapo.engines.base import Completion, EngineError, Request, Sample, check_weight
-
-
-def sampling_logp(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
-    """fp32 log-probs [N, V] of the distribution tokens are drawn from: logits / temperature, then all but the k
-    largest masked (ties at the k-th value survive), then ``sample_next``'s top-p rule (the smallest prefix whose
-    mass reaches top_p; the top token always survives)."""
-    z = logits.float() / temperature
-    if 0 < top_k < z.shape[-1]:
-        z = z.masked_fill(z < z.topk(top_k, dim=-1).values[:, -1:], float("-inf"))
-    if top_p < 1.0:
-        sorted_z, order = z.sort(dim=-1, descending=True)
-        probs = torch.softmax(sorted_z, dim=-1)
-        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
-        z = z.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted), float("-inf"))
-    return torch.log_softmax(z, dim=-1)
-
-
-def inverse_cdf(logp: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Tokens [N] drawn from log-probs [N, V] given uniforms ``u`` [N] in [0, 1): the first token whose cumulative
-    mass exceeds u * total (a zero-mass token never is; u rounding up to 1 falls back to the last positive one)."""
-    probs = logp.exp()
-    cdf = probs.cumsum(-1)
-    tok = torch.searchsorted(cdf, (u.to(cdf) * cdf[:, -1])[:, None], right=True).squeeze(1)
-    last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(-1)
-    return torch.minimum(tok, last)
 
 
 class _Job:
@@ -282,8 +258,6 @@ class LocalEngine:
     def _sample(self, logits: torch.Tensor, seqs: list):
         """Rows grouped by (temperature, top_p, top_k); the distribution is computed per group, the draw per row with
         that sequence's stream. Greedy reports the model's (temperature 1) log-prob, as ``sample_next`` does."""
-        from nemo_dapo.local.sampler import sample_next
-
         groups: dict = {}
         for i, s in enumerate(seqs):
             groups.setdefault(s.job.key, []).append(i)

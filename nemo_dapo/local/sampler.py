@@ -11,32 +11,9 @@ from typing import Optional, Union
 
 import torch
 
+from nemo_dapo.core.sampling import sample_next
 from nemo_dapo.core.types import Generation
 from nemo_dapo.local.model import position_ids_from_mask
-
-
-def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: Optional[torch.Generator]):
-    """Draw one token per row from fp32 ``logits`` [N, V]. Returns (tokens [N] long, log-prob [N] fp32).
-
-    The log-prob is that of the distribution the token was drawn from (after temperature and top-p; what importance
-    sampling against the sampler needs; equal to the model's log-prob at temperature 1, top_p 1).
-    ``temperature == 0`` is greedy and reports the model's (temperature 1) log-prob of the argmax.
-    """
-    if temperature == 0:
-        logp = torch.log_softmax(logits, dim=-1)
-        tok = logits.argmax(dim=-1)
-        return tok, logp.gather(1, tok[:, None]).squeeze(1)
-    z = logits / temperature
-    if top_p < 1.0:
-        sorted_z, order = z.sort(dim=-1, descending=True)
-        probs = torch.softmax(sorted_z, dim=-1)
-        # keep the smallest prefix whose mass reaches top_p (the top token always survives)
-        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        z = z.masked_fill(drop, float("-inf"))
-    logp = torch.log_softmax(z, dim=-1)
-    tok = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(1)
-    return tok, logp.gather(1, tok[:, None]).squeeze(1)
 
 
 def _budget(max_new_tokens: Union[int, torch.Tensor], batch: int) -> torch.Tensor:

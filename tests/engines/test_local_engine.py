@@ -3,12 +3,13 @@ reference log-probs and a slow cache-free decoder."""
 import pytest
 import torch
 
+from nemo_dapo.core.sampling import inverse_cdf, sample_next, sampling_logp
 from nemo_dapo.core.types import RolloutBatch
 from nemo_dapo.engines.base import EngineError, EngineWeightError, Request
-from nemo_dapo.engines.local import LocalEngine, inverse_cdf, sampling_logp
+from nemo_dapo.engines.local import LocalEngine
 from nemo_dapo.local.model import position_ids_from_mask, save_model
 from nemo_dapo.local.policy import reference_logprobs
-from nemo_dapo.local.sampler import LocalSampler, sample_next
+from nemo_dapo.local.sampler import LocalSampler
 from tests.local.tiny_models import EOS, PAD, VOCAB, left_padded, tiny_model
 
 NEVER = -1  # an eos id no token can equal

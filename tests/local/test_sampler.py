@@ -4,7 +4,8 @@ import torch
 from nemo_dapo.core.types import Generator, RolloutBatch
 from nemo_dapo.local.model import position_ids_from_mask
 from nemo_dapo.local.policy import reference_logprobs
-from nemo_dapo.local.sampler import LocalSampler, sample_next
+from nemo_dapo.core.sampling import sample_next
+from nemo_dapo.local.sampler import LocalSampler
 from tests.local.tiny_models import EOS, PAD, left_padded, tiny_model
 
 NEVER = -1  # an eos id no token can equal: rows run to their budget

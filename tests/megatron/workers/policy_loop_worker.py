@@ -19,7 +19,7 @@ from nemo_dapo.core.loop import DAPOLoop, LoopSettings
 from nemo_dapo.core.loop_data import PromptSet
 from nemo_dapo.core.loss import make_loss_fn
 from nemo_dapo.core.types import Generation, RolloutBatch
-from nemo_dapo.local.sampler import sample_next
+from nemo_dapo.core.sampling import sample_next
 from nemo_dapo.megatron.model import GPTSpec, build_gpt_model, destroy_parallel, initialize_parallel, unwrap
 from nemo_dapo.megatron.policy import MegatronPolicy, pack_left_aligned
 from nemo_dapo.megatron.reduction import DPReducer
