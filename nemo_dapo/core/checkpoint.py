@@ -95,16 +95,19 @@ def load_checkpoint(path: str) -> dict:
 
 def safe_load(f, *, what: str):
     """``torch.load`` that never runs code from the file (a planted ``step_*.pt`` must not execute on resume):
-    tensors, containers, numbers, strings and the project's own :class:`RolloutBatch` only (the filler's groups)."""
+    tensors, containers, numbers, strings and the project's own ``RolloutBatch`` / ``Group`` (the filler's groups)."""
+    from nemo_dapo.core.dynamic_sampling import Group
     from nemo_dapo.core.types import RolloutBatch
 
     try:
-        with torch.serialization.safe_globals([RolloutBatch]):
+        with torch.serialization.safe_globals([RolloutBatch, Group]):
             return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise CheckpointError(f"{what} holds objects other than tensors and plain data, so it was not written by "
-                              f"nemo_dapo and is not loaded (nothing in it was run): {str(e).splitlines()[0]}. "
-                              "Delete it or resume from another checkpoint.") from None
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        culprit = f" (it references {found.group(1)})" if found else ""
+        raise CheckpointError(f"{what} holds objects other than tensors and plain data{culprit}, so it was not "
+                              "written by nemo_dapo and is not loaded (nothing in it was run). Delete it or resume "
+                              "from another checkpoint.") from None
 
 
 class CheckpointError(ValueError):
