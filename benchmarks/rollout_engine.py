@@ -128,6 +128,8 @@ def engine_python(engine: str) -> str:
 def bench_engine(engine: str, model_dir: str, args, lengths, informative) -> dict:
     tmp = tempfile.mkdtemp(prefix="nemo-dapo-bench-")
     options = {"max_batch_size": args.slots}
+    if args.refill_min is not None and engine == "local":
+        options["refill_min"] = args.refill_min
     proc = EngineProcess(engine=engine, model_dir=model_dir, address=f"unix:{tmp}/e.sock",
                          python=engine_python(engine), options=options, threads=1,
                          log_path=os.path.join(tmp, "engine.log"),
@@ -156,6 +158,8 @@ def main(argv=None) -> int:
     p.add_argument("--needed", type=int, default=16, help="informative groups the filler needs (of groups/2)")
     p.add_argument("--cap", type=int, default=256)
     p.add_argument("--slots", type=int, default=64, help="sequences decoded together (engine max_batch_size)")
+    p.add_argument("--refill-min", type=int, default=None,
+                   help="local engine: refill free slots once this many are free (default slots // 8)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (a smoke run, not a measurement)")

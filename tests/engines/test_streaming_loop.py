@@ -55,3 +55,42 @@ def test_finish_policy_lets_running_groups_complete_into_the_carry_over(engine):
 def test_streaming_needs_a_stream_capable_generator():
     with pytest.raises(ValueError, match="streaming dynamic sampling needs a generator with stream"):
         make_loop(streaming=True)
+
+
+def test_streaming_under_data_parallelism_drains_and_ranks_agree(tmp_path):
+    """Two ranks (threads), each with its own engine server: streams are drained (no early stop across ranks),
+    every rank's filler sees the same gathered groups, and the counters agree."""
+    import threading
+
+    from tests.core.test_loop import ThreadReducer
+
+    world, shared, barrier = 2, [None, None], threading.Barrier(2)
+    servers = [start(tmp_path, name=f"rank{r}", lengths=LENGTHS) for r in range(world)]
+    loops = []
+    for r, (_, client) in enumerate(servers):
+        gen = EngineGenerator(client, eos_id=49, pad_id=0)
+        loops.append(make_loop(generator=gen, policy=WeightedFakePolicy(), ds=True, groups=4, group_size=4, mini=8,
+                               max_new_tokens=40, streaming=True,
+                               reducer=ThreadReducer(r, world, shared, barrier)))
+    metrics, errors = [None, None], []
+
+    def run(r):
+        try:
+            metrics[r] = loops[r].step()
+        except Exception as e:  # noqa: BLE001 - surfaced below
+            errors.append(e)
+            barrier.abort()
+
+    try:
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not errors, errors
+        assert loops[0].counters == loops[1].counters
+        assert metrics[0]["rollout/aborted_requests"] == 0 and metrics[0]["filter/trained_groups"] == 4
+        assert metrics[0]["rollout/generated_tokens"] == metrics[1]["rollout/generated_tokens"] > 0
+    finally:
+        for proc, client in servers:
+            proc.stop(client)
