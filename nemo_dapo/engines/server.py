@@ -1,6 +1,6 @@
 """The rollout-engine server: one engine adapter behind the protocol of ``protocol.py``, in its own process.
 
-    python -m nemo_dapo.engines.server --engine local|vllm --model HF_DIR --address unix:/tmp/engine.sock \
+    python -m nemo_dapo.engines.server --engine local|vllm|trtllm --model HF_DIR --address unix:/tmp/engine.sock \
         [--option key=value ...] [--parent-pid PID] [--threads N]
 
 One thread does everything: it reads a command when one is waiting, otherwise advances the engine (``adapter.step``)
@@ -32,6 +32,7 @@ log = logging.getLogger("nemo_dapo.engine")
 ENGINES = {
     "local": "nemo_dapo.engines.local:LocalEngine.from_path",
     "vllm": "nemo_dapo.engines.vllm:VLLMEngine",
+    "trtllm": "nemo_dapo.engines.trtllm:TRTLLMEngine",
 }
 
 

@@ -1,0 +1,343 @@
+"""TensorRT-LLM as a rollout engine: ``TRTLLMEngine`` drives ``tensorrt_llm.LLM(backend="pytorch")`` (in-flight batching).
+
+Every TensorRT-LLM name used here is recorded, with the file it was read from, in
+``tests/engines/trtllm_api_snapshot.json``; the contract tests run this adapter against a fake that enforces it.
+
+* Async engine, single-threaded server: ``LLM.generate_async`` returns a ``RequestOutput`` whose ``aresult()`` is
+  awaitable only when created inside an event loop. The adapter runs one asyncio loop in a helper thread: ``add``
+  submits there (and waits for the submission, so a rejected request fails in ``add``), a coroutine per sample
+  awaits the result and puts it on a queue, and ``step()`` drains that queue, waiting at most ``poll_s`` for the
+  first item (non-blocking for the server loop).
+* Sample k of request ``id`` is one TRT-LLM request (n=1, seed ``seed * 1_000_003 + k``): per-sample seeds, per-sample
+  aborts; ``enable_block_reuse`` lets the G samples of a prompt share its KV blocks.
+* Tokens only (``skip_tokenizer_init``): ``end_id`` is config.json's first EOS, every EOS also a stop token, with
+  ``include_stop_str_in_output`` so a stop token stays in ``token_ids`` (``executor/result.py`` cuts it otherwise).
+  The PyTorch sampler appends the sampled token before checking ``end_id``, so an EOS end is kept too; a "stop"
+  sample that does not end in one of its stop tokens is reported as an error, never silently passed on.
+* Log-probs: ``logprobs=0`` (the sampled token only) with ``logprobs_mode="processed"``: log-probabilities after
+  temperature / top-k / top-p (``sampling_params.LogprobMode.PROCESSED``), our convention (``base.py``).
+* Weights: TensorRT-LLM's RL hook ``rlhf_utils.WorkerExtension.update_weights`` through ``LLM._collective_rpc`` (Ray
+  orchestrator). A bucket is copied to each engine GPU, CUDA IPC handles (``reduce_tensor``) keyed by that GPU's UUID
+  go to ``update_weights(handles)`` (``model_loader.reload(..., allow_partial_loading=True)``); ``finish_weights``
+  sends ``update_weights(None)``: ``process_weights_after_loading`` / ``post_load_weights`` per module, MoE
+  load-balancer finalisation, ``reset_prefix_cache``. TRT-LLM skips unknown names silently, so names and shapes are
+  checked against the checkpoint's safetensors headers first, and the parts of a fused module (q/k/v, gate/up,
+  an expert's w1/w3) are held back on the GPU until the bucket that completes them.
+* Sleep: ``_collective_rpc("sleep", (tags,))`` / ``("wakeup", (tags,))`` with ``enable_sleep=True``; level 1 frees
+  the KV cache, level 2 the model memory too (tags configurable).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import json
+import os
+import queue
+import threading
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from .base import Completion, EngineError, EngineWeightError, Request, Sample, check_weight
+from .vllm import _checkpoint_shapes
+
+SEED_STRIDE = 1_000_003
+WORKER_EXTENSION = "tensorrt_llm.llmapi.rlhf_utils.WorkerExtension"
+DAPO_PROMPT_BUDGET, DAPO_RESPONSE_BUDGET = 2048, 20480
+_FINISH = {"stop": "stop", "length": "length", "cancelled": "aborted", "timeout": "aborted"}
+_FUSED = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"}, {"w1", "w3"})
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def fused_group(name: str) -> Optional[tuple]:
+    """'model.layers.0.self_attn.k_proj.bias' -> ('model.layers.0.self_attn', frozenset(q,k,v), 'bias'), else None."""
+    parts = name.split(".")
+    if len(parts) < 3:
+        return None
+    for group in _FUSED:
+        if parts[-2] in group:
+            return ".".join(parts[:-2]), frozenset(group), parts[-1]
+    return None
+
+
+class TRTLLMEngine:
+    """EngineAdapter over TensorRT-LLM's PyTorch-backend ``LLM``. ``model_dir``: a local HF checkpoint.
+
+    ``prompt_budget`` + ``response_budget`` = ``max_seq_len`` (DAPO: 2,048 + 20,480); ``max_input_len`` defaults to
+    the prompt budget (TRT-LLM's own default is 1,024). ``devices``: the engine's GPUs, one per TP rank (weight
+    buckets are copied to each). ``llm_kwargs``: further ``LLM`` arguments (checked against the recorded API)."""
+
+    def __init__(self, model_dir, *, prompt_budget: int = DAPO_PROMPT_BUDGET,
+                 response_budget: int = DAPO_RESPONSE_BUDGET, max_input_len: Optional[int] = None,
+                 max_batch_size: int = 512, max_num_tokens: int = 16384, free_gpu_memory_fraction: float = 0.85,
+                 enable_block_reuse: bool = True, tensor_parallel_size: int = 1, moe_expert_parallel_size: int = 1,
+                 dtype: str = "auto", enable_sleep: bool = True, sleep_tags: Optional[dict] = None,
+                 devices: Optional[Sequence[str]] = None, poll_s: float = 0.002, abort_wait_s: float = 2.0,
+                 submit_timeout_s: float = 60.0, llm_kwargs: Optional[dict] = None, name: str = "trtllm",
+                 **unknown):
+        self.name, self.model_dir = name, os.fspath(model_dir)
+        if unknown:
+            known = sorted(set(inspect.signature(TRTLLMEngine).parameters) - {"model_dir", "unknown"})
+            raise EngineError(f"engine {name!r}: unknown option(s) {sorted(unknown)}; the options are {known} "
+                              "(other LLM arguments go in llm_kwargs)")
+        try:
+            with open(os.path.join(self.model_dir, "config.json")) as f:
+                self._config = json.load(f)
+        except FileNotFoundError:
+            raise EngineError(f"engine {name!r}: no config.json in {self.model_dir!r} (never downloads)") from None
+        if min(prompt_budget, response_budget, max_batch_size, max_num_tokens) < 1:
+            raise EngineError(f"engine {name!r}: prompt_budget, response_budget, max_batch_size and max_num_tokens "
+                              "must be >= 1")
+        self._shapes = _checkpoint_shapes(self.model_dir)
+        self._eos = [int(e) for e in torch.tensor(self._config.get("eos_token_id") or []).reshape(-1).tolist()]
+        if not self._eos:
+            raise EngineError(f"engine {name!r}: config.json of {self.model_dir!r} has no eos_token_id; TensorRT-LLM "
+                              "needs an end id when it runs without a tokenizer")
+        self._tied = bool(self._config.get("tie_word_embeddings")) and "lm_head.weight" not in self._shapes
+        cfg_dtype = self._config.get("torch_dtype") or self._config.get("dtype") or "bfloat16"
+        self._dtype = _DTYPES.get(cfg_dtype if dtype == "auto" else dtype)
+        if self._dtype is None:
+            raise EngineError(f"engine {name!r}: dtype {dtype!r} (config: {cfg_dtype!r}); use one of {sorted(_DTYPES)}")
+        self._max_seq_len, self._max_batch_size = int(prompt_budget + response_budget), int(max_batch_size)
+        self._max_input_len = int(max_input_len or prompt_budget)
+        self._devices = list(devices or [f"cuda:{i}" for i in range(int(tensor_parallel_size))])
+        self._sleep_tags = {1: ["kv_cache"], 2: ["kv_cache", "model"], **{int(k): list(v) for k, v in
+                                                                            (sleep_tags or {}).items()}}
+        self._poll_s, self._abort_wait_s, self._submit_timeout_s = poll_s, abort_wait_s, submit_timeout_s
+        try:
+            import tensorrt_llm
+            from tensorrt_llm import LLM, SamplingParams
+            from tensorrt_llm.llmapi import KvCacheConfig
+        except ImportError as e:
+            raise EngineError(f"engine {name!r}: tensorrt_llm is not importable ({e}); run the engine server in the "
+                              "TensorRT-LLM release container") from e
+        self._version, self._SamplingParams = getattr(tensorrt_llm, "__version__", "?"), SamplingParams
+        args = dict(model=self.model_dir, backend="pytorch", skip_tokenizer_init=True, dtype=dtype,
+                    tensor_parallel_size=int(tensor_parallel_size),
+                    moe_expert_parallel_size=int(moe_expert_parallel_size),
+                    max_seq_len=self._max_seq_len, max_input_len=self._max_input_len,
+                    max_batch_size=self._max_batch_size, max_num_tokens=int(max_num_tokens),
+                    kv_cache_config=KvCacheConfig(free_gpu_memory_fraction=float(free_gpu_memory_fraction),
+                                                  enable_block_reuse=bool(enable_block_reuse)),
+                    orchestrator_type="ray", ray_worker_extension_cls=WORKER_EXTENSION)
+        if enable_sleep:
+            args["enable_sleep"] = True
+        clash = sorted(set(llm_kwargs or {}) & set(args))
+        if clash:
+            raise EngineError(f"engine {name!r}: llm_kwargs {clash} are set by the adapter; use its own options")
+        try:
+            self._llm = LLM(**args, **(llm_kwargs or {}))
+        except (TypeError, ValueError) as e:
+            raise EngineError(f"engine {name!r}: TensorRT-LLM {self._version} rejected the LLM arguments: {e}") from e
+        self._done: queue.Queue = queue.Queue()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="trtllm-results")
+        self._thread.start()
+        self._live: dict = {}  # id -> {"handles": [RequestOutput], "samples": [Sample | None], "stops", "logprobs"}
+        self._pending: dict = {}  # fused group -> {name: device tensors}, waiting for the rest of the group
+        self._received: set = set()
+        self._updating, self._broken, self._asleep = False, None, False
+
+    def info(self) -> dict:
+        return {"engine": "trtllm", "name": self.name, "model": self.model_dir, "trtllm_version": self._version,
+                "vocab_size": int(self._config["vocab_size"]), "max_seq_len": self._max_seq_len,
+                "max_input_len": self._max_input_len, "max_batch_size": self._max_batch_size,
+                "dtype": str(self._dtype).replace("torch.", ""), "devices": self._devices, "sleep_frees_memory": True}
+
+    # ---- generation -----------------------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self._check_alive(stepping=True)
+        if request.id in self._live:
+            raise EngineError(f"engine {self.name!r}: request {request.id!r} is already running")
+        if len(request.prompt_ids) > self._max_input_len or \
+                len(request.prompt_ids) + request.max_new_tokens > self._max_seq_len:
+            raise EngineError(f"engine {self.name!r}: request {request.id!r} needs {len(request.prompt_ids)} prompt + "
+                              f"{request.max_new_tokens} new tokens; the engine holds max_input_len="
+                              f"{self._max_input_len}, max_seq_len={self._max_seq_len} (raise prompt_budget / "
+                              "response_budget)")
+        # ignore_eos as TRT-LLM means it (end_id -1): EOS does not end a sample; the request's stop tokens still do
+        stops = list(dict.fromkeys(list(request.stop_token_ids) + ([] if request.ignore_eos else self._eos)))
+        entry = {"handles": [], "samples": [None] * request.n, "stops": set(stops), "logprobs": request.logprobs}
+        try:
+            for k in range(request.n):
+                seed = None if request.seed is None else (int(request.seed) * SEED_STRIDE + k) % (1 << 63)
+                params = self._SamplingParams(
+                    max_tokens=request.max_new_tokens, temperature=request.temperature, top_p=request.top_p,
+                    top_k=request.top_k, seed=seed, end_id=self._eos[0], pad_id=self._eos[0],
+                    stop_token_ids=stops or None, include_stop_str_in_output=True, ignore_eos=request.ignore_eos,
+                    detokenize=False, logprobs=0 if request.logprobs else None, logprobs_mode="processed")
+                fut = asyncio.run_coroutine_threadsafe(self._submit(request.id, k, list(request.prompt_ids), params),
+                                                       self._loop)
+                entry["handles"].append(fut.result(timeout=self._submit_timeout_s))
+        except Exception as e:
+            for h in entry["handles"]:
+                self._loop.call_soon_threadsafe(h.abort)
+            raise EngineError(f"engine {self.name!r}: TensorRT-LLM rejected request {request.id!r}: {e}") from e
+        self._live[request.id] = entry
+
+    async def _submit(self, rid: str, k: int, prompt: list, params):
+        handle = self._llm.generate_async(prompt, sampling_params=params)
+        asyncio.ensure_future(self._await(rid, k, handle))
+        return handle
+
+    async def _await(self, rid: str, k: int, handle) -> None:
+        try:
+            await handle.aresult()
+            self._done.put((rid, k, handle, None))
+        except Exception as e:  # noqa: BLE001 - handed to step() in the server's thread
+            self._done.put((rid, k, handle, e))
+
+    def _collect(self, rid: str, k: int, handle, error) -> None:
+        entry = self._live.get(rid)
+        if entry is None or entry["handles"][k] is not handle or entry["samples"][k] is not None:
+            return  # an aborted request's late result
+        if error is not None:
+            raise EngineError(f"engine {self.name!r}: sample {k} of {rid!r} failed in TensorRT-LLM: {error!r}")
+        out = handle.outputs[0]
+        tokens = [int(t) for t in out.token_ids]
+        # pytorch backend: one {token: Logprob} per token (TokenLogprobs), or a bare float list
+        logprobs = None if not entry["logprobs"] else \
+            [float(p[t].logprob) if isinstance(p, dict) else float(p) for t, p in zip(tokens, out.logprobs or ())]
+        finish = _FINISH.get(out.finish_reason)
+        if finish is None:
+            raise EngineError(f"engine {self.name!r}: sample {k} of {rid!r} ended with {out.finish_reason!r}")
+        if finish == "stop" and (not tokens or tokens[-1] not in entry["stops"]):
+            raise EngineError(f"engine {self.name!r}: sample {k} of {rid!r} stopped without its stop token "
+                              f"(last {tokens[-1:]}, stops {sorted(entry['stops'])}): the EOS-kept convention broke")
+        entry["samples"][k] = Sample(tokens, logprobs, finish)
+
+    def step(self) -> list:
+        self._check_alive(stepping=True)
+        touched = set()
+        try:
+            item = self._done.get(timeout=self._poll_s)
+        except queue.Empty:
+            return []
+        while item is not None:
+            self._collect(*item)
+            touched.add(item[0])
+            try:
+                item = self._done.get_nowait()
+            except queue.Empty:
+                item = None
+        return [self._complete(r) for r in sorted(touched)
+                if r in self._live and all(s is not None for s in self._live[r]["samples"])]
+
+    def has_work(self) -> bool:
+        return bool(self._live)
+
+    def abort(self, ids: Sequence[str]) -> list:
+        """Aborted samples come back with the tokens TensorRT-LLM reports for them within ``abort_wait_s``."""
+        targets = [r for r in ids if r in self._live]
+        for rid in targets:
+            for k, h in enumerate(self._live[rid]["handles"]):
+                if self._live[rid]["samples"][k] is None:
+                    self._loop.call_soon_threadsafe(h.abort)
+        wait = [(r, k) for r in targets for k, s in enumerate(self._live[r]["samples"]) if s is None]
+        deadline = self._abort_wait_s
+        while wait and deadline > 0:
+            with contextlib.suppress(queue.Empty):
+                rid, k, handle, error = self._done.get(timeout=0.01)
+                with contextlib.suppress(EngineError):
+                    self._collect(rid, k, handle, error)
+                wait = [(r, j) for r, j in wait if self._live[r]["samples"][j] is None]
+            deadline -= 0.01
+        for rid in targets:
+            entry = self._live[rid]
+            entry["samples"] = [s or Sample([], [] if entry["logprobs"] else None, "aborted") for s in entry["samples"]]
+        return [self._complete(r) for r in targets]
+
+    def _complete(self, rid: str) -> Completion:
+        return Completion(rid, list(self._live.pop(rid)["samples"]))
+
+    # ---- weights --------------------------------------------------------------------------------------------------
+    def load_weights(self, named: Iterable[tuple]) -> None:
+        self._check_alive()
+        ready = []
+        for name, tensor in named:
+            if self._tied and name == "lm_head.weight":
+                continue  # tied: TensorRT-LLM's HF mapper skips lm_head and shares the embedding
+            shape = self._shapes.get(name)
+            try:
+                check_weight(name, tensor, None if shape is None else torch.empty(shape, device="meta"), self.name)
+            except EngineWeightError:
+                if self._updating:
+                    self._broken = f"a weight update was interrupted by the rejected tensor {name!r}"
+                raise
+            copies = [tensor.detach().to(device=d, dtype=self._dtype, copy=True) for d in self._devices]
+            group = fused_group(name)
+            if group is None:
+                ready.append((name, copies))
+                continue
+            held = self._pending.setdefault(group, {})
+            held[name] = copies
+            prefix, parts, leaf = group
+            need = {f"{prefix}.{p}.{leaf}" for p in parts} & set(self._shapes)
+            if need <= set(held):
+                ready.extend(self._pending.pop(group).items())
+        self._updating = True
+        if ready:
+            self._send(ready)
+            self._received.update(n for n, _ in ready)
+
+    def _send(self, ready: list) -> None:
+        from tensorrt_llm._torch.utils import get_device_uuid
+        from torch.multiprocessing.reductions import reduce_tensor
+        handles = {}
+        for i, device in enumerate(self._devices):
+            index = torch.device(device).index or 0
+            handles[get_device_uuid(index)] = [(n, reduce_tensor(copies[i])) for n, copies in ready]
+        for _, copies in ready:
+            for c in copies:
+                if c.is_cuda:
+                    torch.cuda.synchronize(c.device)  # the copies must exist before another process maps them
+        self._rpc("update_weights", handles, first=ready[0][0])
+
+    def _rpc(self, method: str, arg, first: str = "") -> None:
+        try:
+            self._llm._collective_rpc(method, args=(arg,))
+        except Exception as e:  # a failed call leaves the model half-updated
+            self._broken = f"TensorRT-LLM failed in {method}({'None' if arg is None else '...'}): {e!r}"
+            raise EngineWeightError(f"engine {self.name!r}: {self._broken}", first) from e
+
+    def finish_weights(self) -> None:
+        self._check_alive()
+        if self._pending:
+            missing = sorted(f"{p}.{part}.{leaf}" for (p, parts, leaf), held in self._pending.items()
+                             for part in parts if f"{p}.{part}.{leaf}" in self._shapes
+                             and f"{p}.{part}.{leaf}" not in held)
+            self._pending.clear()
+            self._broken = (f"the update sent only part of fused module(s) (missing {missing[:4]}"
+                            f"{' ...' * (len(missing) > 4)}): the model is inconsistent")
+            raise EngineWeightError(f"engine {self.name!r}: {self._broken}; restart the engine", missing[0])
+        self._rpc("update_weights", None)
+        self._updating, self._received = False, set()
+
+    # ---- memory -----------------------------------------------------------------------------------------------------
+    def sleep(self, level: int) -> None:
+        self._check_alive()
+        if level not in self._sleep_tags or self._live or self._updating:
+            raise EngineError(f"engine {self.name!r}: sleep({level}) needs a level of {sorted(self._sleep_tags)}, "
+                              "no requests, no update")
+        self._llm._collective_rpc("sleep", args=(self._sleep_tags[level],))
+        self._asleep = level
+
+    def wake(self) -> None:
+        if self._asleep:
+            self._llm._collective_rpc("wakeup", args=(self._sleep_tags[self._asleep],))
+            self._asleep = False
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):  # best effort at teardown (also when already closed)
+            self._llm.shutdown()
+        with contextlib.suppress(Exception):
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._llm = None
+
+    def _check_alive(self, stepping: bool = False) -> None:
+        why = ("closed" if self._llm is None else f"unusable: {self._broken}; restart it" if self._broken else
+               "in a weight update; call finish_weights()" if stepping and self._updating else
+               "asleep; call wake()" if stepping and self._asleep else None)
+        if why:
+            raise EngineError(f"engine {self.name!r} is {why}")

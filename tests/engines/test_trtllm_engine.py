@@ -1,0 +1,198 @@
+"""Contract tests: the trtllm adapter through the real engine server and client, against a fake TensorRT-LLM that
+enforces the recorded API snapshot (``trtllm_api_snapshot.json``). They prove our side of the contract only."""
+import ast
+import json
+import os
+
+import pytest
+import torch
+
+from nemo_dapo.engines import server as S
+from nemo_dapo.engines.base import EngineError, EngineWeightError, Request
+from nemo_dapo.engines.client import EngineClient, EngineProcess
+from tests.engines import fake_trtllm as F
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FAKE = "tests.engines.fake_trtllm:make_engine"
+VOCAB, EOS, H = 40, 7, 4
+
+
+def checkpoint(path):
+    from safetensors.torch import save_file
+    L = "model.layers.0."
+    w = {"model.embed_tokens.weight": torch.zeros(VOCAB, H), "model.norm.weight": torch.zeros(H),
+         L + "input_layernorm.weight": torch.zeros(H), L + "post_attention_layernorm.weight": torch.zeros(H),
+         L + "self_attn.o_proj.weight": torch.zeros(H, H), L + "mlp.down_proj.weight": torch.zeros(H, 8),
+         L + "mlp.gate_proj.weight": torch.zeros(8, H), L + "mlp.up_proj.weight": torch.zeros(8, H)}
+    for p in "qkv":
+        w[L + f"self_attn.{p}_proj.weight"], w[L + f"self_attn.{p}_proj.bias"] = torch.zeros(H, H), torch.zeros(H)
+    save_file(w, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "vocab_size": VOCAB,
+                                                  "eos_token_id": EOS, "tie_word_embeddings": True,
+                                                  "torch_dtype": "float32"}))
+    return w
+
+
+def start(tmp_path, fail=None, **options):
+    model = tmp_path / "ckpt"
+    model.mkdir()
+    weights = checkpoint(model)
+    log = tmp_path / "fake.jsonl"
+    env = {"PYTHONPATH": ROOT, "FAKE_TRTLLM_LOG": str(log), **({"FAKE_TRTLLM_FAIL": fail} if fail else {})}
+    proc = EngineProcess(engine=FAKE, model_dir=str(model), address=f"unix:{tmp_path}/t.sock",
+                         options={"abort_wait_s": 0.5, **options}, log_path=str(tmp_path / "e.log"), env=env)
+    client = EngineClient(proc.address, name="trtllm", connect_timeout_s=60, request_timeout_s=30, process=proc)
+    return proc, client, weights, log
+
+
+def events(log, op):
+    return [e for e in map(json.loads, open(log)) if e["op"] == op]
+
+
+def expect(req, k, w=0):
+    seed = req.seed * 1_000_003 + k
+    toks = []
+    for t in range(req.max_new_tokens):
+        toks.append((seed + 3 * t + req.prompt_ids[-1] + w) % VOCAB)
+        if toks[-1] in set(req.stop_token_ids) | {EOS}:
+            break
+    return toks
+
+
+@pytest.fixture
+def engine(tmp_path):
+    proc, client, weights, log = start(tmp_path)
+    yield client, weights, log
+    proc.stop(client if client.alive else None)
+
+
+def test_llm_built_with_the_budgets_kv_config_and_rl_hook(engine):
+    client, _, log = engine
+    (llm,) = events(log, "LLM")
+    assert llm["backend"] == "pytorch" and llm["max_seq_len"] == 2048 + 20480 and llm["max_input_len"] == 2048
+    assert llm["kv_cache_config"] == {"free_gpu_memory_fraction": 0.85, "enable_block_reuse": True}
+    assert llm["ray_worker_extension_cls"] == "tensorrt_llm.llmapi.rlhf_utils.WorkerExtension"
+    assert client.info["max_seq_len"] == 22528 and client.info["vocab_size"] == VOCAB
+
+
+def test_generation_keeps_eos_returns_logprobs_and_per_sample_seeds(engine):
+    client, _, log = engine
+    reqs = [Request(id="a", prompt_ids=[1, 2], n=3, max_new_tokens=12, seed=5),
+            Request(id="b", prompt_ids=[3], n=1, max_new_tokens=20, seed=2, stop_token_ids=[11])]
+    client.submit(reqs)
+    got = {c.id: c for c in (client.next_completion() for _ in reqs)}
+    for r in reqs:
+        for k, s in enumerate(got[r.id].samples):
+            assert s.token_ids == expect(r, k)
+            assert s.finish_reason == ("stop" if s.token_ids[-1] in {EOS, *r.stop_token_ids} else "length")
+            assert s.logprobs == pytest.approx([-0.1 * (t + 1) for t in range(len(s.token_ids))])
+    params = events(log, "SamplingParams")
+    assert sorted(p["seed"] for p in params[:3]) == [5 * 1_000_003 + k for k in range(3)]
+    assert all(p["logprobs"] == 0 and p["logprobs_mode"] == "processed" and p["include_stop_str_in_output"]
+               and p["end_id"] == EOS for p in params)
+    assert any(s.finish_reason == "stop" and s.token_ids[-1] == EOS for c in got.values() for s in c.samples) or \
+        any(s.token_ids[-1] == 11 for s in got["b"].samples)
+
+
+def test_abort_returns_partial_samples(engine):
+    client, _, _ = engine
+    client.submit([Request(id="long", prompt_ids=[1], n=2, max_new_tokens=2000, seed=1, ignore_eos=True)])
+    assert client.abort(["long"]) == 1
+    c = client.next_completion()
+    assert c.id == "long" and [s.finish_reason for s in c.samples] == ["aborted", "aborted"]
+    assert all(len(s.token_ids) < 2000 and len(s.logprobs) == len(s.token_ids) for s in c.samples)
+
+
+def test_weight_update_in_buckets_holds_fused_parts_and_makes_the_final_call(engine):
+    client, weights, log = engine
+    new = {n: torch.ones_like(t) for n, t in weights.items()}
+    names = sorted(new)
+    q = [n for n in names if "q_proj" in n]
+    buckets = [[(n, new[n]) for n in q], [(n, new[n]) for n in names if n not in q]]
+    client.update_weights(buckets)
+    sent = events(log, "update_weights")
+    # bucket 1 (q alone) is held back until bucket 2 completes q/k/v; then one partial call, then the final one
+    assert len(sent) == 2 and set(sent[0]["names"]) == set(names) and sent[1] == {"op": "update_weights",
+                                                                                   "final": True}
+    r = Request(id="w", prompt_ids=[2], n=1, max_new_tokens=6, seed=3)
+    client.submit([r])
+    assert client.next_completion().samples[0].token_ids == expect(r, 0, w=H)  # norm weight now sums to H
+
+
+def test_bad_name_or_failed_bucket_refuses_generation(tmp_path):
+    proc, client, weights, _ = start(tmp_path, fail="model.norm.weight")
+    try:
+        with pytest.raises(EngineWeightError, match="model.bogus"):
+            client.update_weights([[("model.bogus.weight", torch.ones(2))]])
+        with pytest.raises(EngineError, match="mixed weights"):
+            client.submit([Request(id="x", prompt_ids=[1])])
+        with pytest.raises(EngineWeightError, match="reload failed"):
+            client.update_weights([[("model.norm.weight", torch.ones(H))]])
+        with pytest.raises(EngineError):
+            client.submit([Request(id="y", prompt_ids=[1])])
+    finally:
+        proc.stop(client if client.alive else None)
+
+
+def test_partial_fused_module_fails_at_finish(engine):
+    client, weights, _ = engine
+    with pytest.raises(EngineWeightError, match="k_proj"):
+        client.update_weights([[("model.layers.0.self_attn.q_proj.weight", torch.ones(H, H))]])
+
+
+def test_sleep_and_wake_send_the_memory_tags(engine):
+    client, _, log = engine
+    client.sleep(2)
+    client.wake()
+    client.sleep(1)
+    client.wake()
+    assert [(e["op"], e["tags"]) for e in map(json.loads, open(log)) if e["op"] in ("sleep", "wakeup")] == [
+        ("sleep", ["kv_cache", "model"]), ("wakeup", ["kv_cache", "model"]),
+        ("sleep", ["kv_cache"]), ("wakeup", ["kv_cache"])]
+
+
+def test_unknown_option_is_a_clear_error(tmp_path):
+    (tmp_path / "c").mkdir()
+    checkpoint(tmp_path / "c")
+    with pytest.raises(EngineError, match=r"unknown option\(s\) \['max_seqlen'\].*response_budget"):
+        F.make_engine(str(tmp_path / "c"), max_seqlen=4)
+    with pytest.raises(EngineError, match="rejected the LLM arguments"):
+        F.make_engine(str(tmp_path / "c"), llm_kwargs={"not_an_llm_arg": 1})
+
+
+def test_registered_as_trtllm():
+    assert S.ENGINES["trtllm"] == "nemo_dapo.engines.trtllm:TRTLLMEngine"
+
+
+def test_fake_and_adapter_agree_with_the_snapshot():
+    snap = F.SNAPSHOT
+    assert F.IMPLEMENTED["LLM.kwargs"] == set(snap["LLM"]["kwargs"])
+    assert F.IMPLEMENTED["SamplingParams.kwargs"] == set(snap["SamplingParams"]["kwargs"])
+    assert F.IMPLEMENTED["KvCacheConfig.kwargs"] == set(snap["KvCacheConfig"]["kwargs"])
+    assert F.IMPLEMENTED["RequestOutput.attributes"] == set(snap["RequestOutput"]["attributes"]) | set(
+        snap["RequestOutput"]["methods"])
+    assert F.IMPLEMENTED["CompletionOutput.attributes"] == set(snap["CompletionOutput"]["attributes"])
+    assert F.IMPLEMENTED["rpc"] == set(snap["WorkerExtension"]["methods"]) | set(snap["sleep"]["rpc_methods"])
+    # every keyword the adapter passes to a TensorRT-LLM constructor, and every RPC it names, is recorded
+    src = ast.parse(open(os.path.join(ROOT, "nemo_dapo/engines/trtllm.py")).read())
+    calls = {"SamplingParams": set(), "KvCacheConfig": set()}
+    rpcs = set()
+    for node in ast.walk(src):
+        if isinstance(node, ast.Call):
+            fn = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            key = fn.lstrip("_")
+            if key in calls:
+                calls[key] |= {k.arg for k in node.keywords if k.arg}
+            if fn in ("_collective_rpc", "_rpc") and node.args and isinstance(node.args[0], ast.Constant):
+                rpcs.add(node.args[0].value)
+    assert calls["SamplingParams"] and calls["SamplingParams"] <= set(snap["SamplingParams"]["kwargs"])
+    assert calls["KvCacheConfig"] <= set(snap["KvCacheConfig"]["kwargs"])
+    assert rpcs and rpcs <= F.IMPLEMENTED["rpc"]
+
+
+def test_strict_fake_rejects_unrecorded_names():
+    with pytest.raises(TypeError, match="beam_width"):
+        F.SamplingParams(beam_width=2)
+    out = F.CompletionOutput()
+    with pytest.raises(AttributeError, match="text"):
+        out.text
