@@ -13,6 +13,12 @@ their own dtype, like the reference's); outputs are fp32 (fp64 for fp64 inputs).
 Vocabulary sharding (tensor parallelism): the same code runs when ``W`` holds only the rows
 ``[start, start + V_local)`` of the full output layer. A :class:`VocabShard` says where the shard sits and injects
 the reductions that combine the per-shard partial results; core itself never calls ``torch.distributed``.
+
+Vocabulary padding: Megatron pads the output layer to a multiple of 128 x TP rows, and those rows are trained like
+the others, so by default they take part in the softmax (as in megatron's ``vocab_parallel_cross_entropy``). A
+rollout engine built from the Hugging Face checkpoint has no such rows and samples from a softmax over the real
+vocabulary only; ``VocabShard.valid_vocab`` excludes the padding rows so that training log-probs and the engine's
+describe the same distribution (else every importance ratio is off by the probability mass on the padding).
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ class VocabShard:
     computes only partially (sum over its vocabulary rows). With tensor parallelism the hidden states are replicated,
     so this is a sum over the shards; leave it a no-op when something outside sums the partials (e.g. the
     reduce-scatter in the backward of a sequence-parallel gather).
+    ``valid_vocab``: ids >= it are vocabulary padding, left out of the softmax (None: every row counts).
     """
 
     start: int = 0
@@ -45,9 +52,21 @@ class VocabShard:
     all_reduce_max: Reduce = _no_reduce
     all_reduce_sum: Reduce = _no_reduce
     reduce_grad_hidden: Reduce = _no_reduce
+    valid_vocab: Optional[int] = None
 
 
 _UNSHARDED = VocabShard()
+# a finite "minus infinity": exp() of it is 0 and 0 * it is 0, so the entropy sums stay NaN-free
+_PADDING_LOGIT = -1e30
+
+
+def _drop_padding(z: torch.Tensor, shard: VocabShard) -> torch.Tensor:
+    """Set the logits of this shard's padding rows (global id >= ``shard.valid_vocab``) to ``_PADDING_LOGIT``."""
+    if shard.valid_vocab is not None:
+        cut = max(shard.valid_vocab - shard.start, 0)
+        if cut < z.shape[1]:
+            z[:, cut:] = _PADDING_LOGIT
+    return z
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -140,7 +159,7 @@ class _LinearLogprobEntropy(torch.autograd.Function):
         lse, logp, ent = (hidden.new_empty(n, dtype=_math_dtype(hidden.dtype)) for _ in range(3))
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
-            z = _chunk_logits(hidden[s:e], weight, temperature)
+            z = _drop_padding(_chunk_logits(hidden[s:e], weight, temperature), shard)
             lse[s:e], logp[s:e], ent[s:e] = _chunk_forward(z, local_target[s:e], in_range[s:e], shard)
         ctx.save_for_backward(hidden, weight, local_target, in_range, lse, ent.clone())
         ctx.chunk_size, ctx.temperature, ctx.shard = chunk_size, temperature, shard
@@ -161,7 +180,7 @@ class _LinearLogprobEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         for s in range(0, n, chunk):
             e = min(s + chunk, n)
-            z = _chunk_logits(hidden[s:e], weight, ctx.temperature)
+            z = _drop_padding(_chunk_logits(hidden[s:e], weight, ctx.temperature), ctx.shard)
             grad = _chunk_grad_logits(z, lse[s:e], ent[s:e], None if g_logp is None else g_logp[s:e],
                                       None if g_ent is None else g_ent[s:e], local_target[s:e], in_range[s:e])
             if need_h:  # a bf16 matmul rounds each shard's partial sum, as Megatron's ColumnParallelLinear does
@@ -182,10 +201,10 @@ class _LogitsLogprobEntropy(torch.autograd.Function):
         lse, logp, ent = (logits.new_empty(n, dtype=_math_dtype(logits.dtype)) for _ in range(3))
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
-            z = _logits_copy(logits[s:e], temperature)
+            z = _drop_padding(_logits_copy(logits[s:e], temperature), shard)
             lse[s:e], logp[s:e], ent[s:e] = _chunk_forward(z, local_target[s:e], in_range[s:e], shard)
         ctx.save_for_backward(logits, local_target, in_range, lse, ent.clone())
-        ctx.chunk_size, ctx.temperature = chunk_size, temperature
+        ctx.chunk_size, ctx.temperature, ctx.shard = chunk_size, temperature, shard
         ctx.set_materialize_grads(False)
         return logp, ent
 
@@ -198,7 +217,7 @@ class _LogitsLogprobEntropy(torch.autograd.Function):
         grad_logits = torch.empty_like(logits)
         for s in range(0, logits.shape[0], ctx.chunk_size):
             e = min(s + ctx.chunk_size, logits.shape[0])
-            z = _logits_copy(logits[s:e], ctx.temperature)
+            z = _drop_padding(_logits_copy(logits[s:e], ctx.temperature), ctx.shard)
             grad_logits[s:e] = _chunk_grad_logits(z, lse[s:e], ent[s:e], None if g_logp is None else g_logp[s:e],
                                                   None if g_ent is None else g_ent[s:e], local_target[s:e],
                                                   in_range[s:e])
@@ -219,6 +238,10 @@ def _check_common(target: torch.Tensor, n: int, v_local: int, chunk_size: int, t
         raise ValueError(f"target must be an integer tensor of shape [{n}] (one token id per row of the input), "
                          f"got {tuple(target.shape)} {target.dtype}")
     vocab = shard.vocab_size if shard.vocab_size is not None else v_local
+    if shard.valid_vocab is not None:
+        if not 0 < shard.valid_vocab <= vocab:
+            raise ValueError(f"valid_vocab must lie in [1, {vocab}] (the padded vocabulary), got {shard.valid_vocab}")
+        vocab = shard.valid_vocab
     if n and (int(target.min()) < 0 or int(target.max()) >= vocab):
         raise ValueError(f"target ids must lie in [0, {vocab}) (the vocabulary size); got min {int(target.min())}, "
                          f"max {int(target.max())}. Replace padding ids by a valid id (e.g. 0) and mask the outputs.")
@@ -283,9 +306,12 @@ def fused_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: 
 
 
 def reference_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
-                               temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                               temperature: float = 1.0,
+                               valid_vocab: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The obvious version: materialises the full logits. hidden [..., H], weight [V, H], target [...] ->
-    fp32 (logp [...], entropy [...])."""
+    fp32 (logp [...], entropy [...]). ``valid_vocab``: only the first rows of ``weight`` form the vocabulary."""
+    if valid_vocab is not None:
+        weight = weight[:valid_vocab]
     logp_all = torch.log_softmax((hidden @ weight.t()).to(_math_dtype(hidden.dtype)) / temperature, dim=-1)
     logp = logp_all.gather(-1, target.long().unsqueeze(-1)).squeeze(-1)
     return logp, -(logp_all.exp() * logp_all).sum(-1)

@@ -128,12 +128,15 @@ class MegatronPolicy:
     ``micro_batch_size``: rows per micro-batch. ``max_grad_norm``: global gradient-norm clip (None: off).
     ``temperature``: logits are divided by it (use the sampling temperature). ``chunk_size``: tokens per chunk
     of the fused log-prob/entropy. ``hf_config``: the Hugging Face config the model was built from (see
-    ``convert_build``), needed only by :meth:`hf_weight_buckets`; ``hf_spec``: its layer spec for the name map
-    (``"local"`` / ``"te"``; default: read from the model's parameter names).
+    ``convert_build``), needed by :meth:`hf_weight_buckets`. ``valid_vocab`` (default: ``hf_config.vocab_size``
+    when given): the rows that pad the output layer beyond it are left out of the log-prob softmax, as the engine
+    that receives the HF-shaped weights leaves them out (None: every row counts). ``hf_spec``: its layer spec for the name map (``"local"`` / ``"te"``; default: read from the
+    model's parameter names).
     """
 
     def __init__(self, model, optimizer, *, micro_batch_size: int, max_grad_norm: Optional[float] = 1.0,
-                 temperature: float = 1.0, chunk_size: int = 1024, hf_config=None, hf_spec: Optional[str] = None):
+                 temperature: float = 1.0, chunk_size: int = 1024, hf_config=None, hf_spec: Optional[str] = None,
+                 valid_vocab: Optional[int] = None):
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         if parallel_state.get_virtual_pipeline_model_parallel_world_size() not in (None, 1):
@@ -152,6 +155,9 @@ class MegatronPolicy:
         self.device = next(inner.parameters()).device
         self._megatron_optimizer = isinstance(optimizer, MegatronOptimizer)
         self.hf_config = hf_config
+        if valid_vocab is None and hf_config is not None:
+            valid_vocab = int(hf_config.vocab_size)
+        self.valid_vocab = valid_vocab
         if hf_config is not None:
             hf_arch(hf_config)  # refuse an unsupported family now, not at the first refit
             hf_spec = hf_spec or layer_spec_name(inner)
@@ -201,7 +207,7 @@ class MegatronPolicy:
             else inner.output_layer.weight
         return vocab_parallel_logprobs_entropy(h, weight, packed["targets"], mask=packed["mask"],
                                                chunk_size=self.chunk_size, temperature=self.temperature,
-                                               reduce_grad_hidden=not sp)
+                                               reduce_grad_hidden=not sp, valid_vocab=self.valid_vocab)
 
     def _run(self, micro, seq_len: int, loss_func_of, *, forward_only: bool) -> list:
         def forward_step(data_iterator, model):

@@ -139,7 +139,7 @@ class ThreadGroup:
         return reduce
 
 
-def run_sharded(world, hidden, weight, target, a, b, chunk):
+def run_sharded(world, hidden, weight, target, a, b, chunk, valid_vocab=None):
     group, results, errors = ThreadGroup(world), [None] * world, []
     v_local = weight.shape[0] // world
 
@@ -147,7 +147,7 @@ def run_sharded(world, hidden, weight, target, a, b, chunk):
         try:
             shard = VocabShard(start=r * v_local, vocab_size=weight.shape[0],
                                all_reduce_max=group.all_reduce(r, "max"), all_reduce_sum=group.all_reduce(r, "sum"),
-                               reduce_grad_hidden=group.all_reduce(r, "sum"))
+                               reduce_grad_hidden=group.all_reduce(r, "sum"), valid_vocab=valid_vocab)
             w = weight.detach()[r * v_local:(r + 1) * v_local].clone().requires_grad_()
             h = hidden.detach().clone().requires_grad_()
             results[r] = values_and_grads(linear_logprobs_entropy, h, w, target, a, b, chunk_size=chunk, shard=shard)
@@ -174,6 +174,58 @@ def test_vocab_shards_combine_to_reference(world, scale):
     for r, (logp, ent, gh, gw) in enumerate(results):
         assert_all_close([logp, ent, gh, gw], [want[0], want[1], want[2], want[3][r * v_local:(r + 1) * v_local]],
                          atol=2e-5 * scale, rtol=1e-4)
+
+
+# vocabulary padding (valid_vocab): the engine's softmax runs over the real vocabulary only
+
+def padded_reference(h, w, t, a, b, valid, temperature=1.0):
+    """The reference on the real rows, its weight gradient zero-padded back to the padded vocabulary."""
+    logp, ent, gh, gw = values_and_grads(lambda h_, w_, t_: reference_logprobs_entropy(
+        h_, w_, t_, temperature=temperature, valid_vocab=valid), h, w, t, a, b)
+    return [logp, ent, gh, torch.cat([gw[:valid], torch.zeros_like(gw[valid:])])]
+
+
+@pytest.mark.parametrize("valid", [50, 41, 1])
+def test_padding_rows_left_out_of_the_softmax(valid):
+    h, w, _, a, b = make_inputs(23, v=50, dtype=torch.float64)
+    t = torch.randint(0, valid, (23,), generator=torch.Generator().manual_seed(3))
+    want = padded_reference(h, w, t, a, b, valid, temperature=0.8)
+    got = values_and_grads(linear_logprobs_entropy, h, w, t, a, b, chunk_size=6, temperature=0.8,
+                           shard=VocabShard(valid_vocab=valid))
+    assert_all_close(got, want, atol=1e-10, rtol=1e-10)
+    if valid < 50:  # the padding rows really change the numbers when they are counted
+        counted = values_and_grads(linear_logprobs_entropy, h, w, t, a, b, chunk_size=6, temperature=0.8)
+        assert (counted[0] - want[0]).abs().max() > 1e-3
+    logits = (h @ w.t()).detach().requires_grad_()
+    lp, en = logits_logprobs_entropy(logits, t, chunk_size=5, temperature=0.8, shard=VocabShard(valid_vocab=valid))
+    torch.testing.assert_close(lp, want[0])
+    torch.testing.assert_close(en, want[1])
+    g = torch.autograd.grad((lp * a + en * b).sum(), logits)[0]
+    assert g[:, valid:].abs().sum() == 0
+
+
+def test_padding_gradcheck_and_bad_targets():
+    hidden, weight, target, _, _ = make_inputs(5, h=3, v=7, dtype=torch.float64)
+    target = target.clamp(max=4)
+    fn = lambda h, w: linear_logprobs_entropy(h, w, target, chunk_size=2, temperature=0.9,  # noqa: E731
+                                              shard=VocabShard(valid_vocab=5))
+    assert torch.autograd.gradcheck(fn, (hidden, weight))
+    with pytest.raises(ValueError, match=r"target ids must lie in \[0, 5\)"):
+        linear_logprobs_entropy(hidden, weight, torch.full((5,), 6), shard=VocabShard(valid_vocab=5))
+    with pytest.raises(ValueError, match="valid_vocab must lie in"):
+        linear_logprobs_entropy(hidden, weight, target, shard=VocabShard(valid_vocab=8))
+
+
+@pytest.mark.parametrize("world,valid", [(2, 40), (2, 20), (3, 33)])
+def test_padding_across_vocab_shards(world, valid):
+    # valid 20 < 24 rows of shard 0: shard 1 holds padding only and must contribute nothing
+    h64, w64, _, a, b = make_inputs(19, v=48, dtype=torch.float64)
+    target = torch.randint(0, valid, (19,), generator=torch.Generator().manual_seed(5))
+    want = padded_reference(h64, w64, target, a, b, valid)
+    hidden, weight = (t.detach().float() for t in (h64, w64))
+    v_local = 48 // world
+    for r, got in enumerate(run_sharded(world, hidden, weight, target, a, b, chunk=6, valid_vocab=valid)):
+        assert_all_close(got, want[:3] + [want[3][r * v_local:(r + 1) * v_local]], atol=2e-5, rtol=1e-4)
 
 
 class MaxNumel(TorchDispatchMode):

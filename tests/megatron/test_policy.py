@@ -88,7 +88,7 @@ def parity(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["tp2", "pp2", "pp2_tied", "ep2", "tp2_megatron_opt"])
+@pytest.mark.parametrize("case", ["tp2", "pp2", "pp2_tied", "ep2", "tp2_megatron_opt", "tp2_valid_vocab"])
 def test_logprobs_and_update_equal_reference(parity, case):
     for rank, res in enumerate(parity):
         r = res[case]

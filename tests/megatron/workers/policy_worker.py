@@ -6,7 +6,8 @@ batch, backward, torch.nn.utils.clip_grad_norm_ (clip active: max norm = half th
 Cases: tp2 (dense), pp2 (dense), pp2_tied (tied embeddings: the last stage holds a copy of the embedding), ep2
 (MoE, alltoall dispatcher; DP = 2 with 5 and 3 rows, so rank 1 adds a blank micro-batch), tp2_megatron_opt
 (megatron's optimizer instead of torch's: needs SHIM_LEVEL=4 on CPU for its 'torch.cuda.FloatTensor' type checks),
-tp2_skip (a NaN loss skips the update), tp2_state (state_dict round trip).
+tp2_skip (a NaN loss skips the update), tp2_state (state_dict round trip), tp2_valid_vocab (the rows of the
+output layer from VALID on are vocabulary padding: the reference's softmax runs over the first VALID logits).
 Each rank writes the measured differences to $OUT_DIR/rank{r}.json.
 """
 import json
@@ -34,6 +35,7 @@ MOE = GPTSpec(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4
               num_experts=4, moe_router_topk=2, moe_token_dispatcher="alltoall", max_sequence_length=64)
 TIED = replace(DENSE, tie_embeddings=True)
 B, P, R, MBS, T, LR = 8, 6, 7, 2, 0.8, 0.5
+VALID = 50  # of DENSE's 64 rows
 LOSS_FN = make_loss_fn(eps_low=0.2, eps_high=0.28)
 
 
@@ -50,7 +52,7 @@ def make_batch():
                         advantages=torch.randn(B, generator=g)), torch.randn(B, R, generator=g) * 0.3
 
 
-def reference_logprobs(model, batch):
+def reference_logprobs(model, batch, valid=None):
     """Row by row without padding: the obvious computation the policy's packing must reproduce."""
     rows_lp, rows_ent = [], []
     for b in range(B):
@@ -60,7 +62,7 @@ def reference_logprobs(model, batch):
         seq = torch.cat([prompt, resp])[None]
         s = seq.shape[1]
         logits = model(seq, torch.arange(s)[None], torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None])
-        lp_all = torch.log_softmax(logits[0].float() / T, -1)[len(prompt) - 1:len(prompt) - 1 + n]
+        lp_all = torch.log_softmax(logits[0, :, :valid].float() / T, -1)[len(prompt) - 1:len(prompt) - 1 + n]
         lp = lp_all.gather(1, resp[:, None]).squeeze(1)
         ent = -(lp_all.exp() * lp_all).sum(-1)
         pad = torch.zeros(R - n)
@@ -69,15 +71,15 @@ def reference_logprobs(model, batch):
     return torch.stack(rows_lp), torch.stack(rows_ent)
 
 
-def reference(spec, batch, noise):
+def reference(spec, batch, noise, valid=None):
     torch.manual_seed(0)
     model = build_gpt_model(spec)
     full = single_rank_state_dict(model)
     with torch.no_grad():
-        logp, ent = reference_logprobs(model, batch)
+        logp, ent = reference_logprobs(model, batch, valid)
     batch.old_logp = (logp + noise) * batch.response_mask
     n = float(LOSS_FN.normalizer(batch))
-    lp, en = reference_logprobs(model, batch)
+    lp, en = reference_logprobs(model, batch, valid)
     loss, _ = LOSS_FN(lp, en, batch, n)
     loss.backward()
     norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
@@ -97,7 +99,7 @@ def shard_of(model, name, full_tensor):
     return tp_shard(full_tensor, lay.tp_dim, lay.stride, size, rank)
 
 
-def make_policy(spec, ref, layout, megatron_optimizer=False):
+def make_policy(spec, ref, layout, megatron_optimizer=False, valid=None):
     initialize_parallel(*layout)
     model = build_gpt_model(spec)
     load_full_state_dict(model, ref["full"])
@@ -107,7 +109,8 @@ def make_policy(spec, ref, layout, megatron_optimizer=False):
         model = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
         optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=LR, sgd_momentum=0.0, weight_decay=0.0,
                                                            clip_grad=ref["max_norm"], bf16=False, fp16=False), [model])
-    policy = MegatronPolicy(model, optimizer, micro_batch_size=MBS, max_grad_norm=ref["max_norm"], temperature=T)
+    policy = MegatronPolicy(model, optimizer, micro_batch_size=MBS, max_grad_norm=ref["max_norm"], temperature=T,
+                            valid_vocab=valid)
     return unwrap(model), policy
 
 
@@ -119,8 +122,8 @@ def local_rows(layout):
     return list(range(5)) if parallel_state.get_data_parallel_rank() == 0 else list(range(5, B))
 
 
-def update_case(spec, ref, batch, layout, megatron_optimizer=False):
-    model, policy = make_policy(spec, ref, layout, megatron_optimizer)
+def update_case(spec, ref, batch, layout, megatron_optimizer=False, valid=None):
+    model, policy = make_policy(spec, ref, layout, megatron_optimizer, valid)
     idx = local_rows(layout)
     mine = batch.select(idx)
     logp, ent = policy.logprobs(mine)
@@ -190,12 +193,16 @@ def main():
     ref_moe = reference(MOE, moe_batch, noise)
     tied_batch = batch.select(list(range(B)))
     ref_tied = reference(TIED, tied_batch, noise)
+    real_batch = batch.select(list(range(B)))  # tokens below VALID only
+    real_batch.prompt_ids, real_batch.response_ids = real_batch.prompt_ids % VALID, real_batch.response_ids % VALID
+    ref_valid = reference(DENSE, real_batch, noise, VALID)
     destroy_parallel()
     res = {"tp2": update_case(DENSE, ref_dense, batch, (2, 1, 1)),
            "pp2": update_case(DENSE, ref_dense, batch, (1, 2, 1)),
            "ep2": update_case(MOE, ref_moe, moe_batch, (1, 1, 2)),
            "pp2_tied": update_case(TIED, ref_tied, tied_batch, (1, 2, 1)),
            "tp2_megatron_opt": update_case(DENSE, ref_dense, batch, (2, 1, 1), megatron_optimizer=True),
+           "tp2_valid_vocab": update_case(DENSE, ref_valid, real_batch, (2, 1, 1), valid=VALID),
            "tp2_skip": skip_case(ref_dense, batch),
            "tp2_state": state_case(ref_dense, batch)}
     with open(os.path.join(os.environ["OUT_DIR"], f"rank{rank}.json"), "w") as f:
