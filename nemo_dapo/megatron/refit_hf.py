@@ -54,6 +54,10 @@ def hf_buckets(items: Iterable, hf_config, *, bucket_bytes: int, spec: str = "lo
     of at most ``bucket_bytes`` (a tensor larger than that comes alone). Torch only; :func:`hf_weight_buckets` feeds
     it from the distributed gather, the tests from a converted state dict.
 
+    The HF pieces of one fused megatron tensor (q/k/v of ``linear_qkv``, gate/up or ``w1``/``w3`` of a
+    ``linear_fc1``) share a bucket whenever they fit in one together; only a group larger than ``bucket_bytes``
+    is split across buckets.
+
     Every megatron tensor of ``hf_config``'s map must come exactly once (else ValueError at the end: the model and
     the config disagree); an unknown name is a KeyError. ``_extra_state`` entries and a tied model's
     ``output_layer.weight`` are skipped, as in ``megatron_to_hf_items``.
@@ -87,6 +91,11 @@ def hf_buckets(items: Iterable, hf_config, *, bucket_bytes: int, spec: str = "lo
         full_bytes = _nbytes(full)
         stats.max_tensor_bytes = max(stats.max_tensor_bytes, full_bytes)
         full_storage = full.untyped_storage().data_ptr()
+        if len(rule.hf) > 1 and bucket and held + full_bytes > bucket_bytes >= full_bytes:
+            # An engine fuses q/k/v and gate/up (w1/w3) on load and holds a group until it is complete: start a
+            # new bucket rather than split a group that fits in one (TRT-LLM's per-expert w3_w1, qkv_proj).
+            yield _emit(bucket, stats)
+            bucket, held = [], 0
         for hf_name, piece in _hf_pieces(rule, full, arch):
             nbytes = _nbytes(piece)
             if bucket and held + nbytes > bucket_bytes:  # flush BEFORE a piece is copied in

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "conf" / "gpt_dapo_actor.yaml"
 RECIPES = sorted(p.stem for p in (ROOT / "conf" / "recipes").glob("*.yaml")
                  if cv.recipe_base(OmegaConf.load(p)) == "gpt_dapo_actor")
-DENSE, MOE = "qwen2.5-32b_h100", "moe-235b-a22b_h100"
+DENSE, MOE = "qwen2.5-32b_h100", "moe-mixtral-8x22b_h100"
 
 
 def uncommented_keys(text: str) -> list:
@@ -45,7 +45,7 @@ def test_base_config_alone_is_valid():
 
 
 def test_there_are_dense_and_moe_recipes_for_h100_and_h20():
-    assert {"qwen2.5-32b_h100", "qwen2.5-32b_h20", "moe-235b-a22b_h100", "moe-235b-a22b_h20"} <= set(RECIPES)
+    assert {"qwen2.5-32b_h100", "qwen2.5-32b_h20", "moe-mixtral-8x22b_h100", "moe-mixtral-8x22b_h20"} <= set(RECIPES)
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -121,8 +121,8 @@ BAD = [
     (DENSE, ["+model.virtual_pipeline_model_parallel_size=2"], "model.virtual_pipeline_model_parallel_size"),
     (DENSE, ["model.tensor_model_parallel_size=16"], "num_query_groups"),
     (DENSE, ["model.expert_model_parallel_size=2"], "num_moe_experts"),
-    (MOE, ["model.expert_model_parallel_size=3"], "num_moe_experts=128 is not divisible"),
-    (MOE, ["model.expert_model_parallel_size=8"], "tensor_model_parallel_size x expert_model_parallel_size"),
+    (MOE, ["model.expert_model_parallel_size=3"], "num_moe_experts=8 is not divisible"),
+    (MOE, ["model.pipeline_model_parallel_size=4"], "tensor_model_parallel_size x expert_model_parallel_size"),
     (MOE, ["+model.expert_tensor_parallel_size=1"], "model.expert_tensor_parallel_size"),
     (MOE, ["model.optim.name=distributed_fused_adam"], "model.optim.name"),
     (MOE, ["model.sequence_parallel=False"], "model.sequence_parallel"),

@@ -1,7 +1,9 @@
 """HF-named refit stream (refit_hf): the re-bucketing of a converted state dict (fast, one process) and
 ``hf_weight_buckets`` on sharded models under TP=2, PP=2 and EP=2 (slow: tests/megatron/workers/refit_hf_worker.py,
-one torchrun for every layout and family)."""
+one torchrun for every layout and family). Contract tests against TensorRT-LLM's loaders: the names and shapes the
+stream yields are exactly those recorded in tests/engines/trtllm_api_snapshot.json for that architecture."""
 import json
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -17,9 +19,12 @@ from tests.megatron.workers.convert_models import PADDED_VOCAB, configs, randomi
 from tests.support.dist import run_torchrun  # noqa: E402
 
 WORKER = Path(__file__).parent / "workers" / "refit_hf_worker.py"
+SNAPSHOT = Path(__file__).resolve().parents[1] / "engines" / "trtllm_api_snapshot.json"
+ENGINE_ARCH = {"qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 FAMILIES = ("llama", "qwen2", "mixtral", "qwen2_moe")
 CASES = [f"tp2/{f}" for f in FAMILIES] + [f"pp2/{f}" for f in FAMILIES] + ["ep2/mixtral", "ep2/qwen2_moe"]
 LAYOUTS = ("tp2", "pp2", "ep2")
+SMALL = 4096  # the worker's small bucket
 
 
 @lru_cache(maxsize=None)
@@ -162,6 +167,72 @@ def test_gather_buckets_are_emptied_as_they_are_taken():
         del t
 
 
+def test_fused_groups_share_a_bucket_when_they_fit():
+    """q/k/v of a layer and gate/up (Mixtral w1/w3) of an MLP or expert are fused by the engine on load: they come
+    in one bucket unless the group alone exceeds it (then consecutively)."""
+    for family in ("qwen2", "mixtral", "qwen2_moe"):
+        cfg, full = configs()[family], megatron_full(family)
+        group_bytes = {n: t.numel() * t.element_size() for n, t in full.items()}
+        for bucket_bytes in (3000, 9000, 20_000):
+            where = {}
+            for k, b in enumerate(hf_buckets(iter(full.items()), cfg, bucket_bytes=bucket_bytes)):
+                where.update((name, k) for name, _ in b)
+            for group, mc in _fused_groups(cfg, full):
+                buckets = {where[n] for n in group}
+                fits = group_bytes[mc] <= bucket_bytes
+                assert len(buckets) == 1 or not fits, (family, bucket_bytes, group, buckets)
+            assert len(set(where.values())) > 3  # several buckets, so a split could have happened
+
+
+def _fused_groups(cfg, full):
+    from nemo_dapo.megatron.convert import conversion_rules, hf_arch
+
+    return [(r.hf, r.mc) for r in conversion_rules(hf_arch(cfg)) if len(r.hf) > 1 and r.mc in full]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# TensorRT-LLM's loader names (contract: the recorded snapshot)
+# ---------------------------------------------------------------------------------------------------------------
+
+def engine_contract(family):
+    """(names, shapes) TensorRT-LLM's loader of ``family`` takes for the tiny config: the snapshot's name patterns
+    expanded over layers {i} and GLOBAL experts {e}, lm_head dropped when tied; shapes of the snapshot's
+    ``shapes`` entries evaluated on the HF config (``moe_intermediate_size`` etc.)."""
+    if not SNAPSHOT.is_file():
+        pytest.skip(f"{SNAPSHOT} (the recorded TensorRT-LLM API) is missing")
+    entry = json.loads(SNAPSHOT.read_text())["hf_weight_names"][ENGINE_ARCH[family]]
+    cfg = configs()[family]
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", 0)
+    names = set()
+    for pattern in entry["names"]:
+        for i in range(cfg.num_hidden_layers) if "{i}" in pattern else [None]:
+            for e in range(experts) if "{e}" in pattern else [None]:
+                names.add(pattern.replace("{i}", str(i)).replace("{e}", str(e)))
+    if cfg.tie_word_embeddings:
+        names.discard("lm_head.weight")
+    shapes = {}
+    for suffix, expr in entry.get("shapes", {}).items():
+        dims = [int(f) if f.strip().isdigit() else getattr(cfg, f.strip()) for f in expr.strip("[]").split(",")]
+        rx = re.compile(r"model\.layers\.\d+\." + re.escape(suffix).replace(re.escape("{e}"), r"\d+") + "$")
+        shapes[rx] = dims
+    return names, shapes
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mixtral", "qwen2_moe"])
+def test_contract_converted_names_are_the_engine_loader_names(family):
+    """One process: the converter's stream of the whole model, against the snapshot."""
+    names, shapes = engine_contract(family)
+    got, _ = join(hf_buckets(iter(megatron_full(family).items()), configs()[family], bucket_bytes=1 << 30), 1 << 30)
+    assert set(got) == names, (sorted(set(got) - names)[:5], sorted(names - set(got))[:5])
+    checked = 0
+    for rx, dims in shapes.items():
+        for n, t in got.items():
+            if rx.match(n):
+                assert list(t.shape) == dims, (n, list(t.shape), dims)
+                checked += 1
+    assert checked >= len(shapes) * configs()[family].num_hidden_layers
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # hf_weight_buckets on sharded models (torchrun)
 # ---------------------------------------------------------------------------------------------------------------
@@ -225,3 +296,42 @@ def test_policy_method_streams_the_same_weights(results, layout):
         r = res[key]
         assert r["exact"] and r["bucket_ok"] and r["no_alias"] and r["duplicates"] == 0, (key, rank, r)
         assert r["spec"] == "local" and r["buckets"] > 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["ep2/mixtral", "ep2/qwen2_moe", "tp2/mixtral", "pp2/qwen2_moe", "tp2/qwen2"])
+def test_contract_ep2_gather_yields_the_engine_loader_names_on_every_rank(results, case):
+    """Under expert (and tensor / pipeline) parallelism every rank receives every expert of every layer, named
+    with its GLOBAL index and shaped as TensorRT-LLM's fused-MoE loader takes it (per expert, unstacked: each
+    engine EP rank picks its own experts out of the globally named set)."""
+    family = case.split("/")[1]
+    names, shapes = engine_contract(family)
+    for rank, res in enumerate(results):
+        for stream in ("small", "bf16"):
+            got = res[case][stream]["shapes"]
+            assert set(got) == names, (case, rank, stream, sorted(set(got) ^ names)[:6])
+            for rx, dims in shapes.items():
+                matched = [n for n in got if rx.match(n)]
+                assert matched and all(got[n] == dims for n in matched), (case, rank, rx.pattern, dims)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES)
+def test_measured_peak_is_one_bucket_plus_one_tensor(results, case):
+    """Tracked independently of RefitStats (weak references to every gathered and yielded tensor, distinct
+    storages summed at each hand-over): the stream holds at most the bucket plus one gathered tensor, far below
+    the model a whole-model gather would hold on every rank; a consumer that keeps its buckets shows up.
+
+    Slack of one tensor: the process group may keep the buffer of its latest collective alive for a moment
+    after the call returned (gloo's worker thread drops its work item asynchronously; seen on 2 of 6 runs as
+    the last EP broadcast's expert tensor still alive at the final bucket). That is the collective scratch the
+    refit modules document on top of the bound; the generator's own accounting is held to the exact bound
+    (test_buckets_respect_the_bound)."""
+    for rank, res in enumerate(results):
+        r = res[case]
+        for stream in ("small", "bf16"):
+            s = r[stream]
+            largest = s["tracked_bound"] - SMALL
+            assert 0 < s["tracked_peak"] <= s["tracked_bound"] + largest, (case, rank, stream, s["tracked_parts"])
+            assert s["tracked_bound"] + largest < s["want_bytes"], (case, rank, stream)  # the bound means something
+        assert r["hoard_peak"] >= r["small"]["want_bytes"] > r["small"]["tracked_bound"], (case, rank)

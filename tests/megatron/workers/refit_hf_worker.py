@@ -14,6 +14,7 @@ Results: $OUT_DIR/rank{r}.json.
 """
 import json
 import os
+import weakref
 
 import tests.support.megatron_cpu_shim  # noqa: F401  (before megatron)
 
@@ -27,6 +28,7 @@ from nemo_dapo.megatron.convert_shard import Parallel, shard_state_dict
 from nemo_dapo.megatron.model import destroy_parallel, initialize_parallel
 from nemo_dapo.megatron.policy import MegatronPolicy
 from nemo_dapo.megatron.refit_gather import RefitStats
+from nemo_dapo.megatron import refit_hf
 from nemo_dapo.megatron.refit_hf import hf_weight_buckets
 from tests.megatron.workers.convert_models import PADDED_VOCAB, configs, tiny_model
 
@@ -91,16 +93,67 @@ def exact(cmp):
     return not any(cmp.values())
 
 
+class GatherTracker:
+    """Independent peak measurement (not the generator's own ``RefitStats`` arithmetic): wraps the gather
+    ``refit_hf`` pulls from and keeps a weak reference to every gathered tensor; ``sample(bucket)`` adds up the
+    distinct storages still alive among them and among every HF tensor handed over so far (the current bucket
+    included; views share their parent's storage and count once), sampled at each hand-over. The consumer drops
+    each bucket before pulling the next, so anything else alive is held by the stream."""
+
+    def __init__(self):
+        self.refs, self.peak, self.peak_parts = [], 0, []
+        self._inner = refit_hf.iter_refit_buckets
+
+    def __enter__(self):
+        def tracked(*args, **kwargs):
+            for bucket in self._inner(*args, **kwargs):
+                self.refs += [weakref.ref(t) for _, t in bucket]
+                yield bucket
+        refit_hf.iter_refit_buckets = tracked
+        return self
+
+    def __exit__(self, *exc):
+        refit_hf.iter_refit_buckets = self._inner
+
+    def sample(self, bucket):
+        self.refs += [weakref.ref(t) for _, t in bucket]
+        alive = [r() for r in self.refs]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in [a for a in alive if a is not None] + [t for _, t in bucket]}
+        self.refs = [r for r, a in zip(self.refs, alive) if a is not None]
+        if sum(storages.values()) > self.peak:
+            self.peak, self.peak_parts = sum(storages.values()), sorted(storages.values())
+
+
+def collect_tracked(buckets, tracker, hoard=False):
+    """Sample ``tracker`` at every bucket; keep only names and shapes, or (``hoard``, the negative control of the
+    measurement) every bucket, as a consumer that never frees would."""
+    shapes, kept = {}, []
+    for b in buckets:
+        tracker.sample(b)
+        shapes.update((name, list(t.shape)) for name, t in b)
+        if hoard:
+            kept.append(b)
+        del b
+    return shapes
+
+
 def check_stream(model, cfg, want, bucket_bytes, dtype=None):
+    tracked_stats = RefitStats()
+    with GatherTracker() as tracker:
+        shapes = collect_tracked(
+            hf_weight_buckets(model, cfg, bucket_bytes=bucket_bytes, dtype=dtype, stats=tracked_stats), tracker)
     stats = RefitStats()
     got, order, sizes, ok, dups = collect(
         hf_weight_buckets(model, cfg, bucket_bytes=bucket_bytes, dtype=dtype, stats=stats), bucket_bytes)
     cmp = compare(got, want, dtype)
+    model_bytes = sum(t.numel() * t.to(dtype or t.dtype).element_size() for t in want.values())
     return dict(exact=exact(cmp), cmp=cmp, bucket_ok=ok, duplicates=dups, buckets=len(sizes),
                 max_bucket=max(sizes), oversized=sum(s > bucket_bytes for s in sizes),
                 peak=stats.peak_buffered_bytes, bound=bucket_bytes + stats.max_tensor_bytes,
-                stats_buckets=stats.buckets, stats_bytes=stats.bytes,
-                want_bytes=sum(t.numel() * t.to(dtype or t.dtype).element_size() for t in want.values())), got, order
+                stats_buckets=stats.buckets, stats_bytes=stats.bytes, want_bytes=model_bytes,
+                shapes=shapes, tracked_peak=tracker.peak, tracked_parts=tracker.peak_parts,
+                tracked_bound=bucket_bytes + tracked_stats.max_tensor_bytes), got, order
 
 
 def case(family, parallel, want, full):
@@ -121,6 +174,9 @@ def case(family, parallel, want, full):
     res["huge"] = check_stream(model, cfg, want, HUGE)[0]
     res["bf16"] = check_stream(model, cfg, want, SMALL, torch.bfloat16)[0]
     res["after_mutation"] = check_stream(model, cfg, want, SMALL)[0]["exact"]
+    with GatherTracker() as tracker:
+        collect_tracked(hf_weight_buckets(model, cfg, bucket_bytes=SMALL), tracker, hoard=True)
+    res["hoard_peak"] = tracker.peak
     return model, res
 
 
