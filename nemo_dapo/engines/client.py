@@ -11,6 +11,7 @@ import itertools
 import logging
 import os
 import queue
+import socket
 import subprocess
 import sys
 import threading
@@ -203,6 +204,18 @@ class EngineClient:
         self.close()
 
     def close(self) -> None:
+        """End the session so that the SERVER sees it at once: it serves one client at a time, and the reader
+        thread blocked in a read keeps the socket open through ``Connection.close`` alone (the next client of that
+        server would wait for ever). ``shutdown`` ends the stream for both sides."""
+        with self._cv:
+            if self._dead is None:
+                self._dead = f"the client of engine {self.name!r} was closed"
+            self._cv.notify_all()
+        try:
+            with socket.socket(fileno=os.dup(self._conn.fileno())) as s:
+                s.shutdown(socket.SHUT_RDWR)
+        except (OSError, ValueError):
+            pass
         try:
             self._conn.close()
         except OSError:

@@ -9,6 +9,7 @@ Use ``make_engine`` as the server's ``--engine tests.engines.fake_trtllm:make_en
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import os
 import sys
@@ -23,11 +24,13 @@ IMPLEMENTED = {
                    "moe_expert_parallel_size", "max_seq_len", "max_input_len", "max_batch_size", "max_num_tokens",
                    "kv_cache_config", "orchestrator_type", "ray_worker_extension_cls", "enable_sleep",
                    "cuda_graph_config", "disable_overlap_scheduler", "pipeline_parallel_size", "enable_attention_dp",
-                   "trust_remote_code"},
+                   "trust_remote_code", "scheduler_config"},
     "SamplingParams.kwargs": {"max_tokens", "temperature", "top_p", "top_k", "seed", "end_id", "pad_id",
                               "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "detokenize", "logprobs",
                               "logprobs_mode", "n"},
     "KvCacheConfig.kwargs": {"free_gpu_memory_fraction", "enable_block_reuse", "max_tokens"},
+    "SchedulerConfig.kwargs": {"capacity_scheduler_policy"},
+    "CapacitySchedulerPolicy.members": {"MAX_UTILIZATION", "GUARANTEED_NO_EVICT", "STATIC_BATCH"},
     "RequestOutput.attributes": {"outputs", "finished", "request_id", "sampling_params", "aresult", "abort"},
     "CompletionOutput.attributes": {"index", "token_ids", "logprobs", "finish_reason", "stop_reason"},
     "rpc": {"update_weights", "check_weights_updated", "sleep", "wakeup"},
@@ -64,6 +67,24 @@ class KvCacheConfig(_Strict):
         _check_kwargs("KvCacheConfig", kw, SNAPSHOT["KvCacheConfig"]["kwargs"])
         for k, v in kw.items():
             object.__setattr__(self, k, v)
+
+
+class SchedulerConfig(_Strict):
+    _f_public = frozenset(SNAPSHOT["SchedulerConfig"]["kwargs"])
+
+    def __init__(self, **kw):
+        _check_kwargs("SchedulerConfig", kw, SNAPSHOT["SchedulerConfig"]["kwargs"])
+        policy = kw.get("capacity_scheduler_policy")
+        if policy is not None and not isinstance(policy, CapacitySchedulerPolicy):
+            raise TypeError(f"capacity_scheduler_policy must be a CapacitySchedulerPolicy, got {policy!r}")
+        for k, v in kw.items():
+            object.__setattr__(self, k, v)
+
+
+class CapacitySchedulerPolicy(str, enum.Enum):  # the recorded members, nothing else
+    MAX_UTILIZATION = "MAX_UTILIZATION"
+    GUARANTEED_NO_EVICT = "GUARANTEED_NO_EVICT"
+    STATIC_BATCH = "STATIC_BATCH"
 
 
 class SamplingParams(_Strict):
@@ -166,8 +187,10 @@ class LLM(_Strict):
             object.__setattr__(self, k, v)
         self._f_reweigh()
         _log(op="LLM", **{k: (v if isinstance(v, (int, float, str, bool, type(None))) else type(v).__name__)
-                          for k, v in kw.items() if k != "kv_cache_config"},
-             kv_cache_config=dict(vars(kw["kv_cache_config"])))
+                          for k, v in kw.items() if k not in ("kv_cache_config", "scheduler_config")},
+             kv_cache_config=dict(vars(kw["kv_cache_config"])),
+             scheduler_config={k: getattr(v, "value", v) for k, v in vars(kw["scheduler_config"]).items()}
+             if "scheduler_config" in kw else None)
 
     def _f_reweigh(self):
         object.__setattr__(self, "_f_w", int(round(float(self._f_weights["model.norm.weight"].sum()))))
@@ -219,6 +242,7 @@ class LLM(_Strict):
 def install() -> None:
     """Put the fake package into sys.modules with exactly the recorded module attributes."""
     objs = {"LLM": LLM, "SamplingParams": SamplingParams, "KvCacheConfig": KvCacheConfig,
+            "SchedulerConfig": SchedulerConfig, "CapacitySchedulerPolicy": CapacitySchedulerPolicy,
             "get_device_uuid": get_device_uuid, "__version__": "fake-" + SNAPSHOT["version"]["release_tag_nearest"]}
     for mod, names in SNAPSHOT["modules"].items():
         m = types.ModuleType(mod)

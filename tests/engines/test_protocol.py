@@ -225,3 +225,16 @@ def test_weight_buffer_roundtrip_of_mixed_dtypes_and_reuse():
         assert buf.pack([("a", torch.ones(2))])[0] == name and buf.size == size  # reused, not re-allocated
     finally:
         buf.close()
+
+
+def test_closing_a_client_frees_the_server_for_the_next_one(tmp_path):
+    # the server serves one client at a time: a closed client must end its session at once, not when the
+    # process exits (its reader thread would otherwise hold the socket open and the next client hang)
+    proc, first = start(tmp_path)
+    try:
+        first.close()
+        assert not first.alive
+        second = EngineClient(proc.address, name="toy", connect_timeout_s=10, request_timeout_s=5, process=proc)
+        assert second.health()["running"] == 0
+    finally:
+        proc.stop(second if "second" in locals() and second.alive else None)

@@ -71,6 +71,7 @@ def test_llm_built_with_the_budgets_kv_config_and_rl_hook(engine):
     (llm,) = events(log, "LLM")
     assert llm["backend"] == "pytorch" and llm["max_seq_len"] == 2048 + 20480 and llm["max_input_len"] == 2048
     assert llm["kv_cache_config"] == {"free_gpu_memory_fraction": 0.85, "enable_block_reuse": True}
+    assert llm["scheduler_config"] == {"capacity_scheduler_policy": "MAX_UTILIZATION"}
     assert llm["ray_worker_extension_cls"] == "tensorrt_llm.llmapi.rlhf_utils.WorkerExtension"
     assert client.info["max_seq_len"] == 22528 and client.info["vocab_size"] == VOCAB
 
@@ -158,6 +159,9 @@ def test_unknown_option_is_a_clear_error(tmp_path):
         F.make_engine(str(tmp_path / "c"), max_seqlen=4)
     with pytest.raises(EngineError, match="rejected the LLM arguments"):
         F.make_engine(str(tmp_path / "c"), llm_kwargs={"not_an_llm_arg": 1})
+    with pytest.raises(EngineError, match="capacity_scheduler='fcfs'; use max_utilization or guaranteed_no_evict"):
+        F.make_engine(str(tmp_path / "c"), capacity_scheduler="fcfs")
+    F.make_engine(str(tmp_path / "c"), capacity_scheduler="guaranteed_no_evict")  # TRT-LLM's own default
 
 
 def test_registered_as_trtllm():
@@ -169,13 +173,16 @@ def test_fake_and_adapter_agree_with_the_snapshot():
     assert F.IMPLEMENTED["LLM.kwargs"] == set(snap["LLM"]["kwargs"])
     assert F.IMPLEMENTED["SamplingParams.kwargs"] == set(snap["SamplingParams"]["kwargs"])
     assert F.IMPLEMENTED["KvCacheConfig.kwargs"] == set(snap["KvCacheConfig"]["kwargs"])
+    assert F.IMPLEMENTED["SchedulerConfig.kwargs"] == set(snap["SchedulerConfig"]["kwargs"])
+    assert F.IMPLEMENTED["CapacitySchedulerPolicy.members"] == set(snap["CapacitySchedulerPolicy"]["members"]) \
+        == {m.name for m in F.CapacitySchedulerPolicy}
     assert F.IMPLEMENTED["RequestOutput.attributes"] == set(snap["RequestOutput"]["attributes"]) | set(
         snap["RequestOutput"]["methods"])
     assert F.IMPLEMENTED["CompletionOutput.attributes"] == set(snap["CompletionOutput"]["attributes"])
     assert F.IMPLEMENTED["rpc"] == set(snap["WorkerExtension"]["methods"]) | set(snap["sleep"]["rpc_methods"])
     # every keyword the adapter passes to a TensorRT-LLM constructor, and every RPC it names, is recorded
     src = ast.parse(open(os.path.join(ROOT, "nemo_dapo/engines/trtllm.py")).read())
-    calls = {"SamplingParams": set(), "KvCacheConfig": set()}
+    calls = {"SamplingParams": set(), "KvCacheConfig": set(), "SchedulerConfig": set()}
     rpcs = set()
     for node in ast.walk(src):
         if isinstance(node, ast.Call):
@@ -187,6 +194,7 @@ def test_fake_and_adapter_agree_with_the_snapshot():
                 rpcs.add(node.args[0].value)
     assert calls["SamplingParams"] and calls["SamplingParams"] <= set(snap["SamplingParams"]["kwargs"])
     assert calls["KvCacheConfig"] <= set(snap["KvCacheConfig"]["kwargs"])
+    assert calls["SchedulerConfig"] and calls["SchedulerConfig"] <= set(snap["SchedulerConfig"]["kwargs"])
     assert rpcs and rpcs <= F.IMPLEMENTED["rpc"]
 
 

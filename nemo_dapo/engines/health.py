@@ -1,0 +1,72 @@
+"""Health probe of engine servers, for launchers: wait until every server answers ``health``, then exit.
+
+    python -m nemo_dapo.engines.health [--timeout-s 1800] [--interval-s 5] ADDRESS [ADDRESS ...]
+
+Each ADDRESS is ``unix:/path`` or ``tcp://HOST:PORT`` (as given to ``nemo_dapo.engines.server --address``). A
+server listens only once its engine is loaded, so a successful ``hello`` + ``health`` means ready. The probe
+disconnects right away (a server takes one client at a time: the trainer connects after it). Exit code 0 when all
+are healthy within the time-out, 1 otherwise (the message names the servers that are not). Prints one JSON line
+per server. The authkey comes from ``$NEMO_DAPO_ENGINE_AUTHKEY``, as for the server.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from nemo_dapo.engines.base import EngineError
+from nemo_dapo.engines.client import EngineClient
+
+
+def probe(address: str, *, timeout_s: float) -> dict:
+    """The server's health reply; raises EngineError when it is not reachable within ``timeout_s``."""
+    client = EngineClient(address, name=address, connect_timeout_s=timeout_s, request_timeout_s=min(60.0, timeout_s))
+    try:
+        return {"address": address, **{k: v for k, v in client.health().items() if k not in ("op", "cmd")}}
+    finally:
+        client.close()
+
+
+def wait_healthy(addresses, *, timeout_s: float, interval_s: float = 5.0, out=sys.stdout) -> list:
+    """Addresses still unhealthy at the deadline (empty: all healthy). Servers are probed in turn until each
+    answers with ``weights_ok``; a refused or absent socket is retried every ``interval_s``."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(dict.fromkeys(addresses))
+    while pending:
+        left = []
+        for address in pending:
+            try:
+                reply = probe(address, timeout_s=max(0.5, min(interval_s, deadline - time.monotonic())))
+            except (EngineError, OSError, ValueError) as e:
+                left.append(address)
+                last = str(e)
+                continue
+            if not reply.get("weights_ok", False):
+                left.append(address)
+                last = f"{address}: weights not ok"
+                continue
+            print(json.dumps(reply), file=out, flush=True)
+        pending = left
+        if pending and time.monotonic() >= deadline:
+            print(f"engine health: {len(pending)} server(s) not healthy after {timeout_s:.0f} s: {pending}; "
+                  f"last error: {last}", file=sys.stderr)
+            return pending
+        if pending:
+            time.sleep(min(interval_s, max(0.0, deadline - time.monotonic())))
+    return []
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m nemo_dapo.engines.health", description=__doc__.split("\n\n")[0])
+    p.add_argument("addresses", nargs="+", metavar="ADDRESS", help="unix:/path or tcp://HOST:PORT")
+    p.add_argument("--timeout-s", type=float, default=1800.0, help="give up after this long (engines load slowly)")
+    p.add_argument("--interval-s", type=float, default=5.0, help="pause between rounds of probes")
+    args = p.parse_args(argv)
+    if args.timeout_s <= 0 or args.interval_s <= 0:
+        p.error("--timeout-s and --interval-s must be positive")
+    return 1 if wait_healthy(args.addresses, timeout_s=args.timeout_s, interval_s=args.interval_s) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
