@@ -10,9 +10,28 @@ Add a subcommand by appending an entry; nothing else needs to change.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
 import sys
+import traceback
 from typing import Optional
+
+# Exit codes of every subcommand (the README lists them).
+EXIT_OK = 0
+EXIT_INTERNAL = 1  # a bug: the traceback is printed
+EXIT_BAD_INPUT = 2  # bad config, argument, data file, checkpoint (also argparse's usage errors)
+EXIT_BUDGET = 3  # dynamic sampling spent algorithm.dynamic_sampling.max_gen_batches without a full batch
+EXIT_ENGINE = 4  # the rollout engine server failed (checkpoint saved)
+EXIT_BUSY = 5  # another `nemo-dapo train` holds the run directory (local/run_dir.py)
+EXIT_UNWRITABLE = 6  # the run directory or an output cannot be written (disk full, read-only)
+EXIT_DIVERGED = 7  # training diverged (skipped updates in a row, entropy at the uniform limit); checkpoint saved
+EXIT_INTERRUPTED = 130  # Ctrl-C; train: 128 + signal (130 SIGINT, 143 SIGTERM) after saving a checkpoint
+EXIT_CODES = {EXIT_OK: "success", EXIT_INTERNAL: "internal error (bug)", EXIT_BAD_INPUT: "bad input",
+              EXIT_BUDGET: "dynamic-sampling budget exhausted", EXIT_ENGINE: "rollout engine error",
+              EXIT_BUSY: "run directory busy", EXIT_UNWRITABLE: "cannot write", EXIT_DIVERGED: "training diverged",
+              EXIT_INTERRUPTED: "interrupted (SIGINT)", 143: "stopped by SIGTERM"}
+_NO_SPACE = (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
 
 
 # ---- train ---------------------------------------------------------------------------------------------------------
@@ -23,20 +42,30 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"recipe name in conf/recipes or conf/, or a YAML path (default: {DEFAULT_CONFIG})")
     p.add_argument("--config-path", "-cp", default=None, help="directory to look the config up in (default: conf/)")
     p.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="resume even if the config differs from the checkpoint's in keys that change the run "
+                        "(seed, data, model, algorithm, optimizer, ...); without it such a resume is refused")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="overrides: key=value (existing key), ++key=value (add or set), +key=value (add), ~key")
 
 
 def _train(args) -> int:
-    from nemo_dapo.config import config_to_yaml, load_config
+    from nemo_dapo.config import check_trainable, config_to_yaml, load_config
 
     cfg = load_config(args.config_name, args.overrides, args.config_path)
     if args.print_config:
         print(config_to_yaml(cfg), end="")
         return 0
+    check_trainable(cfg)  # before any work starts (the run directory is not touched yet)
     from nemo_dapo.local.run import train
+    from nemo_dapo.local.run_dir import RunDirError, RunInterrupted
 
-    summary = train(cfg)
+    try:
+        summary = train(cfg, allow_config_change=args.allow_config_change)
+    except RunDirError as e:  # busy (5), unwritable (6), stopped by a signal (128 + signum: 130, 143)
+        kind = "stopped" if isinstance(e, RunInterrupted) else "error"
+        print(f"nemo-dapo train: {kind}: {e}", file=sys.stderr)
+        return e.exit_code
     print(json.dumps({k: summary[k] for k in ("base_accuracy", "final_accuracy", "gain_points", "heldout_size",
                                               "wall_seconds")}))
     return 0
@@ -62,8 +91,12 @@ def _eval_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _eval(args) -> int:
+    from nemo_dapo.config import ArgumentError
     from nemo_dapo.local.run_eval import evaluate_model
 
+    if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        raise ArgumentError(f"--out {args.out!r}: directory {os.path.dirname(os.path.abspath(args.out))!r} does not "
+                            "exist. Fix: create it or write elsewhere (checked before the evaluation runs)")
     result = evaluate_model(args.model, args.data, fmt=args.format, samples=args.samples, limit=args.limit,
                             temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
                             verifier=args.verifier, batch_size=args.batch_size, seed=args.seed, threads=args.threads)
@@ -109,38 +142,70 @@ SUBCOMMANDS += [_plan.CLI, _registry.CLI]
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nemo-dapo", description="DAPO for NeMo-Aligner, and on a laptop CPU.")
+    debug_help = "print the traceback of an error too (or set NEMO_DAPO_DEBUG=1)"
+    parser.add_argument("--debug", action="store_true", help=debug_help)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text, add_arguments, run in SUBCOMMANDS:
         p = sub.add_parser(name, help=help_text, description=help_text)
         add_arguments(p)
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
         p.set_defaults(run=run)
     return parser
 
 
+def _exit_code_and_message(command: str, e: BaseException) -> Optional[tuple]:
+    """(exit code, one-line message) for an anticipated error; None for anything else (a bug: traceback)."""
+    from nemo_dapo.config import ConfigError
+    from nemo_dapo.core.checkpoint import CheckpointError
+    from nemo_dapo.core.dynamic_sampling import BudgetExhausted
+    from nemo_dapo.core.health import TrainingDiverged
+    from nemo_dapo.data.readers import DataFormatError
+    from nemo_dapo.engines.base import EngineError
+
+    head = f"nemo-dapo {command}"
+    if isinstance(e, (ConfigError, DataFormatError, FileNotFoundError, CheckpointError)):
+        return EXIT_BAD_INPUT, f"{head}: error: {e}"
+    if isinstance(e, BudgetExhausted):
+        return EXIT_BUDGET, (f"{head}: error: {e} (keys under algorithm.dynamic_sampling; the checkpoints are "
+                             "kept, so rerunning with a changed key resumes the run)")
+    if isinstance(e, EngineError):
+        return EXIT_ENGINE, f"{head}: rollout engine error: {e}"
+    if isinstance(e, TrainingDiverged):
+        return EXIT_DIVERGED, f"{head}: stopped: {e}"
+    if isinstance(e, ImportError) and "pip install" in str(e):
+        return EXIT_BAD_INPUT, f"{head}: error: {e}"  # an optional package, named with its install command
+    if isinstance(e, OSError) and e.errno in _NO_SPACE:
+        return EXIT_UNWRITABLE, (f"{head}: error: cannot write {e.filename or ''}: {e.strerror}. Fix: free disk "
+                                 "space or choose a writable directory")
+    if isinstance(e, (PermissionError, IsADirectoryError, NotADirectoryError)):
+        return EXIT_BAD_INPUT, f"{head}: error: {e.strerror}: {e.filename!r}"
+    if isinstance(e, KeyboardInterrupt):
+        return EXIT_INTERRUPTED, f"{head}: interrupted"
+    return None
+
+
 def main(argv: Optional[list] = None) -> int:
+    """Run one subcommand; every anticipated error becomes one ``error:`` line on stderr and its exit code
+    (:data:`EXIT_CODES`). ``--debug`` (or ``NEMO_DAPO_DEBUG=1``) also prints the traceback."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "run", None) is None:
         parser.print_help()
-        return 2
-    from nemo_dapo.config import ConfigError
-    from nemo_dapo.core.checkpoint import CheckpointError
-    from nemo_dapo.core.dynamic_sampling import BudgetExhausted
-    from nemo_dapo.data.readers import DataFormatError
-    from nemo_dapo.engines.base import EngineError
-
+        return EXIT_BAD_INPUT
+    debug = bool(getattr(args, "debug", False)) or os.environ.get("NEMO_DAPO_DEBUG", "") not in ("", "0")
     try:
         return args.run(args)
-    except (ConfigError, DataFormatError, FileNotFoundError, CheckpointError) as e:
-        print(f"nemo-dapo {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except BudgetExhausted as e:
-        print(f"nemo-dapo {args.command}: error: {e} (keys under algorithm.dynamic_sampling; the checkpoints are "
-              "kept, so rerunning with a changed key resumes the run)", file=sys.stderr)
-        return 3
-    except EngineError as e:
-        print(f"nemo-dapo {args.command}: rollout engine error: {e}", file=sys.stderr)
-        return 4
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - sorted into anticipated errors and bugs below
+        known = _exit_code_and_message(args.command, e)
+        if known is None:
+            traceback.print_exc()
+            print(f"nemo-dapo {args.command}: internal error ({type(e).__name__}: {e}); this is a bug, please "
+                  "report it with the traceback above", file=sys.stderr)
+            return EXIT_INTERNAL
+        if debug:
+            traceback.print_exc()
+        print(known[1], file=sys.stderr)
+        return known[0]
 
 
 if __name__ == "__main__":

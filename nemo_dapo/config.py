@@ -15,6 +15,8 @@ omegaconf is imported only inside the loading functions.
 from __future__ import annotations
 
 import difflib
+import json
+import math
 import os
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Dict, List, Optional
@@ -25,6 +27,10 @@ DEFAULT_CONFIG = "tiny_cpu"
 
 class ConfigError(ValueError):
     """A configuration file or override is invalid; the message names the key."""
+
+
+class ArgumentError(ConfigError):
+    """A command-line argument is invalid; the message names the argument and the fix (exit code 2)."""
 
 
 # ---- schema: types only. Every default lives in conf/dapo_base.yaml, where each key is documented once. ------------
@@ -184,6 +190,8 @@ class TrainerConfig:
     threads: Optional[int] = MISSING
     tensorboard: bool = MISSING
     plots: bool = MISSING
+    max_skipped_updates: int = MISSING
+    max_entropy_fraction: Optional[float] = MISSING
 
 
 @dataclass
@@ -232,6 +240,157 @@ def _get(cfg: Config, key: str):
     return obj
 
 
+def _float_keys(obj, prefix: str = "") -> list:
+    """(dotted key, value) of every float leaf (lists included) of a config dataclass."""
+    out = []
+    for f in fields(obj):
+        value, key = getattr(obj, f.name), prefix + f.name
+        if is_dataclass(value):
+            out.extend(_float_keys(value, key + "."))
+        elif isinstance(value, float):
+            out.append((key, value))
+        elif isinstance(value, list):
+            out.extend((f"{key}[{i}]", v) for i, v in enumerate(value) if isinstance(v, float))
+    return out
+
+
+def _in_range(cfg: Config, key: str, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False,
+              fix: str = "") -> None:
+    v = _get(cfg, key)
+    if v is None:
+        return
+    if (v < lo or (lo_open and v == lo)) or (v > hi or (hi_open and v == hi)):
+        interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+        raise ConfigError(f"config key '{key}' = {v} is out of range: it must be in {interval}"
+                          + (f". Fix: {fix}" if fix else ""))
+
+
+def _check_numbers(cfg: Config) -> None:
+    """Values with which nothing can train: not finite, out of range, inconsistent shapes."""
+    for key, v in _float_keys(cfg):
+        if not math.isfinite(v):
+            raise ConfigError(f"config key '{key}' = {v} is not a finite number. Fix: set a finite value "
+                              "(or null where the key allows it)")
+    for key in ("optim.lr", "warmup.lr"):
+        if _get(cfg, key) <= 0:
+            raise ConfigError(f"config key '{key}' = {_get(cfg, key)} must be > 0: nothing trains with it. Fix: "
+                              f"a small positive learning rate (paper: 1e-6; tiny_cpu: 3e-4)")
+    for key in ("optim.eps", "algorithm.adv_eps"):
+        _in_range(cfg, key, 0, math.inf, lo_open=True, fix="a small positive epsilon (1e-8 / 1e-6)")
+    for key in ("optim.weight_decay", "warmup.weight_decay", "reward.overlong.penalty_factor",
+                "algorithm.dynamic_sampling.prior_weight"):
+        _in_range(cfg, key, 0, math.inf)
+    for i in range(len(cfg.optim.betas)):
+        if not 0 <= cfg.optim.betas[i] < 1:
+            raise ConfigError(f"config key 'optim.betas[{i}]' = {cfg.optim.betas[i]} must be in [0, 1) "
+                              "(Adam's decay rates, default [0.9, 0.999])")
+    for key in ("optim.grad_clip", "warmup.grad_clip", "algorithm.tis_cap", "trainer.max_time_s",
+                "warmup.max_seconds", "rollout.server.connect_timeout_s", "rollout.server.request_timeout_s"):
+        _in_range(cfg, key, 0, math.inf, lo_open=True, fix="a positive number, or null where allowed")
+    for key in ("warmup.slip_prob", "warmup.format_prob", "warmup.ramble_prob", "warmup.target_low",
+                "warmup.target_high"):
+        _in_range(cfg, key, 0, 1)
+    ds = "algorithm.dynamic_sampling."
+    _in_range(cfg, ds + "prior_pass_rate", 0, 1, lo_open=True, hi_open=True)
+    _in_range(cfg, ds + "pass_rate_memory", 0, 1, hi_open=True)
+    _in_range(cfg, ds + "safety", 1, math.inf, fix="1.0 or more (the over-draw factor on the estimated need)")
+    _in_range(cfg, "trainer.max_entropy_fraction", 0, 1, lo_open=True,
+              fix="e.g. 0.9, or null to disable the entropy check")
+    for key in ("eval.temperature", "warmup.temperature"):
+        _in_range(cfg, key, 0, math.inf)
+    _in_range(cfg, "eval.top_p", 0, 1, lo_open=True)
+    for key in ("optim.warmup_steps", "warmup.lr_warmup_steps", "warmup.max_steps", "warmup.min_steps",
+                "algorithm.dynamic_sampling.max_age", "trainer.max_skipped_updates"):
+        if _get(cfg, key) < 0:
+            raise ConfigError(f"config key '{key}' must be >= 0, got {_get(cfg, key)}")
+    for key in ("warmup.batch_size", "warmup.eval_every", "warmup.probe_size", "data.max_prompt_tokens",
+                "data.tokenizer_rows"):
+        if _get(cfg, key) < 1:
+            raise ConfigError(f"config key '{key}' must be >= 1, got {_get(cfg, key)}")
+    if cfg.warmup.target_low > cfg.warmup.target_high:
+        raise ConfigError(f"config keys 'warmup.target_low' = {cfg.warmup.target_low} and 'warmup.target_high' = "
+                          f"{cfg.warmup.target_high}: need target_low <= target_high")
+    if cfg.algorithm.group_size < 2:
+        raise ConfigError(f"config key 'algorithm.group_size' = {cfg.algorithm.group_size}: group advantages need "
+                          "at least 2 responses per prompt (with 1 every advantage is 0 and nothing trains). Fix: "
+                          "algorithm.group_size=16 (paper) or at least 2")
+    if cfg.model.path is None:
+        _check_model_shape(cfg)
+    if cfg.data.task == "arithmetic":
+        _check_task(cfg)
+
+
+def _check_model_shape(cfg: Config) -> None:
+    m = cfg.model
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings"):
+        if getattr(m, key) < 1:
+            raise ConfigError(f"config key 'model.{key}' must be >= 1, got {getattr(m, key)}")
+    if m.hidden_size % m.num_attention_heads:
+        raise ConfigError(f"config key 'model.num_attention_heads' = {m.num_attention_heads} does not divide "
+                          f"model.hidden_size = {m.hidden_size}. Fix: a head count that divides it (e.g. "
+                          f"{max(d for d in range(1, m.num_attention_heads + 1) if m.hidden_size % d == 0)})")
+    if m.num_attention_heads % m.num_key_value_heads:
+        raise ConfigError(f"config key 'model.num_key_value_heads' = {m.num_key_value_heads} does not divide "
+                          f"model.num_attention_heads = {m.num_attention_heads} (grouped-query attention shares "
+                          "each KV head among a whole number of query heads). Fix: a divisor of the head count")
+    if (m.hidden_size // m.num_attention_heads) % 2:
+        raise ConfigError(f"config keys 'model.hidden_size' / 'model.num_attention_heads': the head dimension "
+                          f"{m.hidden_size // m.num_attention_heads} is odd, RoPE needs an even one. Fix: change "
+                          "either key")
+    if m.rope_theta <= 0:
+        raise ConfigError(f"config key 'model.rope_theta' must be > 0, got {m.rope_theta}")
+    if cfg.data.tokenizer_vocab_size < 260:
+        raise ConfigError(f"config key 'data.tokenizer_vocab_size' = {cfg.data.tokenizer_vocab_size} leaves no room "
+                          "for merges (256 bytes + 3 special tokens). Fix: at least 260 (default 512)")
+
+
+def _check_task(cfg: Config) -> None:
+    from nemo_dapo.data.task import ArithmeticTask
+
+    d = cfg.data
+    try:
+        ArithmeticTask(min_terms=d.min_terms, max_terms=d.max_terms, max_operand=d.max_operand,
+                       max_value=d.max_value, ops=d.ops, max_multiplier=d.max_multiplier)
+    except ValueError as e:
+        raise ConfigError(f"config keys 'data.*' of the arithmetic task: {e}") from None
+    if d.max_multiplier < 0:
+        raise ConfigError(f"config key 'data.max_multiplier' must be >= 0, got {d.max_multiplier}")
+
+
+def _model_positions(cfg: Config) -> tuple:
+    """(positions, where they come from): model.max_position_embeddings, or model.path's config.json."""
+    if cfg.model.path is None:
+        return cfg.model.max_position_embeddings, "model.max_position_embeddings"
+    path = os.path.join(cfg.model.path, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            hf = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"config key 'model.path' = {cfg.model.path!r}: cannot read {path} ({e}). Fix: point it "
+                          "at a save_pretrained directory") from None
+    n = hf.get("max_position_embeddings") or hf.get("n_positions")
+    return (int(n) if isinstance(n, int) else None), f"max_position_embeddings in {path}"
+
+
+def check_trainable(cfg: Config) -> Config:
+    """Checks that need the model, run before a training job starts: every generation cap leaves room for a prompt
+    in the model's positions, and rollouts sample (temperature > 0: greedy groups are identical, nothing trains)."""
+    positions, where = _model_positions(cfg)
+    caps = {"rollout.max_new_tokens": cfg.rollout.max_new_tokens, "eval.max_new_tokens": cfg.eval.max_new_tokens,
+            "warmup.max_new_tokens": cfg.warmup.max_new_tokens}
+    for key, cap in caps.items():
+        if positions is not None and cap is not None and cap >= positions:
+            raise ConfigError(f"config key '{key}' = {cap} leaves no room for a prompt: the model has {positions} "
+                              f"positions ({where}). Fix: lower {key} below {positions} (prompt + response must "
+                              "fit), or use a model with more positions")
+    if cfg.rollout.temperature <= 0:
+        raise ConfigError(f"config key 'rollout.temperature' = {cfg.rollout.temperature}: greedy rollouts make the "
+                          "G responses of a group identical, so every advantage is 0. Fix: rollout.temperature=1.0 "
+                          "(paper)")
+    return cfg
+
+
 def validate(cfg: Config) -> Config:
     """Checks beyond types; each error names the key and what to set it to."""
     for key, allowed in CHOICES.items():
@@ -275,6 +434,7 @@ def validate(cfg: Config) -> Config:
                           "data.task=file")
     if len(cfg.optim.betas) != 2:
         raise ConfigError(f"config key 'optim.betas' must hold two numbers, got {cfg.optim.betas}")
+    _check_numbers(cfg)
     if cfg.run_dir is None:
         cfg.run_dir = os.path.join("runs", cfg.name)
     return cfg
@@ -300,7 +460,7 @@ def _load_tree(path: str, root: str, seen: tuple = ()):
 
     if path in seen:
         raise ConfigError(f"config {path!r} includes itself through its defaults list: {list(seen)}")
-    node = OmegaConf.load(path)
+    node = _load_yaml(path)
     defaults = node.pop("defaults", None) if "defaults" in node else None
     if defaults is None:
         return node
@@ -316,6 +476,34 @@ def _load_tree(path: str, root: str, seen: tuple = ()):
             raise ConfigError(f"config {path!r}: defaults entry {entry!r} not found (looked for {base!r})")
         merged = OmegaConf.merge(merged, _load_tree(base, root, seen + (path,)))
     return merged if self_done else OmegaConf.merge(merged, node)
+
+
+def _yaml_error(where: str, e: Exception) -> ConfigError:
+    """One line for a YAML syntax error: file, 1-based line and column, the parser's complaint."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    at = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return ConfigError(f"{where}{at}: YAML syntax error: {problem}. Fix: correct the YAML there (indentation, a "
+                       "missing ':' or closing bracket, a quote around values with ':' or '#')")
+
+
+def _load_yaml(path: str):
+    import yaml
+    from omegaconf import DictConfig, OmegaConf
+
+    try:
+        node = OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        raise _yaml_error(f"config file {path!r}", e) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path!r}: not UTF-8 text (byte offset {e.start}). Fix: save it as "
+                          "UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path!r} cannot be read: {e.strerror or e}") from None
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"config file {path!r}: the top level must be a mapping of keys (key: value), got "
+                          f"{type(node).__name__}")
+    return node
 
 
 def _key_exists(tree, key: str) -> bool:
@@ -365,7 +553,14 @@ def apply_overrides(tree, overrides: List[str]):
                               f"use ++{key}=... to add a key the config does not have")
         if mode == "add" and exists:
             raise ConfigError(f"override {raw!r}: key '{key}' already exists; use {key}=... to change it")
-        parsed = OmegaConf.from_dotlist([f"{key}={value}"])
+        try:
+            parsed = OmegaConf.from_dotlist([f"{key}={value}"])
+        except Exception as e:  # noqa: BLE001 - a YAML error in the value, or a key omegaconf cannot take
+            import yaml
+
+            if isinstance(e, yaml.YAMLError):
+                raise _yaml_error(f"override {raw!r}: value {value!r}", e) from None
+            raise ConfigError(f"override {raw!r}: {str(e).splitlines()[0]}") from None
         tree = OmegaConf.merge(tree, parsed) if mode != "set" else _set(tree, key, OmegaConf.select(parsed, key))
     return tree
 

@@ -39,7 +39,7 @@ def test_budget_exhausted_exits_3_with_the_keys(monkeypatch, capsys):
     import nemo_dapo.local.run as run_mod
     from nemo_dapo.core.dynamic_sampling import BudgetExhausted
 
-    def exhausted(cfg):
+    def exhausted(cfg, **kwargs):
         raise BudgetExhausted("dynamic sampling kept 0 of 16 groups; raise max_gen_batches")
 
     monkeypatch.setattr(run_mod, "train", exhausted)

@@ -127,3 +127,12 @@ def test_every_warmup_setting_of_the_local_backend_is_configurable():
     ours = {f.name for f in fields(load_config("tiny_cpu").warmup)} - {"enabled"}
     theirs = {f.name for f in fields(WarmupConfig)} - {"seed"}  # the run's seed is passed in
     assert ours == theirs
+
+
+def test_paper_base_loads_but_the_tiny_model_cannot_train_on_it():
+    from nemo_dapo.config import check_trainable
+
+    cfg = load_config("dapo_base")  # the paper's 20480-token cap documents the keys; the built-in model has 256
+    with pytest.raises(ConfigError, match=r"'rollout.max_new_tokens' = 20480 leaves no room .* 256 positions"):
+        check_trainable(cfg)
+    assert check_trainable(load_config("tiny_cpu")).rollout.max_new_tokens == 40

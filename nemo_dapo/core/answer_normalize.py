@@ -20,6 +20,10 @@ from fractions import Fraction
 from typing import Optional
 
 ANSWER_TAIL_CHARS = 300  # the reference keeps this many trailing characters (MATH-500's longest answer: 159)
+# A prediction comes from one line of that tail (normalised, at most ~5/3 as long), so a ground truth several times
+# longer cannot equal one: such a ground truth scores every response wrong without being normalised, which keeps a
+# 10 MB or pathological ground truth as cheap as a short one. The data readers refuse them up front.
+MAX_GROUND_TRUTH_CHARS = 4 * ANSWER_TAIL_CHARS
 INVALID = "[INVALID]"  # the reference's prediction when no answer line is found
 
 # Minerva (Lewkowycz et al. 2022) normalisation tables, applied in this order with plain substring replacement.
@@ -152,30 +156,19 @@ def last_boxed(text: str) -> Optional[tuple[int, str]]:
 # Matchers
 # ---------------------------------------------------------------------------------------------------------------
 
-def match_dapo(response: str, ground_truth: str) -> tuple[bool, str]:
-    """Reference ``math_dapo`` decision: (exact match of normalised strings, normalised prediction)."""
+def _minerva_gold(ground_truth: str) -> Optional[str]:
+    return minerva_normalize(ground_truth) if len(ground_truth) <= MAX_GROUND_TRUTH_CHARS else None
+
+
+def _match_dapo_gold(response: str, gold: Optional[str]) -> tuple[bool, str]:
     m = last_answer_line(response[-ANSWER_TAIL_CHARS:])
     pred = minerva_normalize(m.group(1) if m else INVALID)
-    return pred == _minerva_gt(ground_truth), pred
+    return gold is not None and pred == gold, pred
 
 
-_GT_CACHE: dict = {}  # ground truths repeat group_size times in a batch; bounded so odd data cannot grow it
-
-
-def _cached(kind: str, gt: str, fn) -> str:
-    key = (kind, gt)
-    hit = _GT_CACHE.get(key)
-    if hit is None:
-        hit = fn(gt)
-        if len(gt) <= 256:
-            if len(_GT_CACHE) >= 65536:
-                _GT_CACHE.clear()
-            _GT_CACHE[key] = hit
-    return hit
-
-
-def _minerva_gt(gt: str) -> str:
-    return _cached("dapo", gt, minerva_normalize)
+def match_dapo(response: str, ground_truth: str) -> tuple[bool, str]:
+    """Reference ``math_dapo`` decision: (exact match of normalised strings, normalised prediction)."""
+    return _match_dapo_gold(response, _minerva_gold(ground_truth))
 
 
 # Formatting that says nothing about the value; removed before the Minerva steps in tolerant mode.
@@ -237,13 +230,13 @@ def tolerant_canonical(answer: str) -> str:
     return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
 
 
-def match_tolerant(response: str, ground_truth: str) -> tuple[bool, str]:
-    """Tolerant decision: (match, canonical prediction).
+def _tolerant_gold(ground_truth: str) -> Optional[tuple[str, str]]:
+    if len(ground_truth) > MAX_GROUND_TRUTH_CHARS:
+        return None
+    return tolerant_canonical(ground_truth), minerva_normalize(ground_truth)
 
-    The candidate is the reference's answer line, or a final ``\\boxed{}`` that starts after it (or stands alone)
-    in the same tail; numbers elsewhere in the reasoning are never looked at. When the answer line is the candidate
-    a reference match also counts, so tolerant mode accepts everything ``match_dapo`` accepts on that line.
-    """
+
+def _match_tolerant_gold(response: str, gold: Optional[tuple[str, str]]) -> tuple[bool, str]:
     tail = response[-ANSWER_TAIL_CHARS:]
     line = last_answer_line(tail)
     box = last_boxed(tail)
@@ -254,10 +247,41 @@ def match_tolerant(response: str, ground_truth: str) -> tuple[bool, str]:
     else:
         return False, INVALID
     pred = tolerant_canonical(candidate)
-    ok = pred == _cached("tolerant", ground_truth, tolerant_canonical)
+    if gold is None:
+        return False, pred
+    ok = pred == gold[0]
     if not ok and from_line:
-        ok = minerva_normalize(candidate) == _minerva_gt(ground_truth)
+        ok = minerva_normalize(candidate) == gold[1]
     return ok, pred
+
+
+def match_tolerant(response: str, ground_truth: str) -> tuple[bool, str]:
+    """Tolerant decision: (match, canonical prediction).
+
+    The candidate is the reference's answer line, or a final ``\\boxed{}`` that starts after it (or stands alone)
+    in the same tail; numbers elsewhere in the reasoning are never looked at. When the answer line is the candidate
+    a reference match also counts, so tolerant mode accepts everything ``match_dapo`` accepts on that line.
+    """
+    return _match_tolerant_gold(response, _tolerant_gold(ground_truth))
+
+
+def _math_verify_gold(ground_truth: str):
+    """math-verify's parse of ``\\boxed{ground_truth}`` (or of the bare expression); None when over the bound."""
+    if len(ground_truth) > MAX_GROUND_TRUTH_CHARS:
+        return None
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+
+    gold = parse("\\boxed{" + ground_truth + "}", extraction_config=[LatexExtractionConfig()])
+    return gold or parse(ground_truth, extraction_config=[ExprExtractionConfig()]) or None
+
+
+def _match_math_verify_gold(response: str, gold) -> tuple[bool, str]:
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    pred = parse(response[-ANSWER_TAIL_CHARS:], extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()])
+    if not gold or not pred:
+        return False, INVALID if not pred else str(pred[-1])
+    return bool(verify(gold, pred)), str(pred[-1])
 
 
 def match_math_verify(response: str, ground_truth: str) -> tuple[bool, str]:
@@ -265,21 +289,28 @@ def match_math_verify(response: str, ground_truth: str) -> tuple[bool, str]:
 
     Its timeouts use ``signal.alarm``: call this only in a process's main thread (``reward`` runs it in workers).
     """
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-
-    gold = parse("\\boxed{" + ground_truth + "}", extraction_config=[LatexExtractionConfig()])
-    if not gold:
-        gold = parse(ground_truth, extraction_config=[ExprExtractionConfig()])
-    pred = parse(response[-ANSWER_TAIL_CHARS:], extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()])
-    if not gold or not pred:
-        return False, INVALID if not pred else str(pred[-1])
-    return bool(verify(gold, pred)), str(pred[-1])
+    return _match_math_verify_gold(response, _math_verify_gold(ground_truth))
 
 
 MATCHERS = {"dapo": match_dapo, "tolerant": match_tolerant, "math_verify": match_math_verify}
 
 
+# mode -> (ground truth -> prepared gold, (response, gold) -> (acc, pred)): a batch prepares each distinct ground
+# truth once (a group repeats it G times), however many responses it is compared with.
+_GOLD = {"dapo": (_minerva_gold, _match_dapo_gold), "tolerant": (_tolerant_gold, _match_tolerant_gold),
+         "math_verify": (_math_verify_gold, _match_math_verify_gold)}
+
+
 def match_many(mode: str, responses: list, ground_truths: list) -> list:
-    """[(acc, pred)] for aligned lists; the unit of work a verifier worker process runs."""
-    fn = MATCHERS[mode]
-    return [fn(r, g) for r, g in zip(responses, ground_truths)]
+    """[(acc, pred)] for aligned lists; the unit of work a verifier worker process runs.
+
+    Each distinct ground truth is normalised (math_verify: parsed) once per call, not once per response.
+    """
+    prepare, match = _GOLD[mode]
+    golds: dict = {}
+    out = []
+    for r, g in zip(responses, ground_truths):
+        if g not in golds:
+            golds[g] = prepare(g)
+        out.append(match(r, golds[g]))
+    return out

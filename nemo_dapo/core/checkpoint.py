@@ -71,9 +71,11 @@ def save_checkpoint(directory: str, step: int, state: dict, *, keep_last: int = 
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(e, OSError) and not isinstance(e.filename, str):  # a failed write() names no file
+            raise OSError(e.errno, e.strerror or str(e), final) from e
         raise
     _fsync_dir(directory)
     for _, old in list_checkpoints(directory)[:-keep_last]:
@@ -104,14 +106,27 @@ def safe_load(f, *, what: str):
             return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         found = re.search(r"GLOBAL ([\w.]+)", str(e))
-        culprit = f" (it references {found.group(1)})" if found else ""
-        raise CheckpointError(f"{what} holds objects other than tensors and plain data{culprit}, so it was not "
-                              "written by nemo_dapo and is not loaded (nothing in it was run). Delete it or resume "
-                              "from another checkpoint.") from None
+        if not found:  # the weights-only unpickler met bytes that are no pickle at all: damage, not a foreign file
+            raise CorruptCheckpoint(f"{what} is corrupt ({_first_line(e)})") from None
+        raise CheckpointError(f"{what} holds objects other than tensors and plain data (it references "
+                              f"{found.group(1)}), so it was not written by nemo_dapo and is not loaded (nothing in "
+                              "it was run). Delete it or resume from another checkpoint.") from None
+    except (EOFError, RuntimeError, OSError, ValueError) as e:
+        # EOFError: empty file; RuntimeError: the zip container is cut short; OSError/ValueError: bad offsets.
+        raise CorruptCheckpoint(f"{what} is truncated or corrupt ({type(e).__name__}: {_first_line(e)})") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:200] if text else "empty"
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded safely or is not ours."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """A checkpoint file that is damaged (truncated, zeroed, not a torch file): resume may fall back past it."""
 
 
 def rng_state() -> dict:

@@ -13,6 +13,8 @@ correctness used by the dynamic-sampling filter and by validation metrics.
 
 Ground truths are normalised by the same rules as predictions, but nothing repairs the data itself: a ground truth
 ``'025'`` never equals the prediction ``25`` in ``"dapo"`` mode (loaders should store AIME answers as ``str(int(x))``).
+Each distinct ground truth of a batch is normalised once (a group repeats it G times), and one longer than
+``answer_normalize.MAX_GROUND_TRUTH_CHARS`` is never normalised at all (it cannot equal any prediction).
 """
 from __future__ import annotations
 
@@ -116,14 +118,27 @@ def shutdown_pools() -> None:
 atexit.register(shutdown_pools)
 
 
+def _chunk_bounds(ground_truths: list, size: int) -> list:
+    """[(start, end)] of chunks of about ``size`` items whose cuts never split a run of equal ground truths (a
+    group), so each worker normalises a group's ground truth once."""
+    n, bounds, a = len(ground_truths), [], 0
+    while a < n:
+        b = min(a + size, n)
+        while b < n and ground_truths[b] == ground_truths[b - 1]:
+            b += 1
+        bounds.append((a, b))
+        a = b
+    return bounds
+
+
 def _score_in_pool(mode: str, responses: list, ground_truths: list, num_workers: int) -> list:
     n = len(responses)
     size = max(1, -(-n // (4 * num_workers)))  # ~4 chunks per worker evens out slow answers
-    starts = range(0, n, size)
+    bounds = _chunk_bounds(ground_truths, size)
     try:
-        chunks = _pool(num_workers).map(answer_normalize.match_many, [mode] * len(starts),
-                                        [responses[a:a + size] for a in starts],
-                                        [ground_truths[a:a + size] for a in starts])
+        chunks = _pool(num_workers).map(answer_normalize.match_many, [mode] * len(bounds),
+                                        [responses[a:b] for a, b in bounds],
+                                        [ground_truths[a:b] for a, b in bounds])
         return [r for chunk in chunks for r in chunk]
     except BrokenProcessPool as e:
         with _POOL_LOCK:

@@ -13,18 +13,26 @@ Formats:
 
 Every reader applies the DAPO template to problems that do not carry it, normalises integer ground truths like
 ``str(int(x))`` (``'025'`` -> ``'25'``) and gives each problem a stable id (a hash of source and problem text, shared
-by repeated copies). Malformed rows raise :class:`DataFormatError` naming the file, the 1-based row and the fix.
+by repeated copies). Malformed rows raise :class:`DataFormatError` naming the file, the 1-based row, the field and
+the fix. A ground truth must be one answer: a string, or a number (normalised: ``12`` and ``12.0`` -> ``'12'``,
+``3.5`` -> ``'3.5'``); missing, empty or whitespace-only, NaN/infinite, a boolean, a list or other container, or one
+longer than ``MAX_GROUND_TRUTH_CHARS`` (the verifier could never match it) is an error, as is an empty prompt.
+jsonl files are read as bytes and decoded line by line, so a non-UTF-8 byte is reported with its file offset (a
+leading UTF-8 byte-order mark is skipped).
 """
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 from dataclasses import dataclass
 from typing import Iterable, Iterator, Optional
 
+from nemo_dapo.core.answer_normalize import MAX_GROUND_TRUTH_CHARS
 from nemo_dapo.data.template import apply_template, extract_problem
 
 log = logging.getLogger(__name__)
@@ -33,8 +41,19 @@ _INT = re.compile(r"[+-]?\d+")
 _INT_WITH_COMMAS = re.compile(r"[+-]?\d{1,3}(,\d{3})+")
 
 
+# No tokenizer we know turns more characters than this into one token (byte-level BPE tokens are a few bytes; the
+# longest merges of 150k-token vocabularies are runs of spaces or symbols well below it). A prompt longer than
+# max_prompt_tokens * this cannot fit and is dropped before it is tokenized (tokenizing a 50 MB line took 20 GB).
+MAX_CHARS_PER_TOKEN = 128
+
+
 class DataFormatError(ValueError):
     """A data file is missing or does not have the expected schema."""
+
+
+def prompt_far_too_long(prompt: str, max_prompt_tokens: int) -> bool:
+    """True when ``prompt`` has more characters than ``max_prompt_tokens`` tokens can hold (no tokenizing)."""
+    return len(prompt) > max_prompt_tokens * MAX_CHARS_PER_TOKEN
 
 
 @dataclass(frozen=True)
@@ -79,9 +98,19 @@ def _check_exists(path, what: str) -> str:
 
 
 def iter_jsonl(path) -> Iterator[tuple]:
-    """(1-based line number, dict) for each non-blank line."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    """(1-based line number, dict) for each non-blank line; bytes are decoded as UTF-8 line by line."""
+    with open(path, "rb") as f:
+        offset = 0
+        for lineno, raw in enumerate(f, 1):
+            start, offset = offset, offset + len(raw)
+            if lineno == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw, start = raw[len(codecs.BOM_UTF8):], start + len(codecs.BOM_UTF8)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataFormatError(f"{path}: row {lineno}: not UTF-8 text (byte {raw[e.start:e.start + 1]!r} at "
+                                      f"byte offset {start + e.start} of the file). Fix: re-encode the file as "
+                                      "UTF-8 (e.g. iconv -f latin1 -t utf-8).") from None
             if not line.strip():
                 continue
             try:
@@ -89,6 +118,9 @@ def iter_jsonl(path) -> Iterator[tuple]:
             except json.JSONDecodeError as e:
                 raise DataFormatError(f"{path}: row {lineno}: not valid JSON ({e.msg} at column {e.colno}). "
                                       "Fix: one JSON object per line (jsonl).") from None
+            except (ValueError, RecursionError) as e:  # nesting too deep, an integer of > 4300 digits
+                raise DataFormatError(f"{path}: row {lineno}: JSON that cannot be read ({type(e).__name__}: "
+                                      f"{str(e)[:100]}). Fix: one flat JSON object per line.") from None
             if not isinstance(obj, dict):
                 raise DataFormatError(f"{path}: row {lineno}: expected a JSON object, got {type(obj).__name__}. "
                                       "Fix: one JSON object per line (jsonl).")
@@ -107,7 +139,15 @@ def iter_parquet(path, batch_size: int = 8192) -> Iterator[tuple]:
         raise DataFormatError(f"{path}: not a readable parquet file ({e}). Fix: pass a parquet file, or a .jsonl "
                               "file with one row per line.") from None
     n = 0
-    for batch in pf.iter_batches(batch_size=batch_size):
+    batches = pf.iter_batches(batch_size=batch_size)
+    while True:
+        try:
+            batch = next(batches, None)
+        except Exception as e:  # noqa: BLE001 - a damaged page or invalid UTF-8 in a string column
+            raise DataFormatError(f"{path}: rows after {n}: cannot be read ({type(e).__name__}: {str(e)[:200]}). "
+                                  "Fix: rewrite the file (string columns must hold UTF-8 text).") from None
+        if batch is None:
+            return
         for row in batch.to_pylist():
             n += 1
             yield n, row
@@ -128,10 +168,45 @@ def _fail(origin: str, n: int, what: str, fix: str):
     raise DataFormatError(f"{origin}: row {n}: {what}. Fix: {fix}")
 
 
+def ground_truth_of(value, origin: str, n: int, field: str) -> str:
+    """The normalised ground truth of row ``n``, or :class:`DataFormatError` naming ``origin``, the row and field."""
+    def bad(what: str, fix: str = "one answer per row, as a string or a number"):
+        _fail(origin, n, f"'{field}' {what}", fix)
+
+    if value is None:
+        bad("is missing")
+    if isinstance(value, bool):
+        bad(f"is a boolean ({value})", "write the answer itself, e.g. '14'")
+    if isinstance(value, float) and not math.isfinite(value):
+        bad(f"is {value} (not a number)", "write the answer itself, e.g. '14'; a NaN usually means an empty cell")
+    if isinstance(value, (list, tuple, dict, set, bytes, bytearray)):
+        bad(f"is a {type(value).__name__}, not one answer",
+            "one answer per row, as a string or a number (the verifier compares with a single answer)")
+    if not isinstance(value, (str, int, float)):
+        bad(f"has type {type(value).__name__}")
+    if isinstance(value, str):
+        if not value.strip():
+            bad("is empty" if not value else "is only whitespace")
+        if len(value) > MAX_GROUND_TRUTH_CHARS:
+            bad(f"is {len(value)} characters long (at most {MAX_GROUND_TRUTH_CHARS}; a prediction is read from "
+                "the response's last lines, so it could never match)", "store the final answer only")
+    return normalize_ground_truth(value)
+
+
+def _text_field(value, origin: str, n: int, field: str) -> str:
+    if not isinstance(value, str):
+        _fail(origin, n, f"'{field}' is {'missing' if value is None else type(value).__name__}",
+              f"'{field}' must be a non-empty string")
+    if not value.strip():
+        _fail(origin, n, f"'{field}' is {'empty' if not value else 'only whitespace'}",
+              f"'{field}' must hold the problem text")
+    return value
+
+
 def _prompt_content(row: dict, origin: str, n: int) -> str:
     prompt = row.get("prompt")
     if isinstance(prompt, str):
-        return prompt
+        return _text_field(prompt, origin, n, "prompt")
     if not isinstance(prompt, (list, tuple)) or not prompt:
         _fail(origin, n, f"'prompt' is {type(prompt).__name__ if prompt is not None else 'missing'}",
               "verl rows need prompt=[{'role': 'user', 'content': <templated problem>}]")
@@ -139,7 +214,7 @@ def _prompt_content(row: dict, origin: str, n: int) -> str:
     if not users or not isinstance(users[-1].get("content"), str):
         _fail(origin, n, "'prompt' has no user message with a string 'content'",
               "verl rows need prompt=[{'role': 'user', 'content': <templated problem>}]")
-    return users[-1]["content"]
+    return _text_field(users[-1]["content"], origin, n, "prompt[-1].content")
 
 
 def verl_row_to_math_row(row: dict, origin: str, n: int) -> MathRow:
@@ -148,16 +223,17 @@ def verl_row_to_math_row(row: dict, origin: str, n: int) -> MathRow:
         _fail(origin, n, f"expected a dict, got {type(row).__name__}", "pass verl-schema rows")
     content = _prompt_content(row, origin, n)
     reward = row.get("reward_model")
-    if not isinstance(reward, dict) or reward.get("ground_truth") in (None, ""):
+    if not isinstance(reward, dict) or reward.get("ground_truth") is None:
         _fail(origin, n, "missing reward_model.ground_truth",
               "verl rows need reward_model={'ground_truth': '<answer>', 'style': 'rule'}")
+    ground_truth = ground_truth_of(reward["ground_truth"], origin, n, "reward_model.ground_truth")
     extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
     problem = extra.get("raw_problem") or extract_problem(content) or content
     if isinstance(row.get("prompt"), str) and extract_problem(content) is None:
         content = apply_template(content)  # a bare problem string (e.g. de-duplicated copies): template it
     source = str(row.get("data_source") or "verl")
     return MathRow(id=stable_id(source, problem), source=source, problem=problem, prompt=content,
-                   ground_truth=normalize_ground_truth(reward["ground_truth"]), solution=extra.get("solution"))
+                   ground_truth=ground_truth, solution=extra.get("solution"))
 
 
 def dedup_by_problem(rows: Iterable[MathRow], origin: str = "rows") -> list:
@@ -209,13 +285,13 @@ def _field(path, n: int, obj: dict, key: str, fmt: str):
     return value
 
 
-def _plain_rows(path, source: str, fmt: str, problem_key: str, answer_of) -> list:
+def _plain_rows(path, source: str, fmt: str, problem_key: str, answer_of, answer_key: str = "answer") -> list:
     out = []
     for n, obj in iter_jsonl(path):
-        problem = str(_field(path, n, obj, problem_key, fmt)).strip()
+        problem = _text_field(_field(path, n, obj, problem_key, fmt), path, n, problem_key).strip()
         answer, solution = answer_of(path, n, obj)
         out.append(MathRow(id=stable_id(source, problem), source=source, problem=problem,
-                           prompt=apply_template(problem), ground_truth=normalize_ground_truth(answer),
+                           prompt=apply_template(problem), ground_truth=ground_truth_of(answer, path, n, answer_key),
                            solution=solution))
     return _nonempty(path, out, fmt)
 
@@ -238,7 +314,7 @@ def read_math500(path, integer_only: bool = False) -> list:
 
 def _gsm8k_answer(path, n: int, obj: dict) -> tuple:
     fmt = "GSM8K {question, answer}"
-    text = str(_field(path, n, obj, "answer", fmt))
+    text = _text_field(_field(path, n, obj, "answer", fmt), path, n, "answer")
     if "####" not in text:
         _fail(path, n, "'answer' has no '#### <final answer>' marker",
               "GSM8K answers end with a line '#### 18' holding the final answer")

@@ -4,13 +4,20 @@
 ``trainer.val_every`` steps, atomic checkpoints every ``trainer.save_every`` steps, metrics to JSONL/TensorBoard,
 plots and ``summary.json`` at the end. Run directory layout::
 
+    run_dir/.lock             held by the running `train` job (pid, host, start time): one writer at a time
     run_dir/config.yaml       the resolved configuration
     run_dir/base_model/       warm-up result (model + tokenizer + warmup.json + fingerprint.json), reused next run
-    run_dir/checkpoints/      step_NNNNNNNN.pt (loop state, RNG states, base evaluation)
+    run_dir/base_model.KEY/   warm-up results of other inputs, kept and reused when their inputs come back
+    run_dir/checkpoints/      step_NNNNNNNN.pt (loop state, RNG states, base evaluation, resolved config)
     run_dir/metrics.jsonl     one record per train step / validation / evaluation
     run_dir/tb/               TensorBoard events
     run_dir/plots/            PNG curves
     run_dir/summary.json      base_accuracy, final_accuracy, heldout_size, wall_seconds, ...
+
+Resume (``resume: auto``) takes the newest intact checkpoint and refuses one whose config differs in a key that
+changes the run (``--allow-config-change`` overrides); rerunning a finished run prints its summary and changes
+nothing (raise ``trainer.max_steps`` / ``max_samples`` / ``max_time_s`` to train it further). SIGINT / SIGTERM stop
+after the current rollout step with a checkpoint of it (exit 130 / 143); see run_dir.py.
 """
 from __future__ import annotations
 
@@ -25,8 +32,9 @@ from typing import Optional
 import torch
 
 from nemo_dapo.config import Config
-from nemo_dapo.core.checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from nemo_dapo.core.checkpoint import latest_checkpoint, list_checkpoints, rng_state, save_checkpoint, set_rng_state
 from nemo_dapo.core.dynamic_sampling import BatchFiller
+from nemo_dapo.core.health import DivergenceGuard, TrainingDiverged, diverged_message
 from nemo_dapo.core.loop import DAPOLoop, LoopSettings
 from nemo_dapo.core.loop_data import PromptSampler
 from nemo_dapo.core.loop_eval import EvalResult, evaluate
@@ -34,6 +42,8 @@ from nemo_dapo.core.loss import make_loss_fn
 from nemo_dapo.core.reward import RuleReward
 from nemo_dapo.engines.base import EngineError
 from nemo_dapo.local.policy import LocalPolicy
+from nemo_dapo.local.run_dir import (RunDirLock, RunInterrupted, StopSignals, check_resume_config, finished_summary,
+                                     is_write_failure, pick_checkpoint, unwritable)
 from nemo_dapo.local.run_data import build_prompt_sets
 from nemo_dapo.local.run_model import prepare_base_model
 from nemo_dapo.local.run_parallel import ParallelSampler
@@ -143,47 +153,79 @@ def _ckpt_dir(cfg: Config) -> str:
     return os.path.join(cfg.run_dir, "checkpoints")
 
 
-def _write_json(path: str, obj: dict) -> None:
+def _write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` atomically; on failure (disk full) no temporary file is left behind."""
     tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _write_json(path: str, obj: dict) -> None:
+    _write_text(path, json.dumps(obj, indent=1))
 
 
 def _prepare_run_dir(cfg: Config) -> None:
     from nemo_dapo.config import config_to_yaml
 
-    os.makedirs(cfg.run_dir, exist_ok=True)
-    with open(os.path.join(cfg.run_dir, "config.yaml"), "w", encoding="utf-8") as f:
-        f.write(config_to_yaml(cfg))
+    _write_text(os.path.join(cfg.run_dir, "config.yaml"), config_to_yaml(cfg))
     if cfg.resume == "never":  # start over; the warm-up cache (base_model/) stays
-        for sub in ("checkpoints", "tb", "plots"):
+        for sub in ("checkpoints", "tb", "plots", "final_model"):
             shutil.rmtree(os.path.join(cfg.run_dir, sub), ignore_errors=True)
+        if os.path.isfile(os.path.join(cfg.run_dir, "summary.json")):
+            os.unlink(os.path.join(cfg.run_dir, "summary.json"))
 
 
-def _resume(run: LocalRun) -> Optional[dict]:
-    """Restore the newest checkpoint (resume=auto); returns the base evaluation stored in it, or None."""
-    ckpt = latest_checkpoint(_ckpt_dir(run.cfg)) if run.cfg.resume == "auto" else None
-    if not ckpt:
-        return None
-    base_eval = run.load_state_dict(load_checkpoint(ckpt))
-    log.info("resumed from %s (rollout step %d)", ckpt, run.step)
-    return base_eval
+def train(cfg: Config, *, allow_config_change: bool = False) -> dict:
+    """Run the whole job for ``cfg``; returns the summary (also written to ``run_dir/summary.json``).
 
-
-def train(cfg: Config) -> dict:
-    """Run the whole job for ``cfg``; returns the summary (also written to ``run_dir/summary.json``)."""
+    Holds the run directory's lock throughout. Raises :class:`RunDirBusy`, :class:`ResumeMismatch` (unless
+    ``allow_config_change``), :class:`RunInterrupted` on SIGINT/SIGTERM, :class:`RunDirUnwritable` when a write fails
+    for lack of space or permission (the checkpoints written before stay intact).
+    """
     t_start = time.time()
     setup_console_logging()
     threads = set_threads(cfg.trainer.threads)
+    try:
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        with RunDirLock(cfg.run_dir), StopSignals() as stop:
+            return _train_locked(cfg, stop, allow_config_change, t_start, threads)
+    except OSError as e:
+        if is_write_failure(e, cfg.run_dir):
+            raise unwritable(e, cfg.run_dir, list_checkpoints(_ckpt_dir(cfg))) from e
+        raise
+
+
+def _train_locked(cfg: Config, stop: StopSignals, allow_config_change: bool, t_start: float, threads: int) -> dict:
+    ckpt, state = pick_checkpoint(_ckpt_dir(cfg)) if cfg.resume == "auto" else (None, None)
+    if state is not None:
+        current = asdict(cfg)
+        check_resume_config(state.get("config"), current, ckpt, allow_change=allow_config_change)
+        done = finished_summary(cfg.run_dir, state, state.get("config"), current)
+        if done is not None:
+            log.info("run %s in %s is finished (rollout step %d, held-out accuracy %.3f -> %.3f); nothing changed. "
+                     "To train it further raise trainer.max_steps / trainer.max_samples / trainer.max_time_s; to "
+                     "start over set resume=never or another run_dir", cfg.name, cfg.run_dir, done["rollout_steps"],
+                     done["base_accuracy"], done["final_accuracy"])
+            return done
     _prepare_run_dir(cfg)
     log.info("run %s in %s (torch threads: %d)", cfg.name, cfg.run_dir, threads)
-    run = LocalRun(cfg)
-    base_eval = _resume(run)
-    logger = RunLogger(cfg.run_dir, resume_step=run.step if base_eval else None,
-                       tensorboard=cfg.trainer.tensorboard, total_steps=cfg.trainer.max_steps,
-                       total_samples=cfg.trainer.max_samples)
+    run = logger = None
     try:
+        run = LocalRun(cfg)
+        base_eval = None
+        if state is not None:
+            base_eval = run.load_state_dict(state)
+            log.info("resumed from %s (rollout step %d)", ckpt, run.step)
+        del state
+        logger = RunLogger(cfg.run_dir, resume_step=run.step if base_eval else None,
+                           tensorboard=cfg.trainer.tensorboard, total_steps=cfg.trainer.max_steps,
+                           total_samples=cfg.trainer.max_samples)
         if base_eval is None:
             base = run.evaluate(cfg.eval.n_samples)
             base_eval = base.summary("eval/")
@@ -191,14 +233,25 @@ def train(cfg: Config) -> dict:
             log.info("base model: held-out accuracy %.3f on %d problems x %d samples (%.0fs)", base.accuracy,
                      len(run.heldout), cfg.eval.n_samples, base.seconds)
         t_rl = time.time()
-        _train_steps(run, logger, base_eval, t_start)
+        stop.defer(True)
+        _train_steps(run, logger, base_eval, t_start, stop)
+        stop.defer(False)
+        stop.raise_if_requested()  # a signal during the last step: its checkpoint is saved, the evaluation is not run
         rl_seconds = time.time() - t_rl
         _save_final_model(run)
         final_eval = run.evaluate(cfg.eval.n_samples).summary("eval/")
         logger.write("final", run.step, final_eval)
+    except RunInterrupted as e:
+        stop.defer(False)
+        latest = latest_checkpoint(_ckpt_dir(cfg))
+        if latest is not None:
+            e.checkpoint, e.step = latest, int(os.path.basename(latest)[5:-3])
+        raise
     finally:
-        logger.close()
-        run.close()
+        if logger is not None:
+            logger.close()
+        if run is not None:
+            run.close()
     summary = _summary(run, base_eval, final_eval, wall_seconds=time.time() - t_start, rl_seconds=rl_seconds,
                        threads=threads)
     _write_json(os.path.join(cfg.run_dir, "summary.json"), summary)
@@ -223,11 +276,17 @@ def _stop_reason(run: LocalRun, t_rl: float) -> str:
     return ""
 
 
-def _train_steps(run: LocalRun, logger: RunLogger, base_eval: dict, t_start: float) -> None:
-    """Step until a budget is spent; validate every val_every steps and at the end, checkpoint likewise."""
+def _train_steps(run: LocalRun, logger: RunLogger, base_eval: dict, t_start: float,
+                 stop: Optional[StopSignals] = None) -> None:
+    """Step until a budget is spent; validate every val_every steps and at the end, checkpoint likewise.
+
+    A stop requested by a signal (``stop.signum``) ends the loop after the step in progress, with its checkpoint.
+    """
     cfg, t = run.cfg, run.cfg.trainer
     t_rl = time.time()
     saved = run.step
+    guard = DivergenceGuard(max_skipped_updates=t.max_skipped_updates, max_entropy_fraction=t.max_entropy_fraction,
+                            vocab_size=run.model.config.vocab_size)
     while not _stop_reason(run, t_rl):
         try:
             metrics = run.loop.step()
@@ -246,6 +305,16 @@ def _train_steps(run: LocalRun, logger: RunLogger, base_eval: dict, t_start: flo
         if step % t.save_every == 0 or last:
             save_checkpoint(_ckpt_dir(cfg), step, run.state_dict(base_eval), keep_last=t.keep_last)
             saved = step
+        diverged = guard.observe(metrics)
+        if diverged:  # stop with a checkpoint instead of training on to accuracy 0 and exit 0
+            if saved != step:
+                save_checkpoint(_ckpt_dir(cfg), step, run.state_dict(base_eval), keep_last=t.keep_last)
+            raise TrainingDiverged(diverged_message(diverged, step=step, lr=cfg.optim.lr,
+                                                    checkpoint_dir=_ckpt_dir(cfg)))
+        if stop is not None and stop.signum is not None:
+            if saved != step:
+                save_checkpoint(_ckpt_dir(cfg), step, run.state_dict(base_eval), keep_last=t.keep_last)
+            stop.raise_if_requested()
     if saved != run.step:  # the time budget ran out between two checks
         save_checkpoint(_ckpt_dir(cfg), run.step, run.state_dict(base_eval), keep_last=t.keep_last)
     log.info("training done at rollout step %d: %s", run.step, _stop_reason(run, t_rl))
@@ -256,8 +325,12 @@ def _save_final_model(run: LocalRun) -> None:
     directory = os.path.join(run.cfg.run_dir, "final_model")
     tmp = directory + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    run.model.save_pretrained(tmp, safe_serialization=True)
-    run.tokenizer.save_pretrained(tmp)
+    try:
+        run.model.save_pretrained(tmp, safe_serialization=True)
+        run.tokenizer.save_pretrained(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(directory, ignore_errors=True)
     os.replace(tmp, directory)
 

@@ -5,7 +5,7 @@ import logging
 
 from nemo_dapo.config import Config, ConfigError
 from nemo_dapo.core.loop_data import PromptSet
-from nemo_dapo.data.readers import from_verl_rows, read_dataset
+from nemo_dapo.data.readers import from_verl_rows, prompt_far_too_long, read_dataset
 from nemo_dapo.data.task import ArithmeticTask
 
 log = logging.getLogger("nemo_dapo")
@@ -26,6 +26,9 @@ def encode(tokenizer, rows: list, *, max_prompt_tokens: int, what: str) -> Promp
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     ids, truths, dropped = [], [], 0
     for row in rows:
+        if prompt_far_too_long(row.prompt, max_prompt_tokens):  # never tokenize a megabyte line (memory)
+            dropped += 1
+            continue
         seq = bos + tokenizer(row.prompt, add_special_tokens=False)["input_ids"]
         if len(seq) > max_prompt_tokens:
             dropped += 1

@@ -1,5 +1,12 @@
 """The base model of a CPU run: a local checkpoint (``model.path``) or the supervised warm-up, cached in the run
-directory and reused when its inputs (model, warm-up, data and tokenizer settings, seed) are unchanged."""
+directory and reused when its inputs are unchanged.
+
+The cache key (:func:`fingerprint`) covers everything the warm-up result depends on: the seed, the task and
+tokenizer keys, the model config, the warm-up keys, the generation cap, and the code (a hash of the source files
+that make the tokenizer, the model and the warm-up, plus the torch / transformers / tokenizers versions).
+``run_dir/base_model/`` holds the result for the current inputs; a result for other inputs is never overwritten but
+moved to ``run_dir/base_model.<key>/`` and moved back when a later run has those inputs again.
+"""
 from __future__ import annotations
 
 import hashlib
@@ -7,6 +14,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from dataclasses import asdict, fields
 
 from nemo_dapo.config import Config, ConfigError
@@ -43,22 +51,70 @@ def warmup_config(cfg: Config) -> WarmupConfig:
     return WarmupConfig(**w, seed=cfg.seed)
 
 
-def fingerprint(cfg: Config) -> str:
-    """Hash of everything the warm-up result depends on."""
+# Source files (relative to the package) whose code decides the tokenizer, the model or the warm-up's result.
+CODE_FILES = ("data/task.py", "data/template.py", "data/tokenizer.py", "local/model.py", "local/policy.py",
+              "local/sampler.py", "local/kv_cache.py", "local/warmup.py", "local/run_model.py", "core/sampling.py",
+              "core/logprobs.py", "core/reward.py", "core/answer_normalize.py")
+
+
+def code_version() -> dict:
+    """Versions of the code that builds the base model: a hash of ``CODE_FILES`` and the library versions."""
+    import tokenizers
+    import torch
+    import transformers
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    h = hashlib.sha256()
+    for rel in CODE_FILES:
+        h.update(rel.encode())
+        with open(os.path.join(root, rel), "rb") as f:
+            h.update(f.read())
+    return {"sources": h.hexdigest()[:16], "torch": torch.__version__, "transformers": transformers.__version__,
+            "tokenizers": tokenizers.__version__}
+
+
+def fingerprint_inputs(cfg: Config) -> dict:
     d = asdict(cfg.data)
-    inputs = {"model": asdict(cfg.model), "warmup": asdict(cfg.warmup), "seed": cfg.seed,
-              "task": {k: d[k] for k in ("min_terms", "max_terms", "max_operand", "max_value", "ops",
-                                          "max_multiplier", "tokenizer_vocab_size", "tokenizer_rows")},
-              "max_new_tokens": cfg.rollout.max_new_tokens}
-    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
+    return {"model": asdict(cfg.model), "warmup": asdict(cfg.warmup), "seed": cfg.seed,
+            "task": {k: d[k] for k in ("min_terms", "max_terms", "max_operand", "max_value", "ops",
+                                        "max_multiplier", "tokenizer_vocab_size", "tokenizer_rows")},
+            "max_new_tokens": cfg.rollout.max_new_tokens, "code": code_version()}
 
 
-def _cached(directory: str, key: str) -> bool:
+def fingerprint(cfg: Config) -> str:
+    """Hash of everything the warm-up result depends on (:func:`fingerprint_inputs`)."""
+    return hashlib.sha256(json.dumps(fingerprint_inputs(cfg), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _key_of(directory: str):
+    """The fingerprint a cached base model was saved under (None: not a complete cache entry)."""
     path = os.path.join(directory, FINGERPRINT)
-    if not os.path.isfile(path):
-        return False
-    with open(path, encoding="utf-8") as f:
-        return json.load(f).get("fingerprint") == key
+    try:
+        with open(path, encoding="utf-8") as f:
+            key = json.load(f).get("fingerprint")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return key if isinstance(key, str) else None
+
+
+def _select_cached(run_dir: str, key: str) -> bool:
+    """Make ``run_dir/base_model`` the entry of ``key`` if one is cached; set a foreign one aside. True if found."""
+    current = os.path.join(run_dir, BASE_DIR)
+    held = _key_of(current) if os.path.isdir(current) else None
+    if held == key:
+        return True
+    if os.path.isdir(current):  # another run's inputs: kept under its own key, never overwritten
+        aside = os.path.join(run_dir, f"{BASE_DIR}.{held or 'unkeyed-%d' % time.time()}")
+        if os.path.isdir(aside):
+            shutil.rmtree(current)  # the same key is already kept there
+        else:
+            os.replace(current, aside)
+            log.info("base model: the cached warm-up of other inputs is kept in %s", aside)
+    entry = os.path.join(run_dir, f"{BASE_DIR}.{key}")
+    if os.path.isdir(entry) and _key_of(entry) == key:
+        os.replace(entry, current)
+        return True
+    return False
 
 
 def prepare_base_model(cfg: Config) -> tuple:
@@ -70,7 +126,7 @@ def prepare_base_model(cfg: Config) -> tuple:
         raise ConfigError("config key 'model.path' must name a local model directory when data.task=file (the "
                           "supervised warm-up only knows the built-in arithmetic task)")
     directory, key = os.path.join(cfg.run_dir, BASE_DIR), fingerprint(cfg)
-    if _cached(directory, key):
+    if _select_cached(cfg.run_dir, key):
         model, tokenizer = load_model(directory), load_tokenizer(directory)
         info = {"source": "cache", "parameters": num_parameters(model)}
         warm = os.path.join(directory, "warmup.json")
@@ -102,9 +158,13 @@ def _build_base(cfg: Config, directory: str, key: str) -> tuple:
     # Written next to the final location and renamed, so a killed warm-up never leaves a half-saved cache.
     tmp = directory + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    save_warmup(tmp, model, tokenizer, stats, wcfg)
-    with open(os.path.join(tmp, FINGERPRINT), "w", encoding="utf-8") as f:
-        json.dump({"fingerprint": key}, f)
-    shutil.rmtree(directory, ignore_errors=True)
+    try:
+        save_warmup(tmp, model, tokenizer, stats, wcfg)
+        with open(os.path.join(tmp, FINGERPRINT), "w", encoding="utf-8") as f:
+            json.dump({"fingerprint": key, "inputs": fingerprint_inputs(cfg)}, f, indent=1)
+    except BaseException:  # disk full or interrupted: no half-saved entry
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(directory, ignore_errors=True)  # only an unkeyed leftover can be here (_select_cached moved others)
     os.replace(tmp, directory)
     return model.train(), tokenizer, info

@@ -12,6 +12,7 @@ weights in the middle of an update. A worker exits when its pipe closes, so a ki
 from __future__ import annotations
 
 import logging
+import signal
 from typing import Optional
 
 import torch
@@ -25,6 +26,10 @@ log = logging.getLogger("nemo_dapo")
 
 
 def _worker(conn, config, attn_implementation: str, shared: dict, eos_id: int, pad_id: int) -> None:
+    # Ctrl-C reaches the whole process group: the trainer decides when to stop (after the current step, see
+    # run_dir.StopSignals) and closes the pipe, which ends this worker; a worker dying first would fail that step.
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
 

@@ -93,3 +93,27 @@ def test_safe_load_keeps_the_loop_state_exact(tmp_path):
     payload = got["filler"]["groups"][0]["payload"]
     assert isinstance(payload, RolloutBatch) and torch.equal(payload.response_ids, batch.response_ids)
     assert got["x"] == (1, 2.5, "a")
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "garbage"])
+def test_a_damaged_file_is_a_corrupt_checkpoint_naming_it(tmp_path, damage):
+    d = str(tmp_path)
+    path = ck.save_checkpoint(d, 4, {"w": torch.zeros(1000)})
+    data = open(path, "rb").read()
+    open(path, "wb").write({"empty": b"", "truncated": data[:len(data) // 2], "garbage": b"not a checkpoint" * 9}[
+        damage])
+    with pytest.raises(ck.CorruptCheckpoint, match=r"step_00000004\.pt.* (truncated or corrupt|is corrupt)"):
+        ck.load_checkpoint(path)
+
+
+def test_a_failed_write_names_the_checkpoint_it_was_writing(tmp_path, monkeypatch):
+    import errno
+
+    def full_disk(obj, f):
+        raise OSError(errno.ENOSPC, "No space left on device")  # write() errors carry no file name
+
+    monkeypatch.setattr(ck.torch, "save", full_disk)
+    with pytest.raises(OSError) as info:
+        ck.save_checkpoint(str(tmp_path), 7, {"x": 1})
+    assert info.value.errno == errno.ENOSPC and info.value.filename.endswith("step_00000007.pt")
+    assert os.listdir(tmp_path) == []

@@ -1,0 +1,324 @@
+"""The run directory as a small database: one writer at a time, resume that checks what it resumes, clean stops.
+
+* :class:`RunDirLock`: ``run_dir/.lock`` held with ``fcntl.flock`` for the whole job. The kernel drops the lock when
+  its process dies (SIGKILL included), so a lock file left by a killed run is recognised as stale by simply taking
+  the lock; the file's contents (pid, host, start time, command) only serve the messages.
+* :func:`pick_checkpoint`: the newest checkpoint that loads; a corrupt or truncated one is named, moved aside as
+  ``step_*.pt.corrupt`` and the previous one is used. A file that is not ours (foreign pickle globals) stops the job.
+* :func:`config_drift`: the keys in which the resolved config differs from the one stored in the checkpoint,
+  leaving out those that do not change what is trained (budgets, logging, evaluation, engine plumbing).
+* :class:`StopSignals`: SIGINT / SIGTERM during the RL steps ask for a stop at the end of the current rollout step
+  (after its optimizer updates, with a checkpoint of that step); outside the steps (warm-up, evaluation) and on a
+  second signal they stop at once, and the run resumes from its last checkpoint.
+
+Exit codes of ``nemo-dapo train`` added here: :data:`EXIT_BUSY`, :data:`EXIT_UNWRITABLE`, and 128 + the signal
+number for a signal stop (130 SIGINT, 143 SIGTERM).
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import shlex
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import Optional
+
+from nemo_dapo.config import ConfigError
+from nemo_dapo.core.checkpoint import CheckpointError, CorruptCheckpoint, list_checkpoints, load_checkpoint
+
+log = logging.getLogger("nemo_dapo")
+
+LOCK_FILE = ".lock"
+EXIT_BUSY = 5  # another `nemo-dapo train` holds the run directory
+EXIT_UNWRITABLE = 6  # the run directory cannot be written (disk full, read-only, permissions)
+
+# Keys that may differ between a checkpoint and the resumed run: they do not change what is trained. Entries ending
+# in "." cover a whole section. Everything else (seed, data, model, warm-up, algorithm, reward, rollout sampling,
+# optimizer, batch sizes) must match, or the run would silently continue as a different experiment.
+RESUME_SAFE_KEYS = (
+    "name", "run_dir", "resume",
+    "trainer.max_steps", "trainer.max_samples", "trainer.max_time_s",  # budgets: resuming to train longer
+    "trainer.val_every", "trainer.val_samples", "trainer.val_problems", "trainer.save_every", "trainer.keep_last",
+    "trainer.threads", "trainer.tensorboard", "trainer.plots", "reward.num_workers",
+    "rollout.server.python", "rollout.server.address", "rollout.server.connect_timeout_s",
+    "rollout.server.request_timeout_s", "rollout.server.bucket_mb", "rollout.server.sleep_level",
+    "rollout.server.threads",
+    "eval.",  # the final evaluation only (a warning says that the stored base evaluation used the old keys)
+)
+BUDGET_KEYS = ("trainer.max_steps", "trainer.max_samples", "trainer.max_time_s")
+
+
+class RunDirError(Exception):
+    """A run-directory condition that stops ``nemo-dapo train`` with ``exit_code`` and one message."""
+
+    exit_code = 2
+
+
+class RunDirBusy(RunDirError):
+    exit_code = EXIT_BUSY
+
+
+class RunDirUnwritable(RunDirError):
+    exit_code = EXIT_UNWRITABLE
+
+
+class ResumeMismatch(ConfigError):
+    """The resolved config differs from the checkpoint's in keys that change the run (exit 2, as config errors)."""
+
+
+class RunInterrupted(RunDirError):
+    """SIGINT / SIGTERM stopped the job; ``checkpoint`` is what a rerun resumes from (None: nothing saved yet)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.checkpoint, self.step = signum, None, None
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+    def __str__(self) -> str:
+        name = signal.Signals(self.signum).name
+        if self.checkpoint is None:
+            where = "before the first checkpoint (a finished warm-up stays cached in base_model/)"
+        else:
+            where = f"at rollout step {self.step}; checkpoint {self.checkpoint}"
+        return f"interrupted by {name} {where}. Resume with the same command: {command_line()}"
+
+
+def command_line() -> str:
+    """This process's command as a user would retype it (``python -m nemo_dapo.cli`` is ``nemo-dapo``)."""
+    return shlex.join(["nemo-dapo", *sys.argv[1:]])
+
+
+# ---- one writer at a time -----------------------------------------------------------------------------------------
+def _holder_text(info: dict) -> str:
+    started = info.get("started")
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(started, (int, float)) else "?"
+    return (f"pid {info.get('pid', '?')} on host {info.get('host', '?')} (started {when}: "
+            f"{info.get('command', '?')})")
+
+
+def _pid_alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError, TypeError):
+        return True  # exists but not ours, or unreadable: assume alive
+    return True
+
+
+class RunDirLock:
+    """Exclusive lock on a run directory for one ``train`` job (a context manager)."""
+
+    def __init__(self, run_dir: str):
+        self.run_dir, self.path, self.fd = run_dir, os.path.join(run_dir, LOCK_FILE), None
+
+    def _read(self, fd: int) -> dict:
+        os.lseek(fd, 0, os.SEEK_SET)
+        raw = os.read(fd, 65536)
+        try:
+            info = json.loads(raw.decode("utf-8")) if raw.strip() else {}
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            info = {"pid": "?", "host": "?", "command": f"unreadable lock file ({len(raw)} bytes)"}
+        return info if isinstance(info, dict) else {}
+
+    def acquire(self) -> "RunDirLock":
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                info = self._read(fd)
+                os.close(fd)
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise  # a filesystem without locks: reported as the OSError it is
+                raise RunDirBusy(f"run directory {self.run_dir!r} is in use by {_holder_text(info)}. Wait for it to "
+                                 "finish or stop it (it saves a checkpoint on SIGTERM/Ctrl-C), or give this run "
+                                 "another run_dir=...") from None
+            # The previous holder may have unlinked the file between our open and flock: lock the current file.
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        previous = self._read(fd)
+        if previous:
+            gone = previous.get("host") == socket.gethostname() and not _pid_alive(previous.get("pid"))
+            log.warning("run directory %s: taking over the stale lock of %s%s", self.run_dir, _holder_text(previous),
+                        ": that process is gone" if gone else ": its lock was released without cleanup")
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
+              "command": command_line()}
+        os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.write(fd, json.dumps(me).encode())
+        self.fd = fd
+        return self
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        try:
+            os.unlink(self.path)  # unlink while still locked: a waiter re-checks the inode (see acquire)
+        except OSError:
+            pass
+        os.close(self.fd)  # closing drops the flock
+        self.fd = None
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+# ---- what is resumed ----------------------------------------------------------------------------------------------
+def pick_checkpoint(directory: str) -> tuple:
+    """(path, state) of the newest checkpoint in ``directory`` that loads, or (None, None) if there is none.
+
+    A corrupt or truncated file is renamed to ``<name>.corrupt`` (kept for inspection, out of the resume order) and
+    the next older one is tried; when none is left the error names every corrupt file.
+    """
+    corrupt = []
+    for _, path in reversed(list_checkpoints(directory)):
+        try:
+            state = load_checkpoint(path)
+            if not (isinstance(state, dict) and {"loop", "rng", "base_eval"} <= set(state)):
+                raise CorruptCheckpoint(f"checkpoint {path!r} is not a nemo-dapo train checkpoint (it lacks the "
+                                        "loop / rng / base_eval entries)")
+        except CorruptCheckpoint as e:
+            os.replace(path, path + ".corrupt")
+            corrupt.append(path)
+            log.warning("%s; moved aside to %s.corrupt, falling back to the previous checkpoint", e, path)
+            continue
+        if corrupt:
+            log.warning("resuming from %s, the newest intact checkpoint (skipped: %s)", path, ", ".join(corrupt))
+        return path, state
+    if corrupt:
+        raise CheckpointError(f"no intact checkpoint in {directory!r}: {', '.join(corrupt)} could not be read "
+                              "(moved aside as *.corrupt). Start over with resume=never or another run_dir")
+    return None, None
+
+
+def _flatten(tree, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and k != "extra":
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _safe(key: str) -> bool:
+    return any(key == s or (s.endswith(".") and key.startswith(s)) for s in RESUME_SAFE_KEYS)
+
+
+def config_drift(stored: dict, current: dict, *, all_keys: bool = False) -> list:
+    """[(key, stored value, current value)] of the keys that differ (only run-changing ones unless ``all_keys``)."""
+    a, b = _flatten(stored), _flatten(current)
+    missing = "<absent>"
+    return [(k, a.get(k, missing), b.get(k, missing)) for k in sorted(set(a) | set(b))
+            if a.get(k, missing) != b.get(k, missing) and (all_keys or not _safe(k))]
+
+
+def check_resume_config(stored: Optional[dict], current: dict, checkpoint: str, *, allow_change: bool) -> None:
+    """Refuse (:class:`ResumeMismatch`) to resume ``checkpoint`` under a config that changes the run."""
+    if stored is None:
+        log.warning("checkpoint %s holds no config (older version): its config is not checked", checkpoint)
+        return
+    drift = config_drift(stored, current)
+    changes = "; ".join(f"{k}: {old!r} -> {new!r}" for k, old, new in drift)
+    if drift and not allow_change:
+        raise ResumeMismatch(
+            f"run directory {current['run_dir']!r} holds checkpoint {checkpoint} of another configuration; "
+            f"{len(drift)} key(s) that change the run differ: {changes}. Either train in a new run directory "
+            "(run_dir=... or resume=never to start this one over), or pass --allow-config-change to continue this "
+            "run under the new values")
+    if drift:
+        log.warning("resuming %s with changed keys (--allow-config-change): %s", checkpoint, changes)
+    evals = [k for k, _, _ in config_drift(stored, current, all_keys=True) if k.startswith("eval.")]
+    if evals:
+        log.warning("eval keys changed on resume (%s): the stored base evaluation used the old values, so base and "
+                    "final accuracy are not measured alike", ", ".join(evals))
+
+
+def finished_summary(run_dir: str, state: dict, stored: Optional[dict], current: dict) -> Optional[dict]:
+    """The run's summary.json if the checkpoint is the end of a finished run and no budget was raised, else None."""
+    path = os.path.join(run_dir, "summary.json")
+    if stored is None or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return None  # unreadable: the run is finished again and the summary rewritten
+    step = state["loop"]["counters"].get("rollout_steps")
+    a, b = _flatten(stored), _flatten(current)
+    if summary.get("rollout_steps") != step or any(a.get(k) != b.get(k) for k in BUDGET_KEYS):
+        return None
+    return summary
+
+
+# ---- clean stops --------------------------------------------------------------------------------------------------
+class StopSignals:
+    """SIGINT/SIGTERM handlers for one job. Inside ``deferred()`` a first signal only sets ``signum`` (the caller
+    stops at its next safe point); otherwise, or on a second signal, :class:`RunInterrupted` is raised at once."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.signum: Optional[int] = None
+        self._defer, self._previous = False, {}
+
+    def _handle(self, signum, frame):
+        if self._defer and self.signum is None:
+            self.signum = signum
+            log.warning("%s received: stopping after the current rollout step, with a checkpoint (send it again to "
+                        "stop at once and resume from the last checkpoint)", signal.Signals(signum).name)
+            return
+        raise RunInterrupted(signum)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread only
+            for s in self.SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+    def defer(self, on: bool) -> None:
+        self._defer = on
+
+    def raise_if_requested(self) -> None:
+        if self.signum is not None:
+            raise RunInterrupted(self.signum)
+
+
+def is_write_failure(e: OSError, run_dir: str) -> bool:
+    """Out of space anywhere, or no permission inside the run directory (an unreadable input file is not this)."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG):
+        return True
+    if e.errno in (errno.EACCES, errno.EPERM) and isinstance(e.filename, str):
+        root = os.path.abspath(run_dir)
+        return os.path.commonpath([root, os.path.abspath(e.filename)]) == root
+    return False
+
+
+def unwritable(e: OSError, run_dir: str, checkpoints: list) -> RunDirUnwritable:
+    kept = ", ".join(os.path.basename(p) for _, p in checkpoints) or "none"
+    return RunDirUnwritable(f"cannot write {e.filename or run_dir!r}: {e.strerror or e}. Nothing half-written was "
+                            f"left; checkpoints kept intact in {run_dir!r}: {kept}. Free space or fix the "
+                            "permissions, then rerun the same command to resume")

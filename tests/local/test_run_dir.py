@@ -1,0 +1,373 @@
+"""The run directory under hostile conditions, through the real `nemo-dapo train` command in subprocesses:
+concurrent writers, stale locks, config drift on resume, finished runs, corrupt and planted checkpoints, signals,
+a full disk and a read-only directory. Each case asserts the exit code and that the message names the input."""
+import errno
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from nemo_dapo.cli import main
+from nemo_dapo.core import checkpoint as ck
+from nemo_dapo.local.run_dir import EXIT_BUSY, EXIT_UNWRITABLE, LOCK_FILE, RunDirBusy, RunDirLock, config_drift
+from nemo_dapo.logging import read_metrics
+from tests.local.test_run import TINY, tiny_cfg
+
+CMD = [sys.executable, "-m", "nemo_dapo.cli", "train"]
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    from nemo_dapo.local.run_model import BASE_DIR, prepare_base_model
+
+    run_dir = str(tmp_path_factory.mktemp("base"))
+    prepare_base_model(tiny_cfg(run_dir))
+    return os.path.join(run_dir, BASE_DIR)
+
+
+def args(base_dir, run_dir, *extra):
+    return TINY + [f"model.path={base_dir}", f"run_dir={run_dir}", *extra]
+
+
+def train(base_dir, run_dir, *extra, flags=()):
+    p = subprocess.run(CMD + list(flags) + args(base_dir, run_dir, *extra), env=ENV, capture_output=True, text=True,
+                       timeout=300)
+    return p.returncode, p.stderr
+
+
+def start(base_dir, run_dir, *extra, session=False):
+    return subprocess.Popen(CMD + args(base_dir, run_dir, *extra), env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=session)
+
+
+def wait_for(proc, condition, what, timeout=240):
+    deadline = time.time() + timeout
+    while not condition():
+        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before {what}: {proc.stderr.read()}"
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def train_steps(run_dir):
+    try:
+        return [r["step"] for r in read_metrics(run_dir, "train")]
+    except FileNotFoundError:
+        return []
+
+
+def ckpt_names(run_dir):
+    return sorted(os.listdir(os.path.join(run_dir, "checkpoints")))
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, base_dir):
+    """A finished 2-step run (checkpoints at steps 1 and 2); tests work on copies of it."""
+    run_dir = str(tmp_path_factory.mktemp("finished") / "run")
+    code, err = train(base_dir, run_dir, "trainer.max_steps=2")
+    assert code == 0, err
+    return run_dir
+
+
+def copy_of(finished, tmp_path):
+    dst = str(tmp_path / "run")
+    shutil.copytree(finished, dst)
+    return dst
+
+
+# ---- one writer at a time -----------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_second_train_on_a_running_directory_is_refused_naming_the_holder(tmp_path, base_dir):
+    run_dir = str(tmp_path / "run")
+    first = start(base_dir, run_dir, "trainer.max_steps=400")
+    try:
+        wait_for(first, lambda: train_steps(run_dir), "the first step")
+        code, err = train(base_dir, run_dir, "trainer.max_steps=400")
+        assert code == EXIT_BUSY, err
+        assert f"pid {first.pid} on host {socket.gethostname()}" in err and "started" in err and run_dir in err
+        assert "run_dir=" in err and "Traceback" not in err
+        assert first.poll() is None  # the holder is undisturbed
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.wait(timeout=120)
+    assert first.returncode == 143
+    assert not os.path.exists(os.path.join(run_dir, LOCK_FILE))  # released on exit
+
+
+@pytest.mark.slow
+def test_the_stale_lock_of_a_killed_run_is_taken_over(tmp_path, base_dir):
+    run_dir = str(tmp_path / "run")
+    victim = start(base_dir, run_dir, "trainer.max_steps=30", "trainer.save_every=1")
+    wait_for(victim, lambda: os.path.isdir(os.path.join(run_dir, "checkpoints")) and ckpt_names(run_dir),
+             "the first checkpoint")
+    victim.kill()
+    victim.wait()
+    lock = json.load(open(os.path.join(run_dir, LOCK_FILE)))
+    assert lock["pid"] == victim.pid  # SIGKILL leaves the lock file behind ...
+    code, err = train(base_dir, run_dir, "trainer.max_steps=30", "trainer.save_every=1")
+    assert code == 0, err  # ... and the next run takes it over and resumes
+    assert f"taking over the stale lock of pid {victim.pid}" in err and "that process is gone" in err
+    assert train_steps(run_dir) == list(range(1, 31))
+    assert not os.path.exists(os.path.join(run_dir, LOCK_FILE))
+
+
+def test_lock_refuses_a_second_holder_and_reports_a_dead_one(tmp_path):
+    with RunDirLock(str(tmp_path)):
+        with pytest.raises(RunDirBusy, match=rf"in use by pid {os.getpid()} on host"):
+            RunDirLock(str(tmp_path)).acquire()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "started": 0,
+                                                  "command": "nemo-dapo train"}))
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("nemo_dapo").addHandler(handler)
+    try:
+        with RunDirLock(str(tmp_path)):
+            pass
+    finally:
+        logging.getLogger("nemo_dapo").removeHandler(handler)
+    assert any(f"stale lock of pid {dead.pid}" in m and "that process is gone" in m for m in seen), seen
+
+
+# ---- resume checks what it resumes --------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_config_drift_on_resume_is_refused_with_the_keys_and_the_ways_out(tmp_path, finished, base_dir):
+    run_dir = copy_of(finished, tmp_path)
+    before = {n: os.path.getmtime(os.path.join(run_dir, "checkpoints", n)) for n in ckpt_names(run_dir)}
+    config_before = open(os.path.join(run_dir, "config.yaml")).read()
+    code, err = train(base_dir, run_dir, "trainer.max_steps=3", "seed=7", "optim.lr=0.01")
+    assert code == 2, err
+    assert "seed: 1234 -> 7" in err and "optim.lr: 0.001 -> 0.01" in err and "step_00000002.pt" in err
+    assert "--allow-config-change" in err and "run_dir=" in err and "Traceback" not in err
+    assert {n: os.path.getmtime(os.path.join(run_dir, "checkpoints", n)) for n in ckpt_names(run_dir)} == before
+    assert open(os.path.join(run_dir, "config.yaml")).read() == config_before
+    code, err = train(base_dir, run_dir, "trainer.max_steps=3", "seed=7", "optim.lr=0.01",
+                      flags=["--allow-config-change"])
+    assert code == 0, err
+    assert "with changed keys (--allow-config-change): optim.lr" in err
+    assert train_steps(run_dir) == [1, 2, 3]
+
+
+def test_drift_ignores_budgets_logging_and_eval_but_not_what_is_trained():
+    stored = {"seed": 1, "trainer": {"max_steps": 2, "plots": True, "train_batch_size": 2}, "eval": {"n_samples": 2},
+              "model": {"extra": {"a": 1}}}
+    current = {"seed": 1, "trainer": {"max_steps": 9, "plots": False, "train_batch_size": 4},
+               "eval": {"n_samples": 8}, "model": {"extra": {"a": 2}}}
+    assert config_drift(stored, current) == [("model.extra", {"a": 1}, {"a": 2}),
+                                             ("trainer.train_batch_size", 2, 4)]
+
+
+@pytest.mark.slow
+def test_a_finished_run_is_reported_finished_and_left_untouched(tmp_path, finished, base_dir):
+    run_dir = copy_of(finished, tmp_path)
+    summary = open(os.path.join(run_dir, "summary.json")).read()
+    metrics = open(os.path.join(run_dir, "metrics.jsonl")).read()
+    code, err = train(base_dir, run_dir, "trainer.max_steps=2", "trainer.val_every=2")  # logging keys may differ
+    assert code == 0, err
+    assert f"in {run_dir} is finished (rollout step 2" in err and "trainer.max_steps" in err
+    assert open(os.path.join(run_dir, "summary.json")).read() == summary
+    assert open(os.path.join(run_dir, "metrics.jsonl")).read() == metrics
+    code, err = train(base_dir, run_dir, "trainer.max_steps=3")  # a raised budget continues the run
+    assert code == 0, err
+    assert json.load(open(os.path.join(run_dir, "summary.json")))["rollout_steps"] == 3
+    assert train_steps(run_dir) == [1, 2, 3]
+
+
+# ---- corrupt and planted checkpoints ------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_truncated_latest_checkpoint_is_named_and_resume_falls_back(tmp_path, finished, base_dir):
+    run_dir = copy_of(finished, tmp_path)
+    latest = os.path.join(run_dir, "checkpoints", "step_00000002.pt")
+    data = open(latest, "rb").read()
+    open(latest, "wb").write(data[:len(data) // 2])
+    code, err = train(base_dir, run_dir, "trainer.max_steps=2")
+    assert code == 0, err
+    assert "step_00000002.pt" in err and "truncated or corrupt" in err
+    assert "resuming from" in err and "step_00000001.pt, the newest intact checkpoint" in err
+    assert os.path.isfile(latest + ".corrupt")  # kept for inspection, out of the resume order
+    assert ck.load_checkpoint(latest)["loop"]["counters"]["rollout_steps"] == 2  # step 2 retrained and saved
+    assert train_steps(run_dir) == [1, 2]
+
+
+@pytest.mark.slow
+def test_all_checkpoints_corrupt_is_one_error_naming_them(tmp_path, finished, base_dir):
+    run_dir = copy_of(finished, tmp_path)
+    for name in ckpt_names(run_dir):
+        open(os.path.join(run_dir, "checkpoints", name), "wb").write(b"\0" * 100)
+    code, err = train(base_dir, run_dir, "trainer.max_steps=2")
+    assert code == 2, err
+    assert "no intact checkpoint" in err and "step_00000001.pt" in err and "step_00000002.pt" in err
+    assert "resume=never" in err and "Traceback" not in err
+
+
+class _Planted:
+    """Unpickling this runs a shell command (what a crafted step_*.pt would hold)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.slow
+def test_a_planted_pickle_in_the_run_directory_is_refused_and_never_runs(tmp_path, finished, base_dir):
+    run_dir = copy_of(finished, tmp_path)
+    marker = tmp_path / "pwned"
+    torch.save({"loop": _Planted(marker), "rng": {}, "base_eval": {}},
+               ck.checkpoint_path(os.path.join(run_dir, "checkpoints"), 3))
+    code, err = train(base_dir, run_dir, "trainer.max_steps=4")
+    assert code == 2, err
+    assert "step_00000003.pt" in err and "posix.system" in err and "nothing in it was run" in err
+    assert not marker.exists()
+
+
+# ---- signals ------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_saves_the_current_step_and_the_same_command_resumes(tmp_path, base_dir, sig, code):
+    """SIGTERM as a scheduler sends it (to the trainer); SIGINT as Ctrl-C sends it: to the whole process group,
+    generation worker included (rollout.processes=2), which must leave the stopping to the trainer."""
+    run_dir = str(tmp_path / "run")
+    extra = ("trainer.max_steps=30", "trainer.save_every=100")  # only the last step is saved on schedule
+    if sig == signal.SIGINT:
+        extra += ("rollout.processes=2",)
+    proc = start(base_dir, run_dir, *extra, session=True)
+    wait_for(proc, lambda: train_steps(run_dir), "the first step")
+    if sig == signal.SIGINT:
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err
+    done = train_steps(run_dir)
+    step = done[-1]
+    assert 1 <= step < 30 and done == list(range(1, step + 1))
+    name = f"step_{step:08d}.pt"
+    assert ckpt_names(run_dir) == [name]  # the interrupted point, off the save schedule
+    assert f"{sig.name} received: stopping after the current rollout step" in err
+    assert f"stopped: interrupted by {sig.name} at rollout step {step}; checkpoint" in err and name in err
+    assert "Resume with the same command: nemo-dapo train " in err and "Traceback" not in err
+    assert not os.path.exists(os.path.join(run_dir, "summary.json"))
+    rc, err = train(base_dir, run_dir, *extra)
+    assert rc == 0, err
+    assert f"resumed from {os.path.join(run_dir, 'checkpoints', name)} (rollout step {step})" in err
+    assert train_steps(run_dir) == list(range(1, 31))
+    assert json.load(open(os.path.join(run_dir, "summary.json")))["rollout_steps"] == 30
+
+
+# ---- disk full, read-only directory -------------------------------------------------------------------------------
+def test_disk_full_while_saving_is_one_error_and_the_previous_checkpoints_stay(tmp_path, base_dir, monkeypatch,
+                                                                               capsys):
+    run_dir = str(tmp_path / "run")
+    real_save, calls = torch.save, []
+
+    def filling_save(obj, f, *a, **k):
+        calls.append(1)
+        if len(calls) == 2:  # the second checkpoint runs out of space half-way
+            f.write(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")  # as write() raises it: no file name
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(ck.torch, "save", filling_save)
+    code = main(["train", *args(base_dir, run_dir, "trainer.max_steps=3")])
+    err = capsys.readouterr().err
+    assert code == EXIT_UNWRITABLE, err
+    errors = [line for line in err.splitlines() if line.startswith("nemo-dapo train: error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert "step_00000002.pt': No space left on device" in errors[0] and "kept intact" in errors[0]
+    assert "step_00000001.pt" in errors[0] and "rerun the same command" in errors[0]
+    assert ckpt_names(run_dir) == ["step_00000001.pt"]  # no temporary file, step 1 intact
+    assert ck.load_checkpoint(os.path.join(run_dir, "checkpoints", "step_00000001.pt"))["loop"]["counters"][
+        "rollout_steps"] == 1
+    monkeypatch.setattr(ck.torch, "save", real_save)
+    assert main(["train", *args(base_dir, run_dir, "trainer.max_steps=3")]) == 0  # lock released; resumes
+    assert train_steps(run_dir) == [1, 2, 3]
+
+
+def _can_mount_read_only() -> bool:
+    """Root can write through chmod 0555; a read-only bind mount in a private mount namespace stops root too."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        return False
+    probe = subprocess.run(["unshare", "--mount", "sh", "-c", "mount --bind / /mnt && mount -o remount,bind,ro /mnt"],
+                           capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["chmod", "ro-mount"])
+def test_a_read_only_checkpoint_directory_is_one_error_and_nothing_is_lost(tmp_path, finished, base_dir, how):
+    run_dir = copy_of(finished, tmp_path)
+    ckpts = os.path.join(run_dir, "checkpoints")
+    cmd = CMD + args(base_dir, run_dir, "trainer.max_steps=3")
+    if how == "chmod":
+        if os.geteuid() == 0:
+            pytest.skip("root writes to a chmod 0555 directory (the ro-mount case and the ENOSPC test cover it)")
+        os.chmod(ckpts, 0o555)
+    else:
+        if not _can_mount_read_only():
+            pytest.skip("needs root and `unshare --mount` for a read-only bind mount")
+        cmd = ["unshare", "--mount", "sh", "-c", 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" && '
+               'exec "$@"', ckpts, *cmd]
+    try:
+        p = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+    finally:
+        os.chmod(ckpts, 0o755)
+    assert p.returncode == EXIT_UNWRITABLE, p.stderr
+    assert ckpts in p.stderr and "step_00000001.pt, step_00000002.pt" in p.stderr and "Traceback" not in p.stderr
+    assert ckpt_names(run_dir) == ["step_00000001.pt", "step_00000002.pt"]
+    assert ck.load_checkpoint(os.path.join(ckpts, "step_00000002.pt"))["loop"]["counters"]["rollout_steps"] == 2
+    assert not os.path.exists(os.path.join(run_dir, LOCK_FILE))
+
+
+# ---- cached artifacts ---------------------------------------------------------------------------------------------
+def _weights(directory):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(directory, "model.safetensors"))
+
+
+def test_the_warmup_cache_is_keyed_by_its_inputs_and_never_overwritten(tmp_path, monkeypatch):
+    from nemo_dapo.local import run_model
+    from nemo_dapo.local.run_model import BASE_DIR, fingerprint, prepare_base_model
+
+    cfg_a = tiny_cfg(str(tmp_path), "warmup.max_steps=1")
+    key_a = fingerprint(cfg_a)
+    assert prepare_base_model(cfg_a)[2]["source"] == "warmup"
+    current = os.path.join(str(tmp_path), BASE_DIR)
+    first = _weights(current)
+    cfg_b = tiny_cfg(str(tmp_path), "warmup.max_steps=1", "seed=99")
+    assert prepare_base_model(cfg_b)[2]["source"] == "warmup"  # other inputs: built anew ...
+    kept = os.path.join(str(tmp_path), f"{BASE_DIR}.{key_a}")
+    assert all(torch.equal(first[k], v) for k, v in _weights(kept).items())  # ... the first one kept aside
+    assert prepare_base_model(cfg_a)[2]["source"] == "cache"  # and reused when its inputs come back
+    assert all(torch.equal(first[k], v) for k, v in _weights(current).items())
+    assert json.load(open(os.path.join(current, "fingerprint.json")))["inputs"]["seed"] == cfg_a.seed
+    # Every input class changes the key: seed, task, tokenizer, model config, code.
+    for override in ("seed=5", "data.max_terms=4", "data.tokenizer_vocab_size=300", "model.hidden_size=16",
+                     "rollout.max_new_tokens=10"):
+        assert fingerprint(tiny_cfg(str(tmp_path), "warmup.max_steps=1", override)) != key_a, override
+    real = run_model.code_version
+    monkeypatch.setattr(run_model, "code_version", lambda: dict(real(), sources="edited"))
+    assert fingerprint(cfg_a) != key_a
+
+
+def test_only_space_or_run_directory_permissions_count_as_unwritable(tmp_path):
+    from nemo_dapo.local.run_dir import is_write_failure
+
+    run_dir = str(tmp_path / "run")
+    assert is_write_failure(OSError(errno.ENOSPC, "No space left on device"), run_dir)
+    assert is_write_failure(PermissionError(errno.EACCES, "Permission denied", os.path.join(run_dir, "x.pt")),
+                            run_dir)
+    assert not is_write_failure(PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "data.jsonl")),
+                                run_dir)  # an unreadable input is a bad input, not an unwritable run directory
