@@ -32,27 +32,13 @@ from nemo_aligner.utils.train_script_utils import (
 from nemo_aligner.utils.utils import load_and_override_model_config, load_from_nemo
 from nemo_dapo.aligner.compat import check_versions
 from nemo_dapo.aligner.config_validate import register_resolvers, validate_config
-from nemo_dapo.aligner.dataset import DAPOPromptDataset
+from nemo_dapo.aligner.dataset import build_prompt_dataset
 from nemo_dapo.aligner.generation import build_generator
 from nemo_dapo.aligner.registry import get as get_algorithm
 from nemo_dapo.aligner.reward_client import LocalRewardClient
-from nemo_dapo.data.readers import read_dataset
 
 register_resolvers()  # multiply / int_div / subtract, as in NeMo-Aligner's launchers
 mp.set_start_method("spawn", force=True)
-
-
-def build_dataset(data_cfg, split: str, tokenizer) -> DAPOPromptDataset:
-    """All files of ``model.data.data_prefix[split]`` read with the split's reader, tokenised once."""
-    files = list(data_cfg.data_prefix.get(split) or [])
-    if not files:
-        raise ValueError(f"model.data.data_prefix.{split} lists no files; pass e.g. \"model.data.data_prefix="
-                         "{train: [/data/dapo17k.parquet], validation: [/data/aime.parquet]}\"")
-    fmt = data_cfg.train_format if split == "train" else data_cfg.validation_format
-    kwargs = {"dedup": bool(data_cfg.deduplicate)} if split == "train" and fmt in ("dapo_math", "verl") else {}
-    rows = [row for path in files for row in read_dataset(fmt, path, **kwargs)]
-    return DAPOPromptDataset(rows, tokenizer, max_prompt_len=int(data_cfg.max_prompt_tokens),
-                             prompt_template=data_cfg.prompt_template, add_bos=bool(data_cfg.add_bos))
 
 
 @hydra_runner(config_path="../conf", config_name="gpt_dapo_actor")
@@ -74,8 +60,8 @@ def main(cfg) -> None:
                                restore_path=cfg.pretrained_checkpoint.restore_from_path)
     init_distributed(trainer, ptl_model, cfg.model.get("transformer_engine", False))
 
-    train_ds = build_dataset(cfg.model.data, "train", ptl_model.tokenizer)
-    val_ds = build_dataset(cfg.model.data, "validation", ptl_model.tokenizer)
+    train_ds = build_prompt_dataset(cfg.model.data, "train", ptl_model.tokenizer)
+    val_ds = build_prompt_dataset(cfg.model.data, "validation", ptl_model.tokenizer)
 
     # NeMo sizes its schedulers from a training dataloader; ours draws prompts itself, so PTL gets a stand-in
     # with NeMo's per-rank batch (global batch / DP) that is never iterated.
@@ -90,8 +76,9 @@ def main(cfg) -> None:
     ckpt_callback = add_custom_checkpoint_callback(trainer, ptl_model)
     logger.log_hyperparams(OmegaConf.to_container(cfg))
 
-    rm = LocalRewardClient(ptl_model.tokenizer, mode=cfg.reward.verifier, num_workers=cfg.reward.num_workers)
-    generator = build_generator(ptl_model)
+    rm = LocalRewardClient(ptl_model.tokenizer, mode=cfg.reward.verifier, num_workers=cfg.reward.num_workers,
+                           max_workers=cfg.reward.max_workers)
+    generator = build_generator(ptl_model, cfg=cfg)  # trainer.dapo.rollout_engine picks the engine
     timer = Timer(cfg.exp_manager.get("max_time_per_run") if cfg.exp_manager else None)
 
     # The trainer resumes from the trainer state stored inside the restored checkpoint (counters, prompt sampler,

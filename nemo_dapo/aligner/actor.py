@@ -30,7 +30,6 @@ from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from omegaconf import DictConfig, OmegaConf
 
 from nemo.collections.nlp.modules.common.megatron.utils import get_iterator_k_split
-from nemo.collections.nlp.parts.utils_funcs import get_last_rank
 from nemo_aligner.utils.distributed import broadcast_tensor_within_pp
 from nemo_aligner.utils.train_utils import set_sync_funcs
 from nemo_dapo.aligner.compat import CHECKPOINT_KEY, actor_base
@@ -51,6 +50,36 @@ MegatronGPTActorModel = actor_base()
 
 # How each metric of a micro-batch combines over micro-batches and ranks ("loss" is a share, like the token metrics).
 _REDUCE = dict(METRIC_REDUCTION, loss="sum")
+
+
+def seq_len_multiple(cfg: DictConfig) -> int:
+    """What every micro-batch's sequence length S is padded to a multiple of: NeMo-Aligner's DPO rule
+    (algorithms/dpo.py): 8 x TP with sequence parallelism (megatron-core splits the [S, b, h] activations along S
+    over TP and asserts divisibility; TE wants 8-aligned shards), else 16; times CP (context parallelism splits S
+    again)."""
+    tp = int(cfg.get("tensor_model_parallel_size", 1))
+    base = 8 * tp if bool(cfg.get("sequence_parallel", False)) else 16
+    return base * int(cfg.get("context_parallel_size", 1) or 1)
+
+
+def pad_seq_len(batch: dict, multiple: int, pad_id: int) -> tuple:
+    """(batch, S): ``response_tokens`` [B, S] right-padded with ``pad_id`` to S' (a multiple of ``multiple``) and
+    the shifted per-token fields [B, S-1] (mask, prev/engine log-probs) with zeros to [B, S'-1], so the added
+    positions are masked out of the loss; causal attention keeps them from changing the real positions' outputs.
+    Per-row fields ([B]) are unchanged. S is the original length (log-probs are cut back to S-1)."""
+    s = batch["response_tokens"].shape[1]
+    target = -(-s // multiple) * multiple
+    if target == s:
+        return batch, s
+    out = {}
+    for k, v in batch.items():
+        if k == "response_tokens":
+            out[k] = torch.cat([v, v.new_full((v.shape[0], target - s), pad_id)], 1)
+        elif isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape[1] == s - 1:
+            out[k] = torch.cat([v, v.new_zeros((v.shape[0], target - s))], 1)
+        else:
+            out[k] = v
+    return out, s
 
 
 def _agreed_microbatches(rows: int, mbs: int) -> int:
@@ -103,9 +132,13 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
         self.entropy_bonus, self.ratio_eps = 0.0, None  # PPO-only attributes, unused here
         self.loss_fn = loss_fn_from_cfg(self.cfg)
         self.logprob_chunk_size = int(d.get("logprob_chunk_size", 1024))
+        self.seq_len_multiple = seq_len_multiple(self.cfg)  # sequence-parallel split and kernel alignment
         # log pi is taken at the sampling temperature, like the reference (logits / T)
         self.logprob_temperature = float(self._sampling_params.get("temperature", 1.0) or 1.0)
         self.trainer_state: Optional[torch.Tensor] = None  # packed trainer state, saved inside checkpoints
+        # Vocabulary the rollout engine samples from (ids >= it are Megatron's padding rows, left out of the softmax so
+        # that training log-probs and the engine's describe one distribution); set by generation.build_generator.
+        self.valid_vocab: Optional[int] = None
 
     def infer(self, inference_batch):
         raise NotImplementedError("the DAPO actor does not generate: use nemo_dapo.aligner.generation "
@@ -126,7 +159,8 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
         """logits [b, S, V/tp] (last stage), tokens [b, S] -> fp32 (logp, entropy) [b, S-1] of tokens 1..S-1."""
         return vocab_parallel_logits_logprobs_entropy(logits[:, :-1], tokens[:, 1:],
                                                       chunk_size=self.logprob_chunk_size,
-                                                      temperature=self.logprob_temperature)
+                                                      temperature=self.logprob_temperature,
+                                                      valid_vocab=self.valid_vocab)
 
     def _forward(self, model, mb: dict):
         return model(mb["response_tokens"], mb["position_ids"], mb["attention_mask"], labels=None)
@@ -169,13 +203,15 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
         """(loss, metrics) of one optimizer step's local share ``batch`` (any number of rows, including 0).
 
         ``num_tokens``: the global normaliser (computed here over DP when None). Metrics are combined over
-        micro-batches as core.loss.METRIC_REDUCTION says, over DP when ``reduce_over_dp``, and returned on every
-        rank. ``loss`` is the step's loss (the DAPO objective of the global batch when reduced over DP).
+        micro-batches as core.loss.METRIC_REDUCTION says, over DP when ``reduce_over_dp`` (else they are this DP
+        rank's shares), and returned on every rank. ``loss`` is the step's loss (the DAPO objective of the global
+        batch when reduced over DP, else this rank's share of it).
         """
         loss_fn = loss_fn or self.loss_fn
         mbs = int(self.cfg.micro_batch_size)
         num_microbatches = _agreed_microbatches(batch["response_tokens"].shape[0], mbs)
         batch, _ = pad_rows(batch, mbs, self.tokenizer.eos_id, min_rows=num_microbatches * mbs)
+        batch, _ = pad_seq_len(batch, self.seq_len_multiple, self.tokenizer.eos_id)
         if num_tokens is None:
             num_tokens = self.global_normalizer(batch, loss_fn)
         scale = megatron_loss_scale(num_microbatches)
@@ -190,7 +226,9 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
         return metrics["loss"], metrics
 
     def _combine_metrics(self, per_mb: list, reduce_over_dp: bool) -> dict:
-        """Combine micro-batch metrics on the last pipeline stage, then share them with every rank."""
+        """Combine micro-batch metrics on the last pipeline stage, then share them with the stages of THIS rank's
+        pipeline (its own DP share: a broadcast from the global last rank would hand every DP rank that rank's
+        share, which the caller's DP reduction then counts DP times)."""
         out = None
         if mcore_ps.is_pipeline_last_stage():
             out = {}
@@ -205,8 +243,11 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
                     dist.all_reduce(v, op=op, group=mcore_ps.get_data_parallel_group())
                     v = v.cpu() / (mcore_ps.get_data_parallel_world_size() if how == "mean" else 1)
                 out[k] = float(v)
+        if mcore_ps.get_pipeline_model_parallel_world_size() == 1:
+            return out
         box = [out]
-        dist.broadcast_object_list(box, src=get_last_rank())
+        dist.broadcast_object_list(box, src=mcore_ps.get_pipeline_model_parallel_last_rank(),
+                                   group=mcore_ps.get_pipeline_model_parallel_group())
         return box[0]
 
     # ---- old log-probs -------------------------------------------------------------------------------------------
@@ -233,6 +274,7 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
         num_microbatches = _agreed_microbatches(response_tokens.shape[0], fmbs)
         batch, n = pad_rows({"response_tokens": response_tokens}, fmbs, self.tokenizer.eos_id,
                             min_rows=num_microbatches * fmbs)
+        batch, s = pad_seq_len(batch, self.seq_len_multiple, self.tokenizer.eos_id)
         set_sync_funcs(self, forward_only=True)
         out = get_forward_backward_func()(
             forward_step_func=self._logprob_entropy_func(),
@@ -242,7 +284,7 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
             seq_length=batch["response_tokens"].shape[1], micro_batch_size=fmbs, collect_non_loss_data=True)
         stacked = torch.cat(out, dim=1).float() if out else None  # [2, B_padded, S-1] on the last stage
         stacked = broadcast_tensor_within_pp(stacked, dtype=torch.float32).cpu()
-        return stacked[0, :n], stacked[1, :n]
+        return stacked[0, :n, :s - 1], stacked[1, :n, :s - 1]
 
     @torch.no_grad()
     def get_inference_log_probs(self, response_tokens, forward_micro_batch_size=None):

@@ -23,23 +23,74 @@ from nemo_dapo.core.loop_data import PromptSet
 log = logging.getLogger("nemo_dapo")
 
 
+def chat_renderer(tokenizer) -> Callable[[str], str]:
+    """text -> the tokenizer's chat template over one user turn, assistant turn opened. ``tokenizer``: a NeMo
+    tokenizer wrapping a HuggingFace one (``.tokenizer``) or a HuggingFace tokenizer itself."""
+    hf = getattr(tokenizer, "tokenizer", tokenizer)
+    if not callable(getattr(hf, "apply_chat_template", None)) or not getattr(hf, "chat_template", None):
+        raise ValueError(f"model.data.chat_template is true but the tokenizer ({type(hf).__name__}) has no chat "
+                         "template: use a tokenizer that ships one (Qwen2.5's does) or set "
+                         "model.data.chat_template=false to send the raw DAPO prompt")
+    return lambda text: hf.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                               add_generation_prompt=True)
+
+
+# readers that can drop repeated copies of a problem (``dedup=``)
+_DEDUP_FORMATS = ("dapo_math", "verl", "aime2024")
+
+
+def build_prompt_dataset(data_cfg, split: str, tokenizer) -> "DAPOPromptDataset":
+    """The ``split`` ("train" / "validation") of ``model.data``: every file of ``data_prefix[split]`` read with the
+    split's reader, repeated copies of a problem dropped when ``deduplicate`` / ``validation_deduplicate`` says so
+    (the AIME-2024 file holds 30 problems x 32 copies: de-duplicated, ``trainer.dapo.val.n_samples: 32`` gives
+    avg@32 from 30 x 32 generations instead of 960 x 32), templated, tokenised once."""
+    from nemo_dapo.data.readers import read_dataset
+
+    files = list(data_cfg.data_prefix.get(split) or [])
+    if not files:
+        raise ValueError(f"model.data.data_prefix.{split} lists no files; pass e.g. \"model.data.data_prefix="
+                         "{train: [/data/dapo17k.parquet], validation: [/data/aime.parquet]}\"")
+    train = split == "train"
+    fmt = data_cfg.train_format if train else data_cfg.validation_format
+    dedup = bool(data_cfg.deduplicate if train else data_cfg.validation_deduplicate)
+    kwargs = {"dedup": dedup} if fmt in _DEDUP_FORMATS else {}
+    rows = [row for path in files for row in read_dataset(fmt, path, **kwargs)]
+    if dedup and len(files) > 1:
+        seen, unique = set(), []
+        for row in rows:
+            if row.problem not in seen:
+                seen.add(row.problem)
+                unique.append(row)
+        rows = unique
+    ds = DAPOPromptDataset(rows, tokenizer, max_prompt_len=int(data_cfg.max_prompt_tokens),
+                           prompt_template=data_cfg.prompt_template, chat_template=bool(data_cfg.chat_template),
+                           add_bos=bool(data_cfg.add_bos))
+    log.info("%s prompts: %d (%s, %s; chat template %s)", split, len(ds), fmt,
+             "de-duplicated" if dedup else "copies kept", "on" if data_cfg.chat_template else "off")
+    return ds
+
+
 class DAPOPromptDataset(torch.utils.data.Dataset):
     """Tokenised prompts + answers. ``rows``: objects with ``prompt`` and ``ground_truth`` (and optionally ``id``),
     e.g. ``nemo_dapo.data.readers.read_dataset(...)``; ``tokenizer``: a NeMo tokenizer (``text_to_ids``, ``eos_id``,
-    ``bos_id``). ``prompt_template`` wraps each prompt (``{prompt}`` is replaced; e.g. a chat template).
+    ``bos_id``). ``prompt_template`` wraps each prompt (``{prompt}`` is replaced); ``chat_template`` then renders
+    the result as one user turn with the tokenizer's own chat template and the assistant turn opened (what the
+    reference, verl, does with the DAPO prompt: ``apply_chat_template(..., add_generation_prompt=True)``).
     Prompts longer than ``max_prompt_len`` tokens are dropped and counted (``num_dropped``), or raise with
     ``drop_long=False`` - the engine cannot take them (max_input_len)."""
 
     def __init__(self, rows: Sequence, tokenizer, *, max_prompt_len: int, prompt_template: str = "{prompt}",
-                 add_bos: bool = False, drop_long: bool = True, pad_id: Optional[int] = None):
+                 chat_template: bool = False, add_bos: bool = False, drop_long: bool = True,
+                 pad_id: Optional[int] = None):
         if max_prompt_len < 1:
             raise ValueError(f"max_prompt_len must be >= 1, got {max_prompt_len}")
         if "{prompt}" not in prompt_template:
             raise ValueError(f"prompt_template must contain '{{prompt}}', got {prompt_template!r}")
+        render = chat_renderer(tokenizer) if chat_template else (lambda text: text)
         self.pad_id = tokenizer.eos_id if pad_id is None else pad_id
         self.items, self.num_dropped = [], 0
         for index, row in enumerate(rows):
-            ids = list(tokenizer.text_to_ids(prompt_template.replace("{prompt}", row.prompt)))
+            ids = list(tokenizer.text_to_ids(render(prompt_template.replace("{prompt}", row.prompt))))
             if add_bos:
                 ids = [tokenizer.bos_id] + ids
             if not ids:

@@ -16,9 +16,10 @@ reports it (``LocalRewardClient`` does), else from the sign of the reward.
 """
 from __future__ import annotations
 
+import logging
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,11 +31,43 @@ try:  # the ABC NeMo-Aligner's trainers duck-type against; plain object when NeM
 except ImportError:  # pragma: no cover - exercised only without NeMo-Aligner
     FutureResult = object
 
+log = logging.getLogger("nemo_dapo")
 
-def _default_workers() -> int:
-    """Cores per rank on this node: each rank of a node scores its own share in its own process pool."""
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, default_num_workers() // max(1, local_ranks))
+
+def _leading_int(value: Optional[str]) -> Optional[int]:
+    """``"8"`` / ``"8(x16)"`` / ``"8,7"`` (Slurm's per-node task lists) -> 8; None / unparsable -> None."""
+    digits = ""
+    for ch in (value or "").strip():
+        if not ch.isdigit():
+            break
+        digits += ch
+    return int(digits) if digits else None
+
+
+def ranks_per_node(env: Mapping[str, str]) -> int:
+    """Processes of this job on this node: torchrun's LOCAL_WORLD_SIZE, else Slurm's tasks per node (srun sets no
+    LOCAL_WORLD_SIZE), else 1."""
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        n = _leading_int(env.get(key))
+        if n:
+            return n
+    return 1
+
+
+def reward_pool_size(env: Mapping[str, str], cores: int, node_cores: int, max_workers: Optional[int] = None) -> int:
+    """Verifier processes for one scoring rank. ``cores``: the CPUs this process may run on (its affinity);
+    ``node_cores``: the node's CPUs. Slurm's SLURM_CPUS_PER_TASK is the rank's share when set; an affinity smaller
+    than the node means the launcher already bound the rank to its share; otherwise the node's cores are split
+    between its ranks. ``max_workers`` caps the pool (each spawned worker re-imports the launcher)."""
+    per_task = _leading_int(env.get("SLURM_CPUS_PER_TASK"))
+    if per_task:
+        n = min(per_task, cores)
+    elif cores < node_cores:
+        n = cores
+    else:
+        n = cores // ranks_per_node(env)
+    n = max(1, n)
+    return n if max_workers is None else max(1, min(n, int(max_workers)))
 
 
 def _mp_group_and_src():
@@ -86,15 +119,19 @@ class LocalRewardClient:
     """``infer_rm(rollout_batch) -> RewardFuture`` with DAPO's rule-based verifier (``core.reward``).
 
     ``tokenizer``: NeMo tokenizer (``ids_to_text`` decodes a response, skipping special tokens); ``mode``: verifier
-    mode ("dapo", "tolerant", "math_verify"); ``num_workers``: verifier processes of this rank (default: the
-    node's cores divided by its ranks). ``eos_text`` is stripped from decoded responses when given.
+    mode ("dapo", "tolerant", "math_verify"); ``num_workers``: verifier processes of this rank (default:
+    :func:`reward_pool_size` from the process's CPU affinity and the torchrun / Slurm task layout, capped by
+    ``max_workers``). ``eos_text`` is stripped from decoded responses when given.
     """
 
     def __init__(self, tokenizer, *, mode: str = "dapo", num_workers: Optional[int] = None,
-                 eos_text: Optional[str] = None):
-        self.reward = RuleReward(tokenizer.ids_to_text, mode=mode,
-                                 num_workers=_default_workers() if num_workers is None else num_workers,
-                                 eos_text=eos_text)
+                 max_workers: Optional[int] = None, eos_text: Optional[str] = None):
+        if num_workers is None:
+            num_workers = reward_pool_size(os.environ, default_num_workers(), os.cpu_count() or 1, max_workers)
+            log.info("reward verifier pool: %d processes per scoring rank (%d ranks on this node)", num_workers,
+                     ranks_per_node(os.environ))
+        self.num_workers = int(num_workers)
+        self.reward = RuleReward(tokenizer.ids_to_text, mode=mode, num_workers=self.num_workers, eos_text=eos_text)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nemo_dapo_reward")
 
     def score(self, response_ids: torch.Tensor, response_mask: torch.Tensor, answers: Sequence[str]) -> tuple:

@@ -1,8 +1,8 @@
 """DAPO trainer in NeMo-Aligner's conventions, driving the step loop shared with the CPU path.
 
 ``DAPOTrainer`` has the shape of NeMo-Aligner's trainers (``fit``, ``run_validation``, ``save``, ``state_dict`` /
-``load_state_dict``, ``ScopedTimer`` timers, the ``CustomLoggerWrapper`` logger, ``check_progress``, the max-time
-``run_timer``) but no rollout logic of its own: each rollout step is ``nemo_dapo.core.loop.DAPOLoop.step`` over
+``load_state_dict``, ``ScopedTimer`` timers, the ``CustomLoggerWrapper`` logger, the max-time ``run_timer``) but no
+rollout logic of its own: each rollout step is ``nemo_dapo.core.loop.DAPOLoop.step`` over
   * ``ActorPolicy``        the Policy protocol on the DAPO actor + its optimizer/scheduler,
   * a generator            ``generation.TRTLLMGenerator`` or ``generation.MegatronSampler``,
   * ``ClientReward``       the RewardFn over a reward client (``reward_client.LocalRewardClient``),
@@ -12,6 +12,11 @@ crashes), per-sample advantages broadcast over tokens work for any micro-batch s
 rank trains on its own token-balanced share of each mini-batch (it trains every rank on the full batch), and
 ``consumed_samples`` counts prompts drawn (it counts rollouts, skipping k-fold through the data).
 
+Time limit: a rollout step at the 32B scale takes hours, so the time left is checked between generation batches
+too (the loop's ``should_stop`` hook, ``TimeBudget``), and the trainer saves before the run's end, mid-step if need
+be, and skips a validation that could not finish. ``progress`` replaces NeMo-Aligner's ``check_progress``, which
+forces saves onto validation steps.
+
 Resume: the whole trainer state (counters, the prompt sampler's position and the dynamic-sampling filler's carried
 groups) is packed into the model checkpoint by ``save`` (``MegatronGPTDAPOActorModel.on_save_checkpoint``) and read
 back from it on load (``on_load_checkpoint``), instead of being parsed from the checkpoint file name.
@@ -20,7 +25,9 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Optional
+import os
+import time
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,7 +36,6 @@ from omegaconf import DictConfig
 
 from nemo_aligner.utils.distributed import ScopedTimer
 from nemo_aligner.utils.train_utils import clip_gradients, set_eval, set_train
-from nemo_aligner.utils.trainer_utils import check_progress
 from nemo_dapo.aligner.layout import pack_rollout, prompt_lengths_of, unpack_response
 from nemo_dapo.aligner.compat import pack_state, unpack_state
 from nemo_dapo.aligner.reducer import DataParallelReducer
@@ -56,8 +62,9 @@ class ActorPolicy:
     """The loop's ``Policy`` on ``MegatronGPTDAPOActorModel``: old log-probs and one optimizer update per call,
     following NeMo-Aligner's training step (zero_grad, prepare_for_training_step, get_loss_and_metrics,
     finish_training_step, clip_gradients, optimizer.step, scheduler.step). Weights and optimizer state live in the
-    NeMo checkpoint, so ``state_dict`` is empty. Metrics: local shares (the loop reduces them over DP), except
-    ``loss`` / ``grad_norm`` / ``lr`` / ``skipped``, which are global."""
+    NeMo checkpoint, so ``state_dict`` is empty. Metrics: this DP rank's shares, ``loss`` included (the loop
+    combines them over DP by core.loss.METRIC_REDUCTION, so each is counted once); ``grad_norm`` / ``lr`` /
+    ``skipped`` are global (the same on every rank)."""
 
     def __init__(self, actor, optimizer, scheduler, *, gradient_clip_val: Optional[float] = 1.0):
         self.actor, self.optimizer, self.scheduler = actor, optimizer, scheduler
@@ -92,19 +99,20 @@ class ActorPolicy:
         # None when the optimizer clips inside its step (mcore distributed optimizer, fused Adam) or clipping is off
         grad_norm = clip_gradients(actor, self.gradient_clip_val)
         grad_norm = float(grad_norm) if grad_norm is not None else None
-        loss = torch.tensor([metrics.pop("loss")], dtype=torch.float64).cuda()
-        dist.all_reduce(loss, group=mcore_ps.get_data_parallel_group())  # shares -> the mini-batch loss
-        loss = float(loss.item())
+        # the skip decision needs the global loss, so that every rank skips together
+        total = torch.tensor([metrics["loss"]], dtype=torch.float64).cuda()
+        dist.all_reduce(total, group=mcore_ps.get_data_parallel_group())
+        total = float(total.item())
         lr = self.optimizer.param_groups[0]["lr"]
-        skipped = not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm))
+        skipped = not math.isfinite(total) or (grad_norm is not None and not math.isfinite(grad_norm))
         if skipped:
-            log.warning("non-finite loss (%s) or gradient norm (%s): optimizer step skipped", loss, grad_norm)
+            log.warning("non-finite loss (%s) or gradient norm (%s): optimizer step skipped", total, grad_norm)
             self.optimizer.zero_grad()
         else:
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad()
-        out = {**metrics, "loss": loss, "lr": lr, "skipped": float(skipped)}
+        out = {**metrics, "lr": lr, "skipped": float(skipped)}
         if grad_norm is not None:
             out["grad_norm"] = grad_norm
         return out
@@ -144,6 +152,89 @@ def batch_filler(cfg: DictConfig) -> BatchFiller:
     return BatchFiller(int(cfg.prompts_per_step), enabled=bool(ds.get("enabled", True)), **opt)
 
 
+def training_steps(num_prompts: int, prompts_per_step: int, max_epochs, max_steps) -> tuple:
+    """(rollout steps, why): ``max_steps`` capped by ``max_epochs`` epochs of NeMo-Aligner's kind (num_prompts //
+    prompts_per_step steps each); null / -1 leaves that bound out. Dynamic sampling draws more prompts per step, so
+    the sampler's own epoch (logged as train/epoch) runs ahead of this count. ``why`` names the bound that holds
+    (it goes to the log: a de-duplicated DAPO-Math-17k gives only ~34 steps per epoch)."""
+    per_epoch = max(1, num_prompts // max(1, prompts_per_step))
+    epochs = None if max_epochs is None or int(max_epochs) < 0 else int(max_epochs)
+    steps = None if max_steps is None or int(max_steps) < 0 else int(max_steps)
+    if epochs is None and steps is None:
+        raise ValueError("trainer.dapo.max_steps and trainer.dapo.max_epochs are both unset (null / -1): set at "
+                         "least one, e.g. max_steps: 375 (the paper's ~6k optimizer updates at 16 per step)")
+    epoch_cap = None if epochs is None else per_epoch * epochs
+    detail = (f"{num_prompts} prompts / {prompts_per_step} per step = {per_epoch} steps per epoch, "
+              f"max_epochs={max_epochs}, max_steps={max_steps}")
+    if epoch_cap is not None and (steps is None or epoch_cap < steps):
+        if steps is not None:
+            log.warning("trainer.dapo.max_steps=%d is cut to %d by max_epochs=%d (%s): raise max_epochs to train "
+                        "that long", steps, epoch_cap, epochs, detail)
+        return epoch_cap, f"bound by max_epochs ({detail})"
+    return steps, f"bound by max_steps ({detail})"
+
+
+def allocation_time_left(env, now: float) -> float:
+    """Seconds until the Slurm job's projected end (``SLURM_JOB_END_TIME``, a UNIX time, set in the job's
+    environment), or inf outside Slurm: the run stops and saves before the allocation ends even when
+    exp_manager.max_time_per_run is not set."""
+    end = str(env.get("SLURM_JOB_END_TIME", "")).strip()
+    return float(end) - now if end.isdigit() and int(end) > 0 else math.inf
+
+
+def progress(step: int, max_steps: int, val_check_interval: int, save_interval: int) -> tuple:
+    """(run_val, save, is_train_end) after rollout step ``step``: every ``val_check_interval`` / ``save_interval``
+    steps (0 disables) and at the last step. Unlike NeMo-Aligner's check_progress, saving need not wait for a
+    validation (its assert ties save_interval to a multiple of val_check_interval): a multi-hour step is saved
+    every step, validated every few; the checkpoint callback keeps the latest save as -last either way."""
+    end = step >= max_steps
+    run_val = val_check_interval > 0 and (step % val_check_interval == 0 or end)
+    save = save_interval > 0 and (step % save_interval == 0 or end)
+    return run_val, save, end
+
+
+class TimeBudget:
+    """Which work still fits before the run's time limit (exp_manager.max_time_per_run), from measured durations.
+
+    Phases: ``generate`` (one generation batch), ``update`` (old log-probs + optimizer updates), ``validation``,
+    ``save``. A phase's estimate is the longest duration measured in this run (0 before the first; ``save``: the
+    configured ``save_s`` until a save was timed). Work starts only if ``time_left() >= estimate + save estimate``,
+    so a checkpoint can still be written after it. ``agree`` makes every rank take rank 0's decision (the ranks'
+    clocks differ). ``should_stop`` is the step loop's hook (core.loop.DAPOLoop.step)."""
+
+    def __init__(self, time_left: Callable[[], float], save_s: float, *, agree: Callable[[bool], bool] = bool,
+                 clock: Callable[[], float] = time.monotonic):
+        self.time_left, self.agree, self.clock = time_left, agree, clock
+        self.estimate = {"save": float(save_s)}
+        self._measured: set = set()
+        self._open: Optional[tuple] = None
+
+    def record(self, phase: str, seconds: float) -> None:
+        prev = self.estimate.get(phase, 0.0) if phase in self._measured else 0.0
+        self.estimate[phase] = max(prev, float(seconds))
+        self._measured.add(phase)
+
+    def fits(self, phase: str) -> bool:
+        need = self.estimate.get(phase, 0.0) + (self.estimate["save"] if phase != "save" else 0.0)
+        return self.agree(self.time_left() >= need)
+
+    def begin(self, phase: str) -> None:
+        self.end()
+        self._open = (phase, self.clock())
+
+    def end(self) -> None:
+        if self._open is not None:
+            self.record(self._open[0], self.clock() - self._open[1])
+            self._open = None
+
+    def should_stop(self, phase: str) -> bool:
+        self.end()
+        if not self.fits(phase):
+            return True
+        self.begin(phase)
+        return False
+
+
 class DAPOTrainer:
     """Runs DAPO rollout steps with NeMo-Aligner's trainer conventions (see the module doc).
 
@@ -169,12 +260,9 @@ class DAPOTrainer:
                              settings=self.settings, sampler=PromptSampler(len(prompts), seed=self.settings.seed),
                              reducer=self.reducer)
         self.timer = ScopedTimer(reduction="mean", sync_cuda=True, buffer_size=1)
-        # NeMo-Aligner's epoch: len(prompts) / prompts_per_step rollout steps. Dynamic sampling draws more prompts
-        # per step, so the sampler's own epoch (logged as train/epoch) runs ahead of this count.
-        steps_per_epoch = max(1, len(prompts) // int(cfg.prompts_per_step))
-        self.max_steps = steps_per_epoch * int(cfg.get("max_epochs", 1) or 1)
-        if int(cfg.get("max_steps", -1)) >= 0:
-            self.max_steps = min(self.max_steps, int(cfg.max_steps))
+        self.max_steps, why = training_steps(len(prompts), int(cfg.prompts_per_step), cfg.get("max_epochs"),
+                                             cfg.get("max_steps"))
+        log.info("DAPO training for %d rollout steps: %s", self.max_steps, why)
         self.history: list = []  # (step, metrics) of every rollout step and validation, for callers and tests
         if getattr(model, "trainer_state", None) is not None:
             self.load_state_dict(unpack_state(model.trainer_state))
@@ -195,32 +283,59 @@ class DAPOTrainer:
         return self.loop.sampler.epoch
 
     # ---- NeMo-Aligner trainer API -------------------------------------------------------------------------------
+    def _time_left(self) -> float:
+        return min(self.run_timer.get_time_remaining(), allocation_time_left(os.environ, time.time()))
+
+    def _rank0_decides(self, ok: bool) -> bool:
+        flag = torch.tensor([bool(ok)], dtype=torch.bool).cuda()
+        if dist.is_initialized():
+            dist.broadcast(flag, 0)
+        return bool(flag.item())
+
     def fit(self) -> None:
         if self.step >= self.max_steps:
             log.info("DAPO training already finished (step %d of %d)", self.step, self.max_steps)
             return
         self.run_timer.start_time()
+        budget = self.budget = TimeBudget(self._time_left, float(self.cfg.get("save_time_s", 600)),
+                                          agree=self._rank0_decides)
+        self._saved_at = self.loop.counters["gen_batches"]
         while self.step < self.max_steps:
             with self.timer("step_time"):
-                metrics = self.loop.step()
+                metrics = self.loop.step(should_stop=budget.should_stop)
+            budget.end()
+            if metrics is None:  # the time limit came inside the step: keep its generated groups
+                log.info("time limit of the run: rollout step %d stopped after %d generation batches, %.0f s left; "
+                         "saving its partial state", self.step + 1, self.loop.counters["gen_batches"],
+                         self._time_left())
+                self.timer.consume_durations()
+                if self.loop.counters["gen_batches"] != self._saved_at:
+                    self.save()
+                return
             metrics.update({f"timers/{k}": v for k, v in self.timer.consume_durations().items()})
             metrics["train/epoch"] = float(self.epoch)
             self.logger.log_metrics(metrics, step=self.step, prefix="")
             self.history.append((self.step, metrics))
-            run_time_exceeded = self.run_timer.is_finished()
-            run_val, save, is_train_end = check_progress(
-                self.step, self.max_steps, int(self.cfg.get("val_check_interval", 0)),
-                int(self.cfg.get("save_interval", 0)), 1.0, run_time_exceeded=run_time_exceeded)
+            run_val, save, is_train_end = progress(self.step, self.max_steps,
+                                                   int(self.cfg.get("val_check_interval", 0)),
+                                                   int(self.cfg.get("save_interval", 0)))
             extra = {}
             if run_val and self.val_ds is not None:
-                val = self.run_validation()
-                self.logger.log_metrics(val, step=self.step, prefix="")
-                self.history.append((self.step, val))
-                extra = {k.replace("/", "_"): v for k, v in val.items()}
-            if save:
+                if budget.fits("validation"):
+                    val = self.run_validation()
+                    self.logger.log_metrics(val, step=self.step, prefix="")
+                    self.history.append((self.step, val))
+                    extra = {k.replace("/", "_"): v for k, v in val.items()}
+                else:
+                    log.warning("validation at step %d skipped: %.0f s left, the last one took %.0f s and a save "
+                                "%.0f s", self.step, self._time_left(),
+                                budget.estimate.get("validation", 0.0), budget.estimate["save"])
+            # stop when not even one more generation batch (and its checkpoint) fits
+            out_of_time = not is_train_end and not budget.fits("generate")
+            if save or out_of_time:
                 self.save(extra, is_train_end=is_train_end)
-            if run_time_exceeded:
-                log.info("time limit of the run reached at step %d: stopping", self.step)
+            if out_of_time:
+                log.info("time limit of the run: stopping after step %d (%.0f s left)", self.step, self._time_left())
                 return
         self.logger.finalize()
 
@@ -228,6 +343,7 @@ class DAPOTrainer:
     def run_validation(self) -> dict:
         """avg@n accuracy (and pass@n, lengths) on ``val_ds`` with ``trainer.dapo.val`` sampling settings."""
         v = self.cfg.get("val") or {}
+        t0 = time.monotonic()
         with self.timer("validation_time"):
             res = evaluate(self.generator, self.reward_fn, self.val_ds.prompt_set(),
                            n_samples=int(v.get("n_samples", 1)), max_new_tokens=self.settings.max_new_tokens,
@@ -238,7 +354,12 @@ class DAPOTrainer:
                                min(int(v.max_problems), len(self.val_ds))),
                            reducer=self.reducer)
         out = res.summary(prefix="val/")
+        out["val/generations"] = float(res.acc.numel())  # problems x n_samples (AIME-2024: 30 x 32)
+        log.info("validation: %d problems x %d samples, avg@%d = %.4f", res.acc.shape[0], res.acc.shape[1],
+                 res.acc.shape[1], res.accuracy)
         out.update({f"timers/{k}": t for k, t in self.timer.consume_durations().items()})
+        if getattr(self, "budget", None) is not None:
+            self.budget.record("validation", time.monotonic() - t0)
         return out
 
     def state_dict(self) -> dict:
@@ -257,7 +378,9 @@ class DAPOTrainer:
                                f"{ref.tolist()}: the ranks loaded different checkpoints")
 
     def save(self, extra_candidates: Optional[dict] = None, is_train_end: bool = False) -> None:
-        """Checkpoint through NeMo's checkpoint callback, with this trainer's state inside the checkpoint."""
+        """Checkpoint through NeMo's checkpoint callback, with this trainer's state inside the checkpoint (also in
+        the middle of a rollout step: the filler's groups so far travel with it)."""
+        t0 = time.monotonic()
         self.model.prepare_for_training()  # optimizer states back on the device before they are saved
         dist.barrier()
         self.model.trainer_state = pack_state(self.state_dict())
@@ -265,3 +388,6 @@ class DAPOTrainer:
         candidates.update({k: torch.as_tensor(v) for k, v in (extra_candidates or {}).items()})
         self.ckpt_callback.custom_save(monitor_candidates=candidates, is_train_end=is_train_end)
         self.model.finish_training()
+        self._saved_at = self.loop.counters["gen_batches"]
+        if getattr(self, "budget", None) is not None:
+            self.budget.record("save", time.monotonic() - t0)

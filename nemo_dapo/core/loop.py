@@ -22,7 +22,7 @@ import logging
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -306,14 +306,23 @@ class DAPOLoop:
         return res
 
     # ---- one rollout step -----------------------------------------------------------------------------------------
-    def step(self) -> dict:
-        """Run one rollout step; returns flat float metrics (``/``-grouped names) including the counters."""
+    def step(self, should_stop: Optional[Callable[[str], bool]] = None) -> Optional[dict]:
+        """Run one rollout step; returns flat float metrics (``/``-grouped names) including the counters.
+
+        ``should_stop(phase)`` (optional) is asked before each generation batch (phase ``"generate"``) and before
+        the update (``"update"``); it must answer the same on every rank. True ends the step there and returns
+        None: the groups generated so far stay in the filler, so ``state_dict()`` holds the partial step and a
+        resumed loop continues it (a caller uses this to checkpoint before a time limit)."""
         t_start, s = time.perf_counter(), self.settings
         timers = dict.fromkeys(("gen", "reward", "old_logp", "update"), 0.0)
         generated: list = []
         tokens_before = (self.counters["generated_tokens"], self.counters["aborted_tokens"])
         while not self.filler.ready():
+            if should_stop is not None and should_stop("generate"):
+                return None
             generated.extend(self._generate_groups(self.filler.next_gen_batch_size(), timers))
+        if should_stop is not None and should_stop("update"):
+            return None
         t_needed = timers.pop("filled_at", time.perf_counter()) - t_start
         groups = self.filler.take()
         stats = self.filler.step_stats()

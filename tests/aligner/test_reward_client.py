@@ -75,3 +75,39 @@ class _RemoteLikeClient:
 def test_client_reward_over_a_rewards_only_client_uses_the_sign_as_accuracy():
     score, acc, _ = ClientReward(_RemoteLikeClient())(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3), ["", ""])
     assert score.tolist() == [0.5, -0.25] and acc.tolist() == [1.0, 0.0]
+
+
+# ---- pool sizing ----------------------------------------------------------------------------------------------------
+def test_pool_size_under_srun_uses_the_slurm_task_layout():
+    from nemo_dapo.aligner.reward_client import ranks_per_node, reward_pool_size
+
+    # srun, 8 tasks per node, no binding: LOCAL_WORLD_SIZE is unset, the node's 128 cores are split 8 ways
+    srun = {"SLURM_NTASKS_PER_NODE": "8", "SLURM_LOCALID": "3"}
+    assert ranks_per_node(srun) == 8 and reward_pool_size(srun, 128, 128) == 16
+    assert reward_pool_size({"SLURM_TASKS_PER_NODE": "8(x16)"}, 128, 128) == 16
+    # --cpus-per-task is the rank's share; a bound affinity is too
+    assert reward_pool_size({**srun, "SLURM_CPUS_PER_TASK": "12"}, 128, 128) == 12
+    assert reward_pool_size(srun, 14, 128) == 14
+    # torchrun
+    assert reward_pool_size({"LOCAL_WORLD_SIZE": "4"}, 64, 64) == 16
+    # the cap, and never fewer than one
+    assert reward_pool_size(srun, 128, 128, max_workers=6) == 6
+    assert reward_pool_size({"LOCAL_WORLD_SIZE": "8"}, 4, 4) == 1
+    # without any layout: all cores of the process (one rank)
+    assert reward_pool_size({}, 32, 32) == 32
+
+
+def test_client_sizes_its_pool_from_the_environment(monkeypatch):
+    import nemo_dapo.aligner.reward_client as rc
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "8")
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    monkeypatch.setattr(rc, "default_num_workers", lambda: 64)
+    monkeypatch.setattr(rc.os, "cpu_count", lambda: 64)
+    client = LocalRewardClient(TOK, max_workers=32)
+    try:
+        assert client.num_workers == 8
+    finally:
+        client.close()
+    assert LocalRewardClient(TOK, num_workers=3).num_workers == 3

@@ -4,6 +4,10 @@ Run 1 trains two rollout steps (debug sampler, rule-based reward, dynamic sampli
 after every step). Run 2 is a fresh launch resumed from run 1's step-1 checkpoint; it must continue with exactly the
 metrics run 1 logged for step 2 (training and validation), which needs the optimizer and LR schedule, the prompt
 sampler position and the dynamic-sampling filler's carried groups all restored from the checkpoint.
+
+Run 3 hits the run's time limit after the first generation batch of step 2: the trainer saves that partial step
+(the groups generated so far travel in the checkpoint) and stops; run 4 resumes from it and trains step 2 exactly
+as run 1 did.
 """
 import json
 
@@ -26,11 +30,22 @@ def _stable(record):
     return {k: v for k, v in record.items() if not k.startswith(VOLATILE)}
 
 
-def test_two_steps_save_resume_identical(tok_dir, tmp_path):
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    full.mkdir(), resumed.mkdir()
+def _checkpoints(run_dir):
+    return sorted(p for p in (run_dir / "run/checkpoints").iterdir()
+                  if p.is_dir() and not p.name.endswith(("unfinished", "-last")))
+
+
+@pytest.fixture(scope="module")
+def full_run(tok_dir, tmp_path_factory):
+    full = tmp_path_factory.mktemp("full")
     run_torchrun(WORKER, nproc=2, out_dir=full, env={"TOK_DIR": tok_dir, "PHASE": "full", "MAX_STEPS": "2"})
-    ckpts = sorted(p for p in (full / "run/checkpoints").iterdir() if p.is_dir() and not p.name.endswith("unfinished"))
+    return full
+
+
+def test_two_steps_save_resume_identical(full_run, tok_dir, tmp_path):
+    full, resumed = full_run, tmp_path / "resumed"
+    resumed.mkdir()
+    ckpts = _checkpoints(full)
     assert [p.name.split("-")[1] for p in ckpts] == ["step=1", "step=2"], ckpts
     # the trainer state travels inside the checkpoint (common state), not in its file name
     from nemo_dapo.aligner.compat import CHECKPOINT_KEY, unpack_state
@@ -61,6 +76,42 @@ def test_two_steps_save_resume_identical(tok_dir, tmp_path):
         assert train1["actor/grad_norm"] > 0 and train2["actor/lr"] > train1["actor/lr"]
         assert 0 < train1["train/batch_acc"] < 1
         assert "val/accuracy" in step2_full[1]
+        assert step2_full[1]["val/generations"] == 6 * 2  # 6 validation problems x n_samples=2
     # both data-parallel ranks log the same (globally reduced) metrics
     assert [_stable(r) for r in _records(full / "full_rank0.json", 2)] == \
         [_stable(r) for r in _records(full / "full_rank1.json", 2)]
+
+
+def test_time_limit_inside_a_step_saves_the_partial_step_and_resume_finishes_it(full_run, tok_dir, tmp_path):
+    from nemo_dapo.aligner.compat import CHECKPOINT_KEY, unpack_state
+
+    cut, resumed = tmp_path / "deadline", tmp_path / "resumed"
+    cut.mkdir(), resumed.mkdir()
+    run_torchrun(WORKER, nproc=2, out_dir=cut, env={"TOK_DIR": tok_dir, "PHASE": "deadline", "MAX_STEPS": "2"})
+    out = json.loads((cut / "deadline_rank0.json").read_text())
+    assert out["state"]["step"] == 1, "the run must stop inside step 2"
+    ckpts = _checkpoints(cut)
+    assert [p.name.split("-")[1] for p in ckpts] == ["step=1", "step=1"], ckpts  # after step 1, then mid-step 2
+    states = [unpack_state(torch.load(p / "common.pt", map_location="cpu", weights_only=False)[CHECKPOINT_KEY])
+              for p in ckpts]
+    after, partial = sorted(states, key=lambda st: st["loop"]["counters"]["gen_batches"])
+    assert partial["loop"]["counters"]["rollout_steps"] == 1
+    assert partial["loop"]["counters"]["gen_batches"] == after["loop"]["counters"]["gen_batches"] + 1
+    assert partial["loop"]["filler"]["groups"], "the partial step's groups travel in the checkpoint"
+    assert not _records(cut / "deadline_rank0.json", 2)  # step 2 was neither logged nor validated
+
+    partial_dir = max(ckpts, key=lambda p: int(p.name.split("consumed_samples=")[1].split("-")[0]))
+    run_torchrun(WORKER, nproc=2, out_dir=resumed,
+                 env={"TOK_DIR": tok_dir, "PHASE": "resume", "MAX_STEPS": "2", "RESUME_FROM": str(partial_dir)})
+    for rank in (0, 1):
+        a = json.loads((full_run / f"full_rank{rank}.json").read_text())
+        b = json.loads((resumed / f"resume_rank{rank}.json").read_text())
+        assert b["counters"] == a["counters"] and b["state"] == a["state"]
+        x, y = _records(full_run / f"full_rank{rank}.json", 2), _records(resumed / f"resume_rank{rank}.json", 2)
+        assert len(x) == len(y) == 2
+        # the update and validation of step 2 are those of the uninterrupted run; the generation statistics of the
+        # resumed step only cover the batches generated after the restart
+        same = ("actor/", "counters/", "train/batch_", "val/accuracy", "val/pass_at_n")
+        assert {k: v for k, v in x[0].items() if k.startswith(same)} == \
+            {k: v for k, v in y[0].items() if k.startswith(same)}
+        assert x[1]["val/accuracy"] == y[1]["val/accuracy"]

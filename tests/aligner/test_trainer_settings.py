@@ -50,3 +50,121 @@ def test_batch_filler_takes_every_dynamic_sampling_key():
     assert (f.num_groups, f.enabled, f.max_gen_batches, f.on_budget_exhausted) == (512, True, 10, "train_partial")
     assert (f.max_gen_batch_size, f.prior_pass_rate, f.safety) == (1536, 0.4, 1.2)
     assert not batch_filler(_cfgs(dynamic_sampling={"enabled": False})[0]).enabled
+
+
+# ---- training length ------------------------------------------------------------------------------------------------
+def test_training_steps_names_the_bound_that_holds(caplog):
+    from nemo_dapo.aligner.trainer import training_steps
+
+    # de-duplicated DAPO-Math-17k (~17.4k prompts) at 512 per step: 33 steps per epoch
+    steps, why = training_steps(17398, 512, 1, 375)
+    assert steps == 33 and "max_epochs" in why and "33 steps per epoch" in why
+    assert "cut to 33 by max_epochs=1" in caplog.text  # the cap is explicit in the log
+    assert training_steps(17398, 512, 12, 375) == (375, training_steps(17398, 512, 12, 375)[1])
+    assert "max_steps" in training_steps(17398, 512, 12, 375)[1]
+    assert training_steps(17398, 512, None, 375)[0] == 375 and training_steps(17398, 512, 2, -1)[0] == 66
+    with pytest.raises(ValueError, match="trainer.dapo.max_steps"):
+        training_steps(100, 10, None, -1)
+
+
+def test_recipes_train_for_the_reference_step_count():
+    """~6k optimizer updates (REFERENCE.md: ~375 rollout steps at 512 / 512 x 16 updates) on de-duplicated data."""
+    from nemo_dapo.aligner.trainer import training_steps
+
+    for name in ("qwen2.5-32b_h100", "qwen2.5-32b_h20"):
+        t = OmegaConf.load(f"conf/recipes/{name}.yaml").trainer.dapo
+        steps, _ = training_steps(17000, int(t.prompts_per_step), t.max_epochs, t.max_steps)
+        assert 320 <= steps <= 400, (name, steps)
+        assert int(t.save_interval) == 1, "a multi-hour step must be checkpointed every step"
+
+
+# ---- progress and the time budget ---------------------------------------------------------------------------------
+def test_progress_saves_every_step_and_validates_every_tenth():
+    from nemo_dapo.aligner.trainer import progress
+
+    plan = [progress(step, 25, 10, 1) for step in range(1, 26)]
+    assert all(save for _, save, _ in plan)
+    assert [step for step, (val, _, _) in enumerate(plan, 1) if val] == [10, 20, 25]
+    assert plan[-1][2] and not any(end for _, _, end in plan[:-1])
+    assert progress(3, 25, 0, 0) == (False, False, False)
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_time_budget_keeps_room_for_the_checkpoint_and_learns_durations():
+    from nemo_dapo.aligner.trainer import TimeBudget
+
+    clock, limit = _Clock(), 1000.0
+    b = TimeBudget(lambda: limit - clock.t, save_s=100.0, clock=clock)
+    assert not b.should_stop("generate")  # nothing measured yet: fits while the checkpoint fits
+    clock.t += 300.0  # one generation batch took 300 s
+    assert not b.should_stop("generate")  # 700 s left >= 300 + 100
+    clock.t += 350.0  # the longest batch so far: 350 s (measured when the loop asks next)
+    assert b.should_stop("generate")  # 350 s left < 350 + 100: save now instead
+    assert b.estimate["generate"] == 350.0
+    b.record("save", 40.0)  # a measured save replaces the configured guess
+    assert b.estimate["save"] == 40.0 and b.fits("validation")  # no validation timed yet
+    b.record("validation", 320.0)
+    assert not b.fits("validation") and b.fits("save")  # 350 s left < 320 + 40; a save alone fits
+
+
+def test_time_budget_takes_rank_zeros_decision():
+    from nemo_dapo.aligner.trainer import TimeBudget
+
+    b = TimeBudget(lambda: 1e9, save_s=0.0, agree=lambda ok: False)  # rank 0 says: no time left
+    assert b.should_stop("generate") and not b.fits("validation")
+
+
+def test_loop_stops_between_generation_batches_and_resumes_the_partial_step():
+    """The core loop's hook: interrupted after the first generation batch, the partial step survives state_dict and
+    the resumed loop finishes it with exactly the metrics of an uninterrupted run."""
+    import copy
+
+    from tests.core.test_loop import make_loop, steady
+
+    def loop():  # dynamic sampling with a small generation batch: a step needs several batches
+        lp = make_loop(ds=True, groups=4, max_gen_batches=20)
+        lp.filler.adaptive, lp.filler.gen_batch_size = False, 2
+        return lp
+
+    ref = loop()
+    expected = steady(ref.step())
+    assert ref.counters["gen_batches"] >= 2, "the test needs a step of several generation batches"
+
+    calls = []
+
+    def stop_after_first_batch(phase):
+        calls.append(phase)
+        return len(calls) > 1
+
+    a = loop()
+    assert a.step(should_stop=stop_after_first_batch) is None
+    assert calls == ["generate", "generate"] and a.counters["rollout_steps"] == 0
+    assert a.counters["gen_batches"] == 1
+    state = copy.deepcopy(a.state_dict())
+    b = loop()
+    b.load_state_dict(state)
+    phases = []
+    got = b.step(should_stop=lambda phase: phases.append(phase) or False)
+    assert phases[-1] == "update" and phases.count("generate") == ref.counters["gen_batches"] - 1
+    assert b.counters == ref.counters
+    drop = ("filter/", "response/", "train/reward", "train/acc", "train/overlong", "rollout/generated",
+            "perf/", "timing/")  # this step's generation statistics cover only the batches it generated
+    assert {k: v for k, v in got.items() if not k.startswith(drop)} == \
+        {k: v for k, v in expected.items() if not k.startswith(drop)}
+
+
+def test_allocation_time_left_reads_the_slurm_job_end():
+    import math
+
+    from nemo_dapo.aligner.trainer import allocation_time_left
+
+    assert allocation_time_left({"SLURM_JOB_END_TIME": "1000"}, now=400.0) == 600.0
+    assert allocation_time_left({}, now=400.0) == math.inf
+    assert allocation_time_left({"SLURM_JOB_END_TIME": "0"}, now=400.0) == math.inf  # no limit set

@@ -1,6 +1,6 @@
 """torchrun worker: the DAPO actor's loss, gradients and old log-probs against a plain reference.
 
-Env: TP, PP (world = TP x PP x DP), TOK_DIR (tokenizer), OUT_DIR. Every rank builds the same tiny NeMo actor and
+Env: TP, PP (world = TP x PP x DP), SP (1: sequence parallelism, needs TP > 1), TOK_DIR (tokenizer), OUT_DIR. Every rank builds the same tiny NeMo actor and
 the same global batch of 8 samples. DP rank d trains on an uneven share of it (3 / 5 rows at DP=2, with all of
 rank 0's rows truncated, so under overlong filtering that rank holds no valid token).
 
@@ -8,7 +8,12 @@ Reference, per rank, on the FULL batch in ONE micro-batch: vocab-parallel logits
 ``torch.log_softmax``, then ``core.loss.dapo_policy_loss`` with the global token count. The actor computes the same
 objective through vocab-parallel log-probs, micro-batches of 2 and the DP split; loss, gradients (after NeMo's DP
 gradient reduction) and metrics must agree. Last, the debug sampler (generation.MegatronSampler) generates from the
-same prompts; its tokens and log-probs are recorded. Writes ``rank<r>.json`` with the measured differences.
+same prompts; its tokens and log-probs are recorded (not under SP: the debug sampler does not pad sequences).
+Writes ``rank<r>.json`` with the measured differences.
+
+Under SP the packed batch has an odd sequence length (15), which megatron-core's split along the sequence cannot
+take: the actor must pad it. The reference pads its one forward itself (trailing tokens, cut off again: causal
+attention keeps them from changing earlier positions).
 """
 import json
 import os
@@ -23,11 +28,37 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 from nemo_aligner.utils.distributed import broadcast_tensor_within_pp  # noqa: E402
 from nemo_dapo.aligner.actor import make_loss_fn, pack_rollout, unpack_response  # noqa: E402
 from nemo_dapo.aligner.generation import MegatronSampler  # noqa: E402
+from nemo_dapo.aligner.reducer import DataParallelReducer  # noqa: E402
+from nemo_dapo.aligner.trainer import ActorPolicy  # noqa: E402
+from nemo_dapo.core.loop import DAPOLoop  # noqa: E402
 from nemo_dapo.core.loss import dapo_policy_loss, truncated_is_weights  # noqa: E402
 from nemo_dapo.core.types import RolloutBatch  # noqa: E402
 
 TP, PP = int(os.environ.get("TP", "1")), int(os.environ.get("PP", "1"))
-ptl_trainer, actor = nemo_cpu.build_actor(TP, PP, mbs=2, gbs=4, tokenizer_dir=os.environ["TOK_DIR"])
+SP = os.environ.get("SP", "0") == "1"
+
+
+def _sequence_parallel_torch_norm() -> None:
+    """megatron-core's local-spec norm (WrappedTorchNorm) refuses sequence parallelism, which on GPUs the TE / apex
+    norms provide. A torch norm is correct under SP once its weights carry ``sequence_parallel`` (what those norms
+    set): NeMo's grad_reductions then all-reduces their partial (sequence-sharded) gradients over TP."""
+    from megatron.core.transformer import torch_norm
+
+    def new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
+            normalization="LayerNorm"):
+        norm_cls = torch.nn.LayerNorm if config.normalization == "LayerNorm" else torch.nn.RMSNorm
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = bool(config.sequence_parallel)
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = new
+
+
+if SP:
+    _sequence_parallel_torch_norm()
+ptl_trainer, actor = nemo_cpu.build_actor(TP, PP, mbs=2, gbs=4, tokenizer_dir=os.environ["TOK_DIR"],
+                                          sequence_parallel=SP)
 RANK, DP, DP_RANK = torch.distributed.get_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
 EOS = actor.tokenizer.eos_id
 
@@ -49,9 +80,17 @@ def global_batch() -> RolloutBatch:
                         advantages=torch.randn(b, generator=g))
 
 
+def split_ready(tokens: torch.Tensor) -> torch.Tensor:
+    """The reference's own padding under SP: EOS columns up to a multiple of TP (none without SP)."""
+    extra = (-tokens.shape[1]) % TP if SP else 0
+    return torch.cat([tokens, tokens.new_full((tokens.shape[0], extra), EOS)], 1)
+
+
 def full_vocab_logp(tokens: torch.Tensor, vocab_limit=None) -> tuple:
     """Reference log-probs / entropies [B, S-1] by gathering the vocabulary and using torch.log_softmax; with
     ``vocab_limit`` the ids >= it (Megatron's vocabulary padding) are excluded, as the sampler does."""
+    s = tokens.shape[1]
+    tokens = split_ready(tokens)
     attn, _, pos = actor.get_ltor_masks_and_position_ids(tokens)
 
     def fwd(it, model):
@@ -62,8 +101,8 @@ def full_vocab_logp(tokens: torch.Tensor, vocab_limit=None) -> tuple:
             full = gather_from_tensor_model_parallel_region(logits).float().clone()
             if vocab_limit is not None:
                 full[..., vocab_limit:] = float("-inf")
-            lp_all = torch.log_softmax(full, -1)[:, :-1]
-            return torch.stack([lp_all.gather(-1, mb["t"][:, 1:, None]).squeeze(-1),
+            lp_all = torch.log_softmax(full, -1)[:, :s - 1]
+            return torch.stack([lp_all.gather(-1, mb["t"][:, 1:s, None]).squeeze(-1),
                                 -(lp_all.exp() * lp_all).sum(-1)])
 
         return logits, collect
@@ -79,7 +118,9 @@ def full_vocab_logp(tokens: torch.Tensor, vocab_limit=None) -> tuple:
 def reference_grads(packed: dict, loss_kw: dict, tis_cap) -> tuple:
     """Core loss on the full batch in one micro-batch (gathered vocab); returns (loss, grads) after DP reduction."""
     tokens = packed["response_tokens"]
-    attn, _, pos = actor.get_ltor_masks_and_position_ids(tokens)
+    s = tokens.shape[1]
+    padded = split_ready(tokens)
+    attn, _, pos = actor.get_ltor_masks_and_position_ids(padded)
     mask = packed["mask"] * (packed["is_end"][:, None] if loss_kw["overlong_filter"] else 1.0)
     holder = {}
 
@@ -88,7 +129,7 @@ def reference_grads(packed: dict, loss_kw: dict, tis_cap) -> tuple:
         logits = model(mb["t"], mb["p"], mb["a"], labels=None)
 
         def loss_func(logits):
-            lp_all = torch.log_softmax(gather_from_tensor_model_parallel_region(logits).float(), -1)[:, :-1]
+            lp_all = torch.log_softmax(gather_from_tensor_model_parallel_region(logits).float(), -1)[:, :s - 1]
             logp = lp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)
             w = None if tis_cap is None else truncated_is_weights(packed["prev_logprobs"], packed["engine_logprobs"],
                                                                   mask, tis_cap)
@@ -102,9 +143,9 @@ def reference_grads(packed: dict, loss_kw: dict, tis_cap) -> tuple:
 
     for m in actor.get_model_module_list():
         m.zero_grad()
-    get_forward_backward_func()(forward_step_func=fwd, data_iterator=iter([{"t": tokens, "p": pos, "a": attn}]),
+    get_forward_backward_func()(forward_step_func=fwd, data_iterator=iter([{"t": padded, "p": pos, "a": attn}]),
                                 model=actor.model, num_microbatches=1, forward_only=False,
-                                seq_length=tokens.shape[1], micro_batch_size=tokens.shape[0])
+                                seq_length=padded.shape[1], micro_batch_size=tokens.shape[0])
     actor.finish_training_step()
     box = [holder]
     torch.distributed.broadcast_object_list(box, src=torch.distributed.get_world_size() - 1)
@@ -116,6 +157,23 @@ def share_of(batch: RolloutBatch) -> list:
         return list(range(len(batch)))
     cut = [0, 3, 8]  # uneven: rank 0 gets the three truncated rows
     return list(range(cut[DP_RANK], cut[DP_RANK + 1]))
+
+
+class _NoSchedule:
+    def step(self):
+        pass
+
+
+def logged_metrics(batch: RolloutBatch, loss_fn) -> dict:
+    """What the trainer logs for one update of ``batch``: ActorPolicy.train_step on this rank's share (an lr=0
+    optimizer keeps the weights), then the step loop's combination over DP (DAPOLoop._reduce_policy_metrics)."""
+    params = [p for p in actor.parameters() if p.requires_grad]
+    # no clipping: NeMo's clip needs the optimizer PTL sets up, and the logged metrics do not depend on it
+    policy = ActorPolicy(actor, torch.optim.SGD(params, lr=0.0), _NoSchedule(), gradient_clip_val=None)
+    reducer = DataParallelReducer()
+    num_tokens = float(reducer.sum(loss_fn.normalizer(batch.select(share_of(batch)))))
+    out = policy.train_step(batch.select(share_of(batch)), num_tokens=num_tokens, loss_fn=loss_fn)
+    return DAPOLoop._reduce_policy_metrics(type("LoopView", (), {"reducer": reducer})(), out)
 
 
 def run_case(name: str, loss_kw: dict, tis_cap, batch: RolloutBatch, ref_lp: torch.Tensor) -> dict:
@@ -138,7 +196,10 @@ def run_case(name: str, loss_kw: dict, tis_cap, batch: RolloutBatch, ref_lp: tor
     assert grads.keys() == ref_grads.keys() and grads, (sorted(grads), sorted(ref_grads))
     gdiff = max(float((grads[n] - ref_grads[n]).abs().max()) for n in grads)
     gscale = max(float(ref_grads[n].abs().max()) for n in grads)
+    logged = logged_metrics(batch, loss_fn)
     return {"case": name, "loss": loss, "ref_loss": ref["loss"], "grad_max_abs_diff": gdiff, "grad_max_abs": gscale,
+            "logged": {k: logged[k] for k in ("loss", "clip_frac_low", "clip_frac_high", "dual_clip_frac",
+                                                "num_tokens", "approx_kl") if k in logged},
             "metrics": {k: metrics[k] for k in ("clip_frac_low", "clip_frac_high", "dual_clip_frac", "num_tokens",
                                                  "entropy", "approx_kl") if k in metrics},
             "ref_metrics": {k: ref[k] for k in ("clip_frac_low", "clip_frac_high", "dual_clip_frac", "num_tokens",
@@ -156,7 +217,7 @@ ent = unpack_response(ent_shift, p_len, batch.response_ids.shape[1]) * batch.res
 ref_ent = unpack_response(ref_ent_shift, p_len, batch.response_ids.shape[1]) * batch.response_mask
 valid_ent = (ref_ent * batch.response_mask).sum() / batch.response_mask.sum()
 
-result = {"rank": RANK, "tp": TP, "pp": PP, "dp": DP,
+result = {"rank": RANK, "tp": TP, "pp": PP, "dp": DP, "sp": SP, "seq_len": int(packed["response_tokens"].shape[1]),
           "logp_max_abs_diff": float((lp - ref_lp).abs().max()),
           "entropy_max_abs_diff": float((ent - ref_ent).abs().max()),
           "ref_entropy_mean": float(valid_ent), "cases": []}
@@ -164,6 +225,11 @@ base = {"eps_low": 0.2, "eps_high": 0.28, "clip_c": 3.0}
 result["cases"].append(run_case("filter+dualclip", dict(base, overlong_filter=True), None, batch, ref_lp))
 result["cases"].append(run_case("tis", dict(base, clip_c=None, overlong_filter=False), 2.0, batch, ref_lp))
 
+with open(os.path.join(os.environ["OUT_DIR"], f"rank{RANK}.json"), "w") as f:
+    json.dump(result, f, indent=1)
+if SP:  # the debug sampler's forwards are not padded for the sequence split
+    torch.distributed.barrier()
+    raise SystemExit(0)
 # The debug sampler: same tokens on every rank (same seed); its log-probs are those of the model's distribution
 # restricted to the tokenizer's vocabulary (it never samples Megatron's padding ids).
 gen = MegatronSampler(actor).generate(batch.prompt_ids, batch.prompt_mask, max_new_tokens=5, temperature=1.0,

@@ -4,7 +4,8 @@ exp_manager (checkpoint callback, resume) -> DAPO actor -> init_using_ptl (optim
 DAPOPromptDataset -> LocalRewardClient (rule-based verifier) -> MegatronSampler (debug generator) -> DAPOTrainer.fit.
 
 Env: TP, PP (world = TP x PP x DP), TOK_DIR, OUT_DIR, MAX_STEPS, RESUME_FROM (a checkpoint path, optional),
-PHASE (name of the metrics file). The tiny model first gets a short supervised warm-up (fresh runs only) so that it
+PHASE (name of the metrics file; ``deadline``: the run's time limit comes after the first generation batch of
+step 2, so the trainer must save that partial step and stop). The tiny model first gets a short supervised warm-up (fresh runs only) so that it
 answers "Answer: 1" or "Answer: 2" about half the time: groups then have mixed accuracy and dynamic sampling has
 something to keep and something to filter. Writes ``<PHASE>_rank<r>.json`` with every logged metric.
 """
@@ -64,6 +65,20 @@ class RecordingLogger:
 
     def finalize(self, status):
         self.records.append({"finalized": status})
+
+
+class DeadlineTimer:
+    """NeMo-Aligner's run Timer API (start_time / get_time_remaining) with the time limit reached once ``expired()``
+    says so: a clock driven by the trainer's progress instead of the wall clock."""
+
+    def __init__(self, expired):
+        self.expired = expired
+
+    def start_time(self):
+        pass
+
+    def get_time_remaining(self):
+        return 0.0 if self.expired() else 1e9
 
 
 class SFTLoss:
@@ -152,16 +167,26 @@ def main() -> None:
                              "adaptive": False, "gen_batch_size": 3},
         "overlong": {"enabled": True, "l_cache": 2, "penalty_factor": 1.0},
         "val": {"n_samples": 2, "temperature": 1.0, "top_p": 1.0, "batch_size": 8}})
+    mark = {}
+
+    def after_first_batch_of_step_2() -> bool:
+        if dapo_trainer.step < 1:
+            return False
+        gen = dapo_trainer.loop.counters["gen_batches"]
+        return gen > mark.setdefault("gen_batches_after_step_1", gen)
+
+    timer = DeadlineTimer(after_first_batch_of_step_2) if PHASE == "deadline" else Timer(None)
     dapo_trainer = DAPOTrainer(trainer_cfg, actor, optimizer, scheduler, train_ds, val_ds,
                                LocalRewardClient(actor.tokenizer, num_workers=1), MegatronSampler(actor),
-                               CustomLoggerWrapper([recorder]), ckpt_callback, Timer(None))
+                               CustomLoggerWrapper([recorder]), ckpt_callback, timer)
     start = dapo_trainer.step
     dapo_trainer.fit()
     rank = torch.distributed.get_rank()
     with open(os.path.join(OUT, f"{PHASE}_rank{rank}.json"), "w") as f:
         json.dump({"start_step": start, "records": recorder.records, "state": {
             k: v for k, v in dapo_trainer.state_dict().items() if k != "loop"},
-            "carried_groups": len(dapo_trainer.loop.filler.state_dict()["groups"])}, f, indent=1)
+            "carried_groups": len(dapo_trainer.loop.filler.state_dict()["groups"]),
+            "counters": dict(dapo_trainer.loop.counters)}, f, indent=1)
     torch.distributed.barrier()
 
 
