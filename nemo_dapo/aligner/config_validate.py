@@ -24,6 +24,8 @@ VERIFIERS = ("dapo", "tolerant", "math_verify")  # the CPU path's reward.verifie
 DATA_FORMATS = ("dapo_math", "verl", "aime2024", "aime2025", "math500", "gsm8k")  # nemo_dapo.data.readers.READERS
 DISTRIBUTED_OPTIMIZERS = ("distributed_fused_adam", "mcore_distributed_optim")
 ROLLOUT_ENGINES = ("legacy", "trtllm", "vllm", "local")  # trainer.dapo.rollout_engine (engine-server names)
+ENGINE_SERVERS = ("trtllm", "vllm", "local")  # the ones served by nemo_dapo.engines.server
+ENGINE_SLEEP_LEVELS = (0, 1, 2)  # trainer.dapo.engine_server.sleep_level
 
 REPO_CONF = Path(__file__).resolve().parents[2] / "conf"
 PACKAGE_CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -370,8 +372,58 @@ def _arch_agrees(cfg: dict, s: dict):
                    "model; fix plan.arch (it only feeds `nemo-dapo plan` and these checks)")
 
 
+def _engine_server(cfg: dict, s: dict):
+    """trainer.dapo.engine_server when the rollout engine is an engine server (aligner/engine_generation.py)."""
+    if select(cfg, "trainer.dapo.rollout_engine") not in ENGINE_SERVERS:
+        return
+    key = "trainer.dapo.engine_server"
+    srv = select(cfg, key)
+    if srv is None:
+        yield f"{key} is missing; rollout_engine={select(cfg, 'trainer.dapo.rollout_engine')!r} needs it " \
+              "(see conf/gpt_dapo_actor.yaml)"
+        return
+    for k in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size", "max_batch_size",
+              "max_num_tokens", "max_seq_len", "max_input_len", "bucket_mb"):
+        v = srv.get(k)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            yield f"{key}.{k}={v!r} must be an integer >= 1"
+    if srv.get("sleep_level", 1) not in ENGINE_SLEEP_LEVELS:
+        yield (f"{key}.sleep_level={srv.get('sleep_level')!r} must be one of {ENGINE_SLEEP_LEVELS} (0 awake, 1 KV "
+               "cache, 2 KV cache and weights)")
+    frac = srv.get("free_gpu_memory_fraction")
+    if frac is not None and not (isinstance(frac, (int, float)) and 0 < frac < 1):
+        yield f"{key}.free_gpu_memory_fraction={frac!r} must be in (0, 1)"
+    if srv.get("dtype") not in (None, "bf16", "fp16", "fp32"):
+        yield f"{key}.dtype={srv.get('dtype')!r} must be null (the model's), bf16, fp16 or fp32"
+    for k in ("connect_timeout_s", "request_timeout_s"):
+        v = srv.get(k)
+        if v is not None and not (isinstance(v, (int, float)) and v > 0):
+            yield f"{key}.{k}={v!r} must be a positive number of seconds"
+    addr = srv.get("address")
+    if not isinstance(addr, str) or not addr.startswith(("unix:", "tcp://")):
+        yield f"{key}.address={addr!r} must be a unix:/path or tcp://HOST:PORT template ({{node}} {{local}} {{port}})"
+    tp, pp = srv.get("tensor_parallel_size", 1) or 1, srv.get("pipeline_parallel_size", 1) or 1
+    ep = srv.get("expert_parallel_size", 1) or 1
+    devices = select(cfg, "trainer.devices")
+    if isinstance(tp, int) and isinstance(pp, int) and isinstance(devices, int) and devices % (tp * pp):
+        yield (f"{key}: an engine of tensor_parallel_size x pipeline_parallel_size = {tp * pp} GPUs does not tile "
+               f"a node of trainer.devices={devices}; engines must not span nodes")
+    if isinstance(ep, int) and isinstance(tp, int) and tp % ep:
+        yield (f"{key}.expert_parallel_size={ep} must divide tensor_parallel_size={tp} (TensorRT-LLM: "
+               "moe_tensor_parallel_size x moe_expert_parallel_size = tensor_parallel_size)")
+    mtp = select(cfg, "model.tensor_model_parallel_size", 1)
+    if isinstance(tp, int) and isinstance(pp, int) and isinstance(mtp, int) and tp * pp > mtp and (tp * pp) % mtp:
+        yield (f"{key}: engines of {tp * pp} GPUs vs model.tensor_model_parallel_size={mtp}: one must divide the "
+               "other so that every tensor-parallel group reaches an engine")
+    max_seq, max_in = srv.get("max_seq_len"), srv.get("max_input_len")
+    gen = select(cfg, "model.dapo.length_params.max_length")
+    if isinstance(max_seq, int) and isinstance(gen, int) and isinstance(max_in, int) and max_in + gen > max_seq:
+        yield (f"{key}.max_input_len ({max_in}) + model.dapo.length_params.max_length ({gen}) exceeds "
+               f"max_seq_len ({max_seq}): raise max_seq_len to {max_in + gen}")
+
+
 RULES = (_layout, _experts, _optimizer, _batches, _rollout_engine, _dynamic_sampling, _lengths, _loss, _sampling,
-         _reward, _data, _arch_agrees)
+         _reward, _data, _arch_agrees, _engine_server)
 
 
 def check_config(cfg) -> list[str]:

@@ -4,8 +4,8 @@
   from the actor's current weights before the first generation after every update (never twice for the same
   weights); prompts go in as NeMo-Aligner wants them (right-padded + lengths), in static batches of the engine's
   ``generation_batch_size``; with ``reshard`` (PP folded into DP for generation) the pipeline stages of one replica
-  generate disjoint slices of its prompts and exchange the results. For MoE with expert parallelism the exporter's
-  weight gather is replaced by the Megatron layer's expert-aware gather (``expert_aware_refit_gather``).
+  generate disjoint slices of its prompts and exchange the results. Dense models only (the exporter cannot refit
+  experts); the fixes it needs around NeMo 2.1's exporter are in ``legacy_export``.
 * :class:`MegatronSampler` is the debugging path without TensorRT-LLM: plain ancestral sampling with the training
   model itself (one full forward per new token through megatron's schedule, so TP and PP work; no KV cache). Slow,
   exact, seeded: meant for tiny models and tests.
@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 
 from nemo_dapo.aligner.layout import pack_tokens
+from nemo_dapo.aligner.legacy_export import (TPPaddedVocab, attention_bias_overrides, banned_ids_list,
+                                             engine_config_overrides, with_zero_dense_bias)
 from nemo_dapo.core.types import Generation, RolloutBatch
 from nemo_dapo.core.sampling import sample_next
 
@@ -68,6 +70,15 @@ def _response_from_rows(rows: torch.Tensor, prompt_lengths: torch.Tensor, total_
     ids = rows.gather(1, idx.clamp(max=rows.shape[1] - 1))
     ids = torch.where(mask, ids, torch.full_like(ids, pad_id))
     return Generation(response_ids=ids, response_mask=mask.float(), truncated=~is_end.bool())
+
+
+def _cut_at_out_of_vocab(rows: torch.Tensor, totals: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Total lengths [B] cut before the first id outside [0, vocab_size) in ``rows`` [B, L] (prompt + response):
+    such an id is no token, and NeMo-Aligner's check would clamp it to another token we would then train on."""
+    pos = torch.arange(rows.shape[1])[None, :]
+    bad = ((rows < 0) | (rows >= vocab_size)) & (pos < totals[:, None])
+    first = torch.where(bad, pos, torch.full_like(pos, rows.shape[1])).min(dim=1).values
+    return torch.minimum(totals, first)
 
 
 class MegatronSampler:
@@ -158,18 +169,41 @@ class TRTLLMGenerator:
 
     ``reshard``: the engine is TP-only and the pipeline stages of a replica share its generation work (NeMo-Aligner's
     ``trainer.<algo>.trt_llm.reshard``). ``refit_gather``: optional callable replacing the exporter's weight gather
-    (``gather_and_reshard_model(model_config, model, storage_dtype) -> state dict``), e.g. the Megatron layer's
-    expert-aware gather for MoE with expert parallelism, which the exporter of NeMo 2.1 cannot do.
+    (``gather_and_reshard_model(model_config, model, storage_dtype) -> state dict``).
+
+    Around NeMo 2.1's exporter: the vocabulary it sees is V rounded up to the TP size (ids in [V, V_tp) are banned
+    in every sampling call and cut from a response should one appear); attention biases reach the engine
+    (``attn_bias``); with ``trt_llm.unload_engine_train`` the engine freed after a call is reloaded and refit by the
+    next one; the sampling parameters are set in full on every call. Dense models only: the exporter cannot refit
+    experts (``trainer.dapo.rollout_engine: trtllm`` can).
     """
 
     def __init__(self, actor, engine=None, *, reshard: Optional[bool] = None, refit_gather=None):
-        trt = (actor.cfg.dapo.get("trt_llm") or {})
+        cfg = actor.cfg
+        if cfg.get("num_moe_experts"):
+            raise NotImplementedError(
+                f"model.num_moe_experts={cfg.num_moe_experts}: NeMo-Aligner's TensorRT-LLM engine (rollout_engine: "
+                "legacy) cannot refit MoE weights (NeMo 2.1's exporter has no expert names, megatron-core 0.10's "
+                "converter rejects them); set trainer.dapo.rollout_engine: trtllm")
+        trt = (cfg.dapo.get("trt_llm") or {})
         self.actor = actor
         self.reshard = bool(trt.get("reshard", False)) if reshard is None else reshard
         self.engine = engine if engine is not None else build_trtllm_engine(actor)
-        if refit_gather is not None:
-            self.engine.trt_llm_exporter.gather_and_reshard_model = refit_gather
-        self._stale = True  # weights changed since the last refit (or no engine yet)
+        self.vocab_size = int(actor.tokenizer.vocab_size)  # V: ids >= V are not tokens
+        tp = int(cfg.get("tensor_model_parallel_size", 1) or 1)  # the engine's TP (NeMo's exporter: = training TP)
+        self.engine.tokenizer = TPPaddedVocab(actor.tokenizer, tp)  # what the first refit hands to the exporter
+        self._bias = attention_bias_overrides(cfg, str(trt.get("model_type", "llama")))
+        exporter = self.engine.trt_llm_exporter
+        gather = refit_gather if refit_gather is not None else exporter.gather_and_reshard_model
+        if cfg.get("qkv_bias", False) and not cfg.get("bias", False):
+            gather = with_zero_dense_bias(gather, int(cfg.hidden_size))
+        exporter.gather_and_reshard_model = gather
+        sc = self.engine.sampling_config
+        # the configured top-k (sampling_params.top_k, or 1 with use_greedy): what a non-greedy call restores
+        self._top_k = sc.top_k
+        sc.update(bad_words_list=banned_ids_list(self.vocab_size, self.engine.tokenizer.vocab_size,
+                                                  int(self.engine.generation_batch_size)))
+        self._stale = True  # weights changed since the last refit, or the engine was unloaded (or never built)
         self.pad_id = actor.tokenizer.eos_id
 
     def update_weights(self, policy) -> None:
@@ -179,7 +213,10 @@ class TRTLLMGenerator:
 
     def _refit_if_stale(self) -> None:
         if self._stale:
-            self.engine.refit(self.actor.model)  # first call builds the engine
+            # The first refit builds the engine; after an unload, NeMo's exporter.refit reloads the engine file
+            # (load_distributed: its build-time weights) and then writes the current weights into it.
+            with engine_config_overrides(self._bias):
+                self.engine.refit(self.actor.model)
             self._stale = False
 
     def _set_sampling(self, max_new_tokens: int, temperature: float, top_p: float, seed: Optional[int]) -> None:
@@ -187,9 +224,10 @@ class TRTLLMGenerator:
             raise ValueError(f"max_new_tokens={max_new_tokens} exceeds the engine's max_generation_length="
                              f"{self.engine.max_generation_length} (model.dapo.length_params.max_length)")
         greedy = temperature == 0
+        # every field on every call: the engine's SamplingConfig is shared by all calls
         self.engine.sampling_config.update(max_new_tokens=max_new_tokens, top_p=top_p,
                                            temperature=1.0 if greedy else temperature,
-                                           **({"top_k": 1} if greedy else {}))
+                                           top_k=1 if greedy else self._top_k)
         if seed is not None:
             self.engine.rng_generator.manual_seed(int(seed))
 
@@ -252,11 +290,14 @@ class TRTLLMGenerator:
             result = None
             if mine:
                 rows, totals = self._generate_rows(tokens[mine], p[mine])
+                kept = _cut_at_out_of_vocab(rows, totals, self.vocab_size)  # before _is_end clamps the ids
                 is_end = self._is_end(rows, totals)
-                result = _response_from_rows(rows, p[mine], totals, is_end, max_new_tokens, self.pad_id)
+                result = _response_from_rows(rows, p[mine], kept, is_end, max_new_tokens, self.pad_id)
         finally:
             self.actor.finish_inference()
             self.engine.free()  # unloads only with trt_llm.unload_engine_train
+            if getattr(self.engine, "unload_engine_train", False):
+                self._stale = True  # the next call must reload the engine and refit it, not reuse a freed one
         if pp_group is not None:
             parts = [None] * dist.get_world_size(pp_group)
             dist.all_gather_object(parts, result, group=pp_group)
@@ -285,36 +326,20 @@ def build_trtllm_engine(actor):
         trt_model_dir=trt.get("model_dir", "/tmp/trt_llm_model"))
 
 
-def expert_aware_refit_gather(bucket_bytes: int = 1 << 28):
-    """A replacement for the exporter's ``gather_and_reshard_model(model_config, model, storage_dtype)`` that also
-    gathers experts across the expert-parallel group (``megatron.refit_gather``): every rank receives the whole
-    model (pipeline stages joined, all experts under their global index) cut for its engine TP rank (the legacy
-    engine's TP equals the training TP), in megatron's single-rank parameter names, cast to ``storage_dtype``."""
+def build_generator(actor, *, refit_gather=None, cfg=None):
+    """The rollout generator of ``trainer.dapo.rollout_engine`` (``cfg``: the whole run config; without it, legacy).
 
-    def gather(model_config, model, storage_dtype) -> dict:
-        from megatron.core import parallel_state as mcore_ps
+    trtllm | vllm | local: an engine-server client per rank (``engine_generation.build_engine_generator``; the
+    servers are started by the launcher). legacy: TRTLLMGenerator when ``model.dapo.trt_llm.enable``, else the
+    MegatronSampler debug path. TRTLLMGenerator refuses MoE models (NeMo 2.1's exporter cannot refit experts)."""
+    engine = "legacy" if cfg is None else cfg.trainer.dapo.rollout_engine  # a key of gpt_dapo_actor.yaml
+    if engine != "legacy":
+        from nemo_dapo.aligner.engine_generation import build_engine_generator
 
-        from nemo_dapo.megatron.refit_gather import iter_refit_buckets
-
-        chunks = model if isinstance(model, list) else [model]
-        if len(chunks) != 1:
-            raise NotImplementedError("expert-aware refit runs one model chunk per rank (no virtual pipeline)")
-        out = {}
-        for bucket in iter_refit_buckets(chunks[0], bucket_bytes=bucket_bytes,
-                                         infer_tp_size=mcore_ps.get_tensor_model_parallel_world_size(),
-                                         infer_tp_rank=mcore_ps.get_tensor_model_parallel_rank(), dtype=storage_dtype):
-            out.update(bucket)
-        return out
-
-    return gather
-
-
-def build_generator(actor, *, refit_gather=None):
-    """TRTLLMGenerator when ``model.dapo.trt_llm.enable``, else the MegatronSampler debug path. With expert
-    parallelism the engine refit uses :func:`expert_aware_refit_gather` (NeMo 2.1's exporter gathers TP/PP only)."""
+        return build_engine_generator(actor, cfg)
     trt = actor.cfg.dapo.get("trt_llm") or {}
     if trt.get("enable", False):
-        if refit_gather is None and int(actor.cfg.get("expert_model_parallel_size", 1) or 1) > 1:
-            refit_gather = expert_aware_refit_gather()
-        return TRTLLMGenerator(actor, refit_gather=refit_gather)
+        generator = TRTLLMGenerator(actor, refit_gather=refit_gather)  # refuses MoE (names the trtllm engine)
+        actor.valid_vocab = int(actor.tokenizer.vocab_size)  # the engine bans the ids it pads the vocabulary with
+        return generator
     return MegatronSampler(actor)

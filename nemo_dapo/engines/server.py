@@ -1,7 +1,7 @@
 """The rollout-engine server: one engine adapter behind the protocol of ``protocol.py``, in its own process.
 
     python -m nemo_dapo.engines.server --engine local|vllm|trtllm --model HF_DIR --address unix:/tmp/engine.sock \
-        [--option key=value ...] [--parent-pid PID] [--threads N]
+        [--options-file FILE] [--option key=value ...] [--parent-pid PID] [--threads N]
 
 One thread does everything: it reads a command when one is waiting, otherwise advances the engine (``adapter.step``)
 and streams each finished request back as a ``completion``. One client at a time (the trainer rank that owns this
@@ -226,12 +226,38 @@ def _options(pairs) -> dict:
     return out
 
 
+def _options_file(path, engine: str) -> dict:
+    """The JSON object of ``--options-file`` (``python -m nemo_dapo.aligner.engine_options`` writes one: its
+    ``options``; a bare object of options is read as is)."""
+    if path is None:
+        return {}
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as e:
+        raise SystemExit(f"--options-file {path!r}: cannot read it ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--options-file {path!r}: not valid JSON ({e})") from None
+    if isinstance(data, dict) and isinstance(data.get("options"), dict) and "engine" in data:
+        if data["engine"] != engine:
+            raise SystemExit(f"--options-file {path!r} holds options for engine {data['engine']!r}, not for "
+                             f"--engine {engine!r}; write it for the same engine")
+        data = data["options"]
+    if not isinstance(data, dict):
+        raise SystemExit(f"--options-file {path!r}: expected a JSON object of engine options, got "
+                         f"{type(data).__name__}")
+    return data
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m nemo_dapo.engines.server", description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", required=True, help=f"one of {sorted(ENGINES)}, or module:factory")
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory (config.json + weights)")
     p.add_argument("--address", required=True, help="unix:/path/to.sock or tcp://127.0.0.1:PORT")
-    p.add_argument("--option", action="append", help="engine constructor argument key=value (JSON value)")
+    p.add_argument("--option", action="append", help="engine constructor argument key=value (JSON value); "
+                   "overrides the same key of --options-file")
+    p.add_argument("--options-file", default=None, help="JSON object of engine constructor arguments (or the "
+                   "{engine, engine_gpus, options} file of nemo_dapo.aligner.engine_options)")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process exits")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads of the engine process")
     args = p.parse_args(argv)
@@ -244,7 +270,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     authkey = os.environ.get("NEMO_DAPO_ENGINE_AUTHKEY", "").encode() or P.DEFAULT_AUTHKEY
     t0 = time.time()
-    adapter = make_engine(args.engine, args.model, _options(args.option))
+    options = {**_options_file(args.options_file, args.engine), **_options(args.option)}
+    adapter = make_engine(args.engine, args.model, options)
     listener = P.listen(args.address, authkey)  # listen only once the engine is up: connecting means ready
     log.info("engine %s ready on %s in %.1f s (protocol %d)", args.engine, args.address, time.time() - t0,
              P.PROTOCOL_VERSION)

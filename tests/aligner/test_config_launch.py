@@ -4,6 +4,7 @@ The sbatch script is executed with a stand-in `srun` that records its arguments,
 container is composed with the recipe and validated, so a broken override in the script fails here, not on the
 cluster.
 """
+import json
 import os
 import re
 import shlex
@@ -16,6 +17,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from nemo_dapo.aligner import config_validate as cv
+from nemo_dapo.aligner.engine_options import engine_options
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "containers" / "Dockerfile"
@@ -54,10 +56,33 @@ def test_docker_ignore_keeps_virtualenvs_out_of_the_context():
 def test_sbatch_script_parses_and_has_the_cluster_pieces():
     subprocess.run(["bash", "-n", str(SBATCH)], check=True)
     text = SBATCH.read_text()
-    for piece in ("#SBATCH --ntasks-per-node=8", "srun --mpi=pmix", "--container-image=", "--container-mounts=",
-                  "--no-container-mount-home", "NCCL_ALGO=${NCCL_ALGO-Tree}", "export CUDA_DEVICE_MAX_CONNECTIONS=1",
-                  "examples/train_gpt_dapo.py --config-name recipes/"):
+    for piece in ("#SBATCH --ntasks-per-node=8", "srun --overlap --mpi=pmix", "--container-image=",
+                  "--container-mounts=", "--no-container-mount-home", "export CUDA_DEVICE_MAX_CONNECTIONS=1",
+                  "examples/train_gpt_dapo.py --config-name recipes/", "trap cleanup EXIT INT TERM"):
         assert piece in text, piece
+    assert not re.search(r"^\s*(export\s+)?NCCL_ALGO=", text, re.M)  # never set by default
+
+
+FAKE_SRUN = """#!/bin/bash
+# records every call (NUL-separated args, one call per file, numbered under a lock), the env it saw; the engine
+# options call really runs (container paths mapped to the checkout and RESULTS); an engine server call records
+# whether the options file exists and stays up; a health probe, like the real one, waits until a server is up
+case "$*" in *nemo_dapo.engines.health*)
+  for _ in $(seq 100); do [ -f "$SRUN_DIR/engine.pid" ] && break; sleep 0.1; done ;; esac
+exec 9>"$SRUN_DIR/lock"; flock 9
+n=$(ls "$SRUN_DIR" | grep -c '^call' || true)
+for a in "$@"; do printf "%s\\0" "$a"; done > "$SRUN_DIR/call$n"
+echo "NCCL_ALGO=${NCCL_ALGO-unset}" "CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS-unset}" > "$SRUN_DIR/env$n"
+flock -u 9; exec 9>&-
+case "$*" in
+  *nemo_dapo.aligner.engine_options*) cmd="${@: -1}"; cmd="${cmd//"/opt/nemo_dapo"/"$REPO_ROOT"}"
+                                      exec bash -c "${cmd//"/results/"/"$RESULTS/"}" ;;
+  *nemo_dapo.engines.server*) cp "$RESULTS/engine_options.json" "$SRUN_DIR/options_at_server_start.json"
+                              echo $$ > "$SRUN_DIR/engine.pid.tmp"; mv "$SRUN_DIR/engine.pid.tmp" "$SRUN_DIR/engine.pid"
+                              exec sleep 300 ;;
+  *train_gpt_dapo.py*) exit "${TRAINER_RC:-0}" ;;
+esac
+"""
 
 
 @pytest.fixture
@@ -65,52 +90,147 @@ def fake_srun(tmp_path):
     bindir = tmp_path / "bin"
     bindir.mkdir()
     srun = bindir / "srun"
-    srun.write_text('#!/bin/bash\nfor a in "$@"; do printf "%s\\0" "$a"; done > "$SRUN_LOG"\n'
-                    'echo "NCCL_ALGO=${NCCL_ALGO-unset}" '
-                    '"CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS-unset}" > "$SRUN_LOG.env"\n')
+    srun.write_text(FAKE_SRUN)
     srun.chmod(0o755)
+    python = bindir / "python"  # the container's `python` for the engine options call (a link would lose the venv)
+    python.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+    python.chmod(0o755)
     return bindir
 
 
-def run_sbatch(fake_srun, tmp_path, *overrides, **env_over):
-    log = tmp_path / "srun.args"
+def run_sbatch(fake_srun, tmp_path, *overrides, check=True, **env_over):
+    """Run the script with the fake srun; returns (exit code, [argv of each srun call in order])."""
+    calls = tmp_path / "calls"
+    calls.mkdir(exist_ok=True)
     clean = {k: v for k, v in os.environ.items() if k not in ("NCCL_ALGO", "CUDA_DEVICE_MAX_CONNECTIONS")}
-    env = dict(clean, PATH=f"{fake_srun}:{os.environ['PATH']}", SRUN_LOG=str(log), SLURM_JOB_NUM_NODES="16",
-               CONTAINER="nemo-dapo.sqsh", CHECKPOINT="/ckpt/qwen/model.nemo", TRAIN_DATA="/data/train.parquet",
-               VAL_DATA="/eval/aime-2024.parquet", RESULTS=str(tmp_path / "results"), **env_over)
-    subprocess.run(["bash", str(SBATCH), *overrides], check=True, env=env, cwd=ROOT, capture_output=True)
-    return log.read_text().split("\0")[:-1]
+    env = dict(clean, PATH=f"{fake_srun}:{os.environ['PATH']}", SRUN_DIR=str(calls), SLURM_JOB_NUM_NODES="16",
+               SLURM_JOB_ID="77", CONTAINER="nemo-dapo.sqsh", ENGINE_CONTAINER="nemo-dapo-engine.sqsh",
+               CHECKPOINT="/ckpt/qwen/model.nemo", TOKENIZER="/hf/Qwen2.5-32B", HF_MODEL="/hf/Qwen2.5-32B",
+               TRAIN_DATA="/data/train.parquet", VAL_DATA="/eval/aime-2024.parquet",
+               RESULTS=str(tmp_path / "results"), REPO_ROOT=str(ROOT), OMP_NUM_THREADS="1")
+    env.update(env_over)
+    out = subprocess.run(["bash", str(SBATCH), *overrides], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    if check:
+        assert out.returncode == 0, out.stderr
+    n = len(list(calls.glob("call*")))
+    return out.returncode, [(calls / f"call{i}").read_text().split("\0")[:-1] for i in range(n)]
+
+
+def kinds(calls):
+    return ["options" if any("nemo_dapo.aligner.engine_options" in a for a in c) else
+            "server" if any("nemo_dapo.engines.server" in a for a in c) else
+            "health" if any("nemo_dapo.engines.health" in a for a in c) else
+            "trainer" if any("train_gpt_dapo.py" in a for a in c) else "?" for c in calls]
+
+
+def trainer_call(calls):
+    return next(c for c in calls if any("train_gpt_dapo.py" in a for a in c))
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_sbatch_command_composes_with_the_recipe_and_validates(fake_srun, tmp_path):
-    args = run_sbatch(fake_srun, tmp_path, "trainer.dapo.max_steps=2", RECIPE="qwen2.5-32b_h20")
-    assert args[:2] == ["--mpi=pmix", "--ntasks-per-node=8"]
-    env_seen = (tmp_path / "srun.args.env").read_text().split()
-    assert env_seen == ["NCCL_ALGO=Tree", "CUDA_DEVICE_MAX_CONNECTIONS=1"]
+    _, calls = run_sbatch(fake_srun, tmp_path, "trainer.dapo.max_steps=2", RECIPE="qwen2.5-32b_h20")
+    args = trainer_call(calls)
+    assert args[:4] == ["--overlap", "--mpi=pmix", "--nodes=16", "--ntasks-per-node=8"]
     mounts = next(a for a in args if a.startswith("--container-mounts="))
     assert "/ckpt/qwen:/ckpt/qwen:ro" in mounts and f"{tmp_path}/results:/results" in mounts
+    assert "/hf/Qwen2.5-32B:/tokenizer:ro" in mounts  # the converter's tokenizer path does not exist in the job
     assert args[-2] == "-c"
     _, _, python_cmd = args[-1].partition("&&")
     argv = shlex.split(python_cmd)
     assert argv[:4] == ["python", "-u", "examples/train_gpt_dapo.py", "--config-name"]
+    assert "++model.tokenizer.type=/tokenizer" in argv and "++model.tokenizer.library=huggingface" in argv
     recipe = argv[4].split("/", 1)[1]
     cfg = cv.load_config(recipe, argv[5:])
     assert cv.check_config(cfg) == []
     assert cfg.trainer.num_nodes == 16 and cfg.trainer.dapo.max_steps == 2
+    assert cfg.trainer.dapo.rollout_engine == "trtllm" and cfg.trainer.dapo.engine_server.tensor_parallel_size == 8
+    assert cfg.trainer.dapo.engine_server.hf_model_dir == "/hf/Qwen2.5-32B"
     assert OmegaConf.to_container(cfg.model.data.data_prefix) == {"train": ["/data/train.parquet"],
                                                                   "validation": ["/eval/aime-2024.parquet"]}
     assert cfg.exp_manager.explicit_log_dir == "/results"
 
 
-def test_sbatch_lets_the_user_drop_nccl_algo(fake_srun, tmp_path):
-    run_sbatch(fake_srun, tmp_path, NCCL_ALGO="")
-    assert (tmp_path / "srun.args.env").read_text().split()[0] == "NCCL_ALGO=unset"
+def test_sbatch_starts_servers_then_waits_for_health_then_trains(fake_srun, tmp_path):
+    _, calls = run_sbatch(fake_srun, tmp_path)
+    assert kinds(calls) == ["options", "server", "health", "trainer"]
+    options, server, health = calls[0], calls[1], calls[2]
+    assert "--container-image=nemo-dapo.sqsh" in options and "--ntasks=1" in options  # the trainer's image, once
+    assert "--ntasks-per-node=1" in server and "--nodes=16" in server  # engine TP8 (recipe): one engine per node
+    assert "--container-image=nemo-dapo-engine.sqsh" in server
+    assert f"{tmp_path}/results:/results:ro" in next(a for a in server if a.startswith("--container-mounts="))
+    assert "--options-file /results/engine_options.json" in server[-1] and "--option " not in server[-1]
+    probe = shlex.split(health[-1])
+    assert probe[:3] == ["python", "-m", "nemo_dapo.engines.health"]
+    assert probe[-1] == "unix:/tmp/nemo-dapo-77/engine-0.sock"
+
+
+def test_sbatch_engines_get_their_options_and_gpus_from_the_config(fake_srun, tmp_path):
+    """The options file is written before the servers start, from the recipe plus the job's overrides."""
+    es = "trainer.dapo.engine_server"
+    _, calls = run_sbatch(fake_srun, tmp_path, f"{es}.tensor_parallel_size=2", f"{es}.max_batch_size=64")
+    seen = json.loads((tmp_path / "calls" / "options_at_server_start.json").read_text())
+    cfg = cv.load_config("qwen2.5-32b_h100", [f"{es}.tensor_parallel_size=2", f"{es}.max_batch_size=64"])
+    assert seen == engine_options(OmegaConf.to_container(cfg, resolve=True))
+    assert seen["engine_gpus"] == 2 and seen["options"]["max_batch_size"] == 64
+    assert seen["options"]["capacity_scheduler"] == "max_utilization"
+    server, health = calls[1], calls[2]
+    assert "--ntasks-per-node=4" in server  # 8 GPUs / engines of 2
+    assert "$((i * 2))" in server[-1] and "$((i * 2 + 2 - 1))" in server[-1]  # CUDA_VISIBLE_DEVICES per engine
+    assert [a for a in shlex.split(health[-1]) if a.startswith("unix:")] == [
+        f"unix:/tmp/nemo-dapo-77/engine-{i}.sock" for i in range(4)]
+    argv = shlex.split(trainer_call(calls)[-1].partition("&&")[2])
+    assert cv.load_config(argv[4].split("/", 1)[1], argv[5:]).trainer.dapo.engine_server.tensor_parallel_size == 2
+    sub = tmp_path / "envtp"
+    sub.mkdir()
+    rc, calls = run_sbatch(fake_srun, sub, check=False, ENGINE_TP="2")
+    assert rc == 2 and calls == []  # the old env var is refused, not silently disagreeing with the config
+    bad = tmp_path / "pp2"
+    bad.mkdir()
+    rc, calls = run_sbatch(fake_srun, bad, f"{es}.pipeline_parallel_size=2", check=False)
+    assert rc != 0 and kinds(calls) == ["options"]  # TRT-LLM's adapter has no PP: no server is started
+
+
+def test_sbatch_tears_the_servers_down_when_training_fails(fake_srun, tmp_path):
+    rc, calls = run_sbatch(fake_srun, tmp_path, check=False, TRAINER_RC="3")
+    assert rc == 3 and kinds(calls) == ["options", "server", "health", "trainer"]
+    pid = int((tmp_path / "calls" / "engine.pid").read_text())
+    with pytest.raises(ProcessLookupError):  # the trap killed the engine server step
+        os.kill(pid, 0)
+
+
+def test_sbatch_legacy_engine_runs_the_trainer_only(fake_srun, tmp_path):
+    _, calls = run_sbatch(fake_srun, tmp_path, ROLLOUT_ENGINE="legacy", ENGINE_CONTAINER="", HF_MODEL="")
+    assert len(calls) == 1 and "trainer.dapo.rollout_engine" not in calls[0][-1]
+
+
+def test_sbatch_exports_no_nccl_algo_unless_asked(fake_srun, tmp_path):
+    run_sbatch(fake_srun, tmp_path)
+    env_files = sorted((tmp_path / "calls").glob("env*"))
+    assert env_files and all(f.read_text().split() == ["NCCL_ALGO=unset", "CUDA_DEVICE_MAX_CONNECTIONS=1"]
+                             for f in env_files)
+    other = tmp_path / "asked"
+    other.mkdir()
+    run_sbatch(fake_srun, other, NCCL_ALGO="Ring")
+    assert (other / "calls" / "env0").read_text().split()[0] == "NCCL_ALGO=Ring"
+
+
+def test_sbatch_restores_a_checkpoint_directory_through_a_writable_view(fake_srun, tmp_path):
+    ckpt = tmp_path / "ckpt-dir"
+    (ckpt / "context").mkdir(parents=True)
+    (ckpt / "weights").mkdir()
+    _, calls = run_sbatch(fake_srun, tmp_path, CHECKPOINT=str(ckpt))
+    view = tmp_path / "results" / "checkpoint_view"
+    assert (view / "context").is_symlink() and os.readlink(view / "context") == str(ckpt / "context")
+    args = trainer_call(calls)
+    assert "pretrained_checkpoint.restore_from_path=/results/checkpoint_view" in args[-1]
+    assert f"{ckpt}:{ckpt}:ro" in next(a for a in args if a.startswith("--container-mounts="))
 
 
 def test_sbatch_refuses_to_run_without_its_inputs(fake_srun, tmp_path):
-    env = dict(os.environ, PATH=f"{fake_srun}:{os.environ['PATH']}", SRUN_LOG=str(tmp_path / "log"))
-    for key in ("CONTAINER", "CHECKPOINT", "TRAIN_DATA", "VAL_DATA", "RESULTS"):
+    env = dict(os.environ, PATH=f"{fake_srun}:{os.environ['PATH']}", SRUN_DIR=str(tmp_path))
+    for key in ("CONTAINER", "CHECKPOINT", "TRAIN_DATA", "VAL_DATA", "RESULTS", "TOKENIZER"):
         env.pop(key, None)
     out = subprocess.run(["bash", str(SBATCH)], env=env, cwd=ROOT, capture_output=True, text=True)
     assert out.returncode != 0 and "set CONTAINER" in out.stderr

@@ -1,23 +1,38 @@
 """Contract test: how TRTLLMGenerator drives NeMo-Aligner's GPTGenerateTRTLLM, against a fake that records calls.
 
 TensorRT-LLM cannot run on this machine; tests/gpu/test_aligner_trtllm.py runs the real engine on a GPU. Here the
-fake reproduces the real class's interface and observable behaviour (static batches of generation_batch_size, rows
-returned as prompt + response padded with EOS, total lengths including the prompt, per-sample seeds drawn from
-``rng_generator``), and the test checks what our wrapper sends and how it reads the answer. The constructor keywords
-our wrapper passes are checked against the installed NeMo-Aligner source (parsed, not imported: importing it needs
-TensorRT-LLM).
+fakes reproduce, one level below our call, what the real code does (read from the installed NeMo-Aligner 0.7.0,
+NeMo 2.1.0 and megatron-core 0.10.0 sources; each test names the lines it relies on, and ``test_the_sources_*``
+checks that those lines are still there, parsed, not imported):
+
+* ``FakeGPTGenerateTRTLLM`` = nemo_aligner/utils/trt_llm.py: ``refit`` builds on the first call
+  (``self.trt_llm_exporter.build(..., tokenizer=self.tokenizer, ...)``) and calls ``exporter.refit`` after;
+  ``free`` unloads only with ``unload_engine_train``; ``generate`` draws per-sample seeds from ``rng_generator`` and
+  runs ``tensorrt_llm_worker_context.decoder.generate`` (None once unloaded), static batches, rows = prompt +
+  response padded with EOS, lengths including the prompt.
+* ``FakeExporter`` = nemo/export/tensorrt_llm.py (mcore path): ``build`` gathers weights through
+  ``self.gather_and_reshard_model``, imports ``TRTLLMHelper`` from its module at call time and asks it for the
+  engine config with ``vocab_size=self.tokenizer.vocab_size``; ``refit`` reloads an unloaded engine
+  (``load_distributed``) and converts with ``tokenizer_vocab_size=self.tokenizer.vocab_size``.
+* ``FakeHelper`` = megatron/core/export/trtllm/trtllm_helper.py + the on-device converter: the vocabulary is split
+  with ``divide(vocab, tp)`` (asserts), the LLaMA config gets ``bias`` = ``add_bias_linear`` and LLaMAConfig's
+  defaults ``attn_bias = mlp_bias = False``; an engine without ``attn_bias`` has no QKV bias to load (silently
+  dropped), one with it requires the output-projection bias too (TensorRT-LLM's load: "Required but not provided").
+* ``FakeSamplingConfig`` = tensorrt_llm.runtime.SamplingConfig: ``update`` takes only its own field names
+  (``SAMPLING_CONFIG_FIELDS``; the real one silently returns unknown keys, the fake refuses them).
 """
 import ast
 import importlib.util
 import os
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
 
 from nemo_dapo.aligner import compat
-from nemo_dapo.aligner.generation import TRTLLMGenerator, build_trtllm_engine
+from nemo_dapo.aligner.generation import TRTLLMGenerator, build_generator, build_trtllm_engine
 from tests.aligner._fakes import CharTokenizer
 from tests.aligner.conftest import needs_nemo
 
@@ -25,46 +40,170 @@ pytestmark = [needs_nemo, pytest.mark.nemo]
 TOK = CharTokenizer()
 EOS = TOK.eos_id
 
+# tensorrt_llm/runtime/generation.py, ``@dataclass class SamplingConfig`` (NVIDIA/TensorRT-LLM, stored version at
+# commit 2340c776201e4dba9aa625b8615e3e6ca9d7a7f6): the fields a SamplingConfig.update can set.
+SAMPLING_CONFIG_FIELDS = frozenset({
+    "end_id", "pad_id", "max_new_tokens", "num_beams", "max_attention_window_size", "sink_token_length",
+    "output_sequence_lengths", "return_dict", "stop_words_list", "bad_words_list", "temperature", "top_k", "top_p",
+    "top_p_decay", "top_p_min", "top_p_reset_ids", "length_penalty", "repetition_penalty", "min_length",
+    "presence_penalty", "frequency_penalty", "use_beam_hyps", "beam_search_diversity_rate", "random_seed",
+    "output_cum_log_probs", "output_log_probs"})
+
+
+def _site(*parts) -> str:
+    spec = importlib.util.find_spec(parts[0])
+    return open(os.path.join(spec.submodule_search_locations[0], *parts[1:])).read()
+
 
 class FakeSamplingConfig:
-    def __init__(self):
+    def __init__(self, **fields):
         self.updates = []
+        for k, v in fields.items():
+            setattr(self, k, v)
 
     def update(self, **kw):
+        unknown = set(kw) - SAMPLING_CONFIG_FIELDS
+        assert not unknown, f"tensorrt_llm SamplingConfig has no field(s) {unknown}"
         self.updates.append(kw)
         for k, v in kw.items():
             setattr(self, k, v)
 
 
+class FakeHelper:
+    """megatron-core's TRTLLMHelper as NeMo's build uses it (constructor + the on-device config/weights call)."""
+
+    built = []  # (config, state dict) per get_trtllm_pretrained_config_and_model_weights call
+    tp_size = 1  # what the real converter reads from megatron's parallel_state
+
+    def __init__(self, transformer_config=None, **kwargs):
+        self.transformer_config = transformer_config
+
+    def get_trtllm_pretrained_config_and_model_weights(self, model_state_dict, dtype, export_config=None,
+                                                       on_device_distributed_conversion=False, vocab_size=None,
+                                                       gpus_per_node=None, state_dict_split_by_layer_numbers=True):
+        assert on_device_distributed_conversion and vocab_size is not None
+        tp_size = FakeHelper.tp_size
+        assert vocab_size % tp_size == 0, f"{vocab_size} is not divisible by {tp_size}"  # megatron.core.utils.divide
+        config = SimpleNamespace(vocab_size=vocab_size, bias=self.transformer_config.add_bias_linear,
+                                 attn_bias=False, mlp_bias=False)
+        FakeHelper.built.append((config, model_state_dict))
+        return [dict(model_state_dict)], [config]
+
+
+class FakeExporter:
+    """NeMo 2.1's TensorRTLLM exporter: build / refit / unload_engine as GPTGenerateTRTLLM calls them."""
+
+    def __init__(self, tp: int):
+        self.tp, self.calls, self.decoder, self.engine_config = tp, [], None, None
+
+    def gather_and_reshard_model(self, model_config, model, storage_dtype):
+        """A two-layer model's state dict (megatron names), with QKV bias when the model has it."""
+        state = {"embedding.word_embeddings.weight": torch.zeros(512, 8)}
+        for i in range(2):
+            state[f"decoder.layers.{i}.self_attention.linear_qkv.weight"] = torch.ones(24, 8)
+            if model_config.get("qkv_bias"):
+                state[f"decoder.layers.{i}.self_attention.linear_qkv.bias"] = torch.ones(24)
+        return state
+
+    def _load(self, state):
+        c = self.engine_config
+        for i in range(2):
+            has_qkv = f"decoder.layers.{i}.self_attention.linear_qkv.bias" in state
+            has_dense = f"decoder.layers.{i}.self_attention.linear_proj.bias" in state
+            if c.attn_bias:
+                assert has_qkv and has_dense, f"Required but not provided tensors: layer {i} attention biases"
+            elif has_qkv:
+                self.calls.append(("qkv bias dropped", i))
+        self.state = state
+
+    def build(self, model, model_config, model_type, gpus_per_node, tokenizer, max_input_len, max_output_len,
+              max_batch_size, use_refit, reshard_model):
+        self.tokenizer = tokenizer  # nemo_file.build_tokenizer returns a non-TokenizerSpec unchanged
+        state = self.gather_and_reshard_model(model_config, model, torch.float32)
+        from megatron.core.export.trtllm.trtllm_helper import TRTLLMHelper  # at call time, as NeMo's build
+
+        FakeHelper.tp_size = self.tp
+        helper = TRTLLMHelper(transformer_config=SimpleNamespace(add_bias_linear=model_config.get("bias")))
+        _, configs = helper.get_trtllm_pretrained_config_and_model_weights(
+            model_state_dict=state, dtype="float32", state_dict_split_by_layer_numbers=True,
+            on_device_distributed_conversion=True, vocab_size=self.tokenizer.vocab_size, gpus_per_node=1)
+        self.engine_config = configs[0]
+        self._load(state)
+        self.decoder = "runner"
+        self.calls.append(("build", model))
+
+    def refit(self, model, model_config):
+        state = self.gather_and_reshard_model(model_config, model, torch.float32)
+        assert self.tokenizer.vocab_size % self.tp == 0, "divide(tokenizer_vocab_size, tp)"
+        if self.decoder is None:  # load_distributed: reload the engine file
+            self.decoder = "runner"
+            self.calls.append(("load_distributed",))
+        self._load(state)
+        self.calls.append(("refit", model))
+
+    def unload_engine(self):
+        self.decoder = None
+        self.calls.append(("unload",))
+
+
 class FakeGPTGenerateTRTLLM:
     """Records refit / generate / free calls and answers like the real GPTGenerateTRTLLM."""
 
-    def __init__(self, max_generation_length=6, max_input_len=12, generation_batch_size=4):
+    def __init__(self, max_generation_length=6, max_input_len=12, generation_batch_size=4, *, tokenizer=TOK,
+                 tp=1, top_k=0, unload_engine_train=False, honour_bad_words=True):
         self.max_generation_length, self.max_input_len = max_generation_length, max_input_len
-        self.generation_batch_size = generation_batch_size
-        self.sampling_config = FakeSamplingConfig()
+        self.generation_batch_size, self.unload_engine_train = generation_batch_size, unload_engine_train
+        self.tokenizer, self.honour_bad_words = tokenizer, honour_bad_words
+        self.sampling_config = FakeSamplingConfig(temperature=1.0, top_k=top_k, top_p=1.0,
+                                                  max_new_tokens=max_generation_length)
         self.rng_generator = torch.Generator().manual_seed(123)
-        self.trt_llm_exporter = SimpleNamespace(gather_and_reshard_model="exporter's own")
+        self.trt_llm_exporter = FakeExporter(tp)
+        self._compiled = False
         self.calls = []
         self.expected = []  # per generate call: the response (without prompt) of every row
+        self.seen = []  # per generate call: (temperature, top_k, top_p) the engine sampled with
 
     def refit(self, model):
         self.calls.append(("refit", model))
+        if not self._compiled:
+            self.trt_llm_exporter.build(model=model, model_config=self.model_cfg, model_type="llama", gpus_per_node=1,
+                                        tokenizer=self.tokenizer, max_input_len=self.max_input_len,
+                                        max_output_len=self.max_generation_length,
+                                        max_batch_size=self.generation_batch_size, use_refit=True,
+                                        reshard_model=False)
+            self._compiled = True
+        else:
+            self.trt_llm_exporter.refit(model, self.model_cfg)
 
     def free(self):
         self.calls.append(("free",))
+        if self.unload_engine_train:
+            self.trt_llm_exporter.unload_engine()
+
+    def _allowed_ids(self):
+        vocab = self.trt_llm_exporter.engine_config.vocab_size
+        allowed = set(range(40, 120)) | set(range(vocab - 8, vocab))  # the top ids: padding rows, if any
+        banned = self.sampling_config.__dict__.get("bad_words_list")
+        if banned is not None and self.honour_bad_words:
+            ids, offsets = banned[0]
+            allowed -= {int(i) for i, o, prev in zip(ids, offsets, [0, *offsets[:-1]]) if o - prev == 1}
+        return sorted(allowed)
 
     def generate(self, inputs):
+        if self.trt_llm_exporter.decoder is None:  # tensorrt_llm_worker_context.decoder.generate after unload
+            raise AttributeError("'NoneType' object has no attribute 'generate'")
         tokens, lengths = inputs
         self.calls.append(("generate", tokens.clone(), lengths.clone()))
         assert tokens.shape[0] == self.generation_batch_size, "TRT-LLM engines take static batches"
+        sc = self.sampling_config
+        self.seen.append((sc.temperature, sc.top_k, sc.top_p))
         seeds = torch.randint(0, 2 ** 32, (tokens.shape[0],), dtype=torch.long, generator=self.rng_generator)
-        cap = self.sampling_config.max_new_tokens
+        cap, allowed = sc.max_new_tokens, torch.tensor(self._allowed_ids())
         rows, responses = [], []
         for b in range(tokens.shape[0]):
             g = torch.Generator().manual_seed(int(seeds[b]))
             n = int(torch.randint(1, cap + 1, (1,), generator=g))
-            resp = torch.randint(40, 120, (n,), generator=g).tolist()
+            resp = allowed[torch.randint(0, len(allowed), (n,), generator=g)].tolist()
             if n < cap or int(seeds[b]) % 2:  # ended with EOS (an EOS at the cap also counts as ended)
                 resp[-1] = EOS
             responses.append(resp)
@@ -76,12 +215,13 @@ class FakeGPTGenerateTRTLLM:
 
 
 class FakeActor:
-    def __init__(self, **trt):
-        self.cfg = OmegaConf.create({"encoder_seq_length": 32, "seed": 1, "dapo": {
+    def __init__(self, tokenizer=TOK, model=None, **trt):
+        model = dict(model or {})
+        self.cfg = OmegaConf.create(dict({"encoder_seq_length": 32, "seed": 1, "hidden_size": 8, "dapo": {
             "length_params": {"max_length": 6}, "sampling_params": {"temperature": 1.0, "top_p": 1.0,
                                                                     "end_strings": []},
-            "rollout_micro_batch_size": 4, "trt_llm": dict({"enable": True}, **trt)}})
-        self.tokenizer, self.model, self.training = TOK, SimpleNamespace(name="mcore model"), False
+            "rollout_micro_batch_size": 4, "trt_llm": dict({"enable": True}, **trt)}}, **model))
+        self.tokenizer, self.model, self.training = tokenizer, SimpleNamespace(name="mcore model"), False
         self._sampling_params = {"end_strings": []}
         self.calls = []
 
@@ -93,6 +233,28 @@ class FakeActor:
 
     def eval(self):
         pass
+
+
+def _engine(actor, **kw):
+    engine = FakeGPTGenerateTRTLLM(tp=int(actor.cfg.get("tensor_model_parallel_size", 1)), **kw)
+    engine.model_cfg = actor.cfg
+    return engine
+
+
+@pytest.fixture(autouse=True)
+def fake_helper(monkeypatch):
+    """megatron.core.export.trtllm.trtllm_helper (which imports tensorrt_llm) as a module holding FakeHelper."""
+    import sys
+    import types
+
+    import megatron.core.export.trtllm as package
+
+    module = types.ModuleType("megatron.core.export.trtllm.trtllm_helper")
+    module.TRTLLMHelper = FakeHelper
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setattr(package, "trtllm_helper", module, raising=False)
+    FakeHelper.built = []
+    return module
 
 
 def _prompts(texts):
@@ -107,7 +269,8 @@ def _names(engine):
 
 
 def test_engine_is_built_once_and_refit_once_per_weight_update():
-    engine, actor = FakeGPTGenerateTRTLLM(), FakeActor()
+    actor = FakeActor()
+    engine = _engine(actor)
     gen = TRTLLMGenerator(actor, engine)
     ids, mask, _ = _prompts(["ab", "cde"])
     gen.generate(ids, mask, max_new_tokens=6, seed=1)
@@ -117,11 +280,13 @@ def test_engine_is_built_once_and_refit_once_per_weight_update():
     gen.generate(ids, mask, max_new_tokens=6, seed=3)
     assert _names(engine) == ["refit", "generate", "free", "generate", "free", "refit", "generate", "free"]
     assert engine.calls[0][1] is actor.model  # refit reads the actor's Megatron model
+    assert [c[0] for c in engine.trt_llm_exporter.calls] == ["build", "refit"]
     assert actor.calls == ["prepare_for_inference", "finish_inference"] * 3
 
 
 def test_prompts_go_in_right_padded_in_static_batches_and_responses_come_back_in_core_layout():
-    engine, actor = FakeGPTGenerateTRTLLM(generation_batch_size=4), FakeActor()
+    actor = FakeActor()
+    engine = _engine(actor, generation_batch_size=4)
     texts = ["ab", "cdefg", "h", "ijk", "lmnop", "qr"]  # 6 prompts: batches of 4 + 2 (padded to 4)
     ids, mask, real = _prompts(texts)
     out = TRTLLMGenerator(actor, engine).generate(ids, mask, max_new_tokens=5, temperature=0.7, top_p=0.9, seed=7)
@@ -131,34 +296,159 @@ def test_prompts_go_in_right_padded_in_static_batches_and_responses_come_back_in
     lengths = torch.cat([c[2] for c in sent])[:6]
     for b, x in enumerate(real):
         assert lengths[b] == len(x) and rows[b, :len(x)].tolist() == x
-    assert lengths[6:].numel() == 0 or True
     expected = [r for call in engine.expected for r in call][:6]
     for b, resp in enumerate(expected):
         n = int(out.response_mask[b].sum())
         assert out.response_ids[b, :n].tolist() == resp
         assert bool(out.truncated[b]) == (resp[-1] != EOS)
     assert out.response_ids.shape[0] == 6 and out.logprobs is None
-    assert engine.sampling_config.temperature == 0.7 and engine.sampling_config.top_p == 0.9
-    assert engine.sampling_config.max_new_tokens == 5
+    assert engine.seen == [(0.7, 0, 0.9)] * 2 and engine.sampling_config.max_new_tokens == 5
 
 
 def test_seed_makes_generation_reproducible():
     ids, mask, _ = _prompts(["ab", "cd", "ef"])
-    a = TRTLLMGenerator(FakeActor(), FakeGPTGenerateTRTLLM()).generate(ids, mask, max_new_tokens=6, seed=11)
-    b = TRTLLMGenerator(FakeActor(), FakeGPTGenerateTRTLLM()).generate(ids, mask, max_new_tokens=6, seed=11)
-    c = TRTLLMGenerator(FakeActor(), FakeGPTGenerateTRTLLM()).generate(ids, mask, max_new_tokens=6, seed=12)
+
+    def run(seed):
+        actor = FakeActor()
+        return TRTLLMGenerator(actor, _engine(actor)).generate(ids, mask, max_new_tokens=6, seed=seed)
+
+    a, b, c = run(11), run(11), run(12)
     assert torch.equal(a.response_ids, b.response_ids) and not torch.equal(a.response_ids, c.response_ids)
 
 
-def test_greedy_maps_to_top_k_1():
-    engine = FakeGPTGenerateTRTLLM()
+@pytest.mark.parametrize("configured_top_k", [0, 5])
+def test_greedy_sets_top_k_1_for_that_call_only(configured_top_k):
+    """GPTGenerateTRTLLM keeps ONE SamplingConfig for all calls (trt_llm.py: ``self.sampling_config =
+    tensorrt_llm.runtime.SamplingConfig(..., top_k=sample_top_k, ...)``, read by every ``_generate``), so a greedy
+    call's top_k=1 stays unless the next call sets top_k back to the configured value."""
+    actor = FakeActor()
+    engine = _engine(actor, top_k=configured_top_k)
+    gen = TRTLLMGenerator(actor, engine)
     ids, mask, _ = _prompts(["ab"])
-    TRTLLMGenerator(FakeActor(), engine).generate(ids, mask, max_new_tokens=3, temperature=0.0, seed=1)
-    assert engine.sampling_config.top_k == 1 and engine.sampling_config.temperature == 1.0
+    gen.generate(ids, mask, max_new_tokens=3, temperature=0.0, seed=1)
+    gen.generate(ids, mask, max_new_tokens=3, temperature=0.8, top_p=0.95, seed=1)
+    gen.generate(ids, mask, max_new_tokens=3, temperature=0.0, seed=1)
+    assert engine.seen == [(1.0, 1, 1.0), (0.8, configured_top_k, 0.95), (1.0, 1, 1.0)]
+
+
+def test_vocabulary_is_padded_to_the_tp_size_and_padding_ids_are_never_emitted():
+    """Relies on nemo/export/tensorrt_llm.py ``build``: ``self.tokenizer = build_tokenizer(tokenizer)`` and
+    ``vocab_size=self.tokenizer.vocab_size`` (refit: ``tokenizer_vocab_size=self.tokenizer.vocab_size``), with the
+    tokenizer GPTGenerateTRTLLM.refit passes (``tokenizer=self.tokenizer``); megatron-core's
+    distributed_trtllm_model_weights_converter.py ``_get_remove_vocab_padding`` splits that size with
+    ``VocabUtility.vocab_range_from_global_vocab_size(tokenizer_vocab_size, self.tp_rank, self.inference_tp_size)``
+    -> ``divide`` (asserts). V = 253 at TP 8 stands for Qwen2.5's 151,665."""
+    tok = SimpleNamespace(**{k: getattr(TOK, k) for k in ("bos_id", "eos_id", "pad_id", "text_to_ids",
+                                                          "ids_to_text")}, vocab_size=253)
+    actor = FakeActor(tokenizer=tok, model={"tensor_model_parallel_size": 8})
+    engine = _engine(actor, tokenizer=tok, generation_batch_size=8)
+    out = TRTLLMGenerator(actor, engine).generate(*_prompts(["ab"] * 64)[:2], max_new_tokens=6, seed=3)
+    assert engine.trt_llm_exporter.engine_config.vocab_size == 256
+    assert engine.trt_llm_exporter.tokenizer.eos_id == EOS  # everything else is the real tokenizer
+    banned = engine.sampling_config.bad_words_list
+    assert banned.shape == (8, 2, 3) and banned.dtype == np.int32
+    assert banned[0].tolist() == [[253, 254, 255], [1, 2, 3]]
+    emitted = {i for call in engine.expected for r in call for i in r}
+    assert emitted & set(range(248, 253)) and not emitted & {253, 254, 255}  # top ids, but no padding
+    assert int(out.response_ids.max()) < 253
+
+    # without the ban (the engine ignoring it) an id >= V is cut off, never clamped into a token
+    actor = FakeActor(tokenizer=tok, model={"tensor_model_parallel_size": 8})
+    engine = _engine(actor, tokenizer=tok, generation_batch_size=8, honour_bad_words=False)
+    out = TRTLLMGenerator(actor, engine).generate(*_prompts(["ab"] * 64)[:2], max_new_tokens=6, seed=3)
+    hit = 0
+    for b, resp in enumerate(r for call in engine.expected for r in call):
+        cut = next((j for j, i in enumerate(resp) if i >= 253), None)
+        n = int(out.response_mask[b].sum())
+        if cut is not None:
+            hit += 1
+            assert n == cut and bool(out.truncated[b]), (resp, out.response_ids[b])
+        assert out.response_ids[b, :n].tolist() == resp[:n]
+    assert hit > 0 and int((out.response_ids * out.response_mask.long()).max()) < 253
+
+
+def test_vocabulary_needs_the_padding_at_tp_8():
+    """Without the padding the build asserts exactly as megatron-core's ``divide`` does (the fake's helper)."""
+    tok = SimpleNamespace(eos_id=EOS, vocab_size=253)
+    actor = FakeActor(tokenizer=tok, model={"tensor_model_parallel_size": 8})
+    engine = _engine(actor, tokenizer=tok)
+    with pytest.raises(AssertionError, match="253 is not divisible by 8"):
+        engine.refit(actor.model)
+
+
+def test_qkv_bias_reaches_the_engine_as_attn_bias_with_a_zero_output_bias(fake_helper):
+    """Relies on nemo/export/tensorrt_llm.py ``build``: ``from megatron.core.export.trtllm.trtllm_helper import
+    TRTLLMHelper`` inside the method and ``self.trtllm_helper.get_trtllm_pretrained_config_and_model_weights(``;
+    megatron-core trtllm_helper.py ``_get_trtllm_config``: ``'bias': self.transformer_config.add_bias_linear`` is
+    the only bias key (LLaMAConfig's own fields are ``attn_bias`` / ``mlp_bias``, default False); NeMo's exporter
+    gathers through ``self.gather_and_reshard_model(model_config, model, storage_dtype)``."""
+    ids, mask, _ = _prompts(["ab"])
+    # today's behaviour, without the override: the engine has no attention bias and the QKV bias is dropped
+    actor = FakeActor(model={"qkv_bias": True, "bias": False})
+    engine = _engine(actor)
+    engine.refit(actor.model)
+    assert engine.trt_llm_exporter.engine_config.attn_bias is False
+    assert ("qkv bias dropped", 0) in engine.trt_llm_exporter.calls
+
+    actor = FakeActor(model={"qkv_bias": True, "bias": False})
+    engine = _engine(actor)
+    gen = TRTLLMGenerator(actor, engine)
+    gen.generate(ids, mask, max_new_tokens=3, seed=1)
+    gen.update_weights(None)
+    gen.generate(ids, mask, max_new_tokens=3, seed=1)  # refit: the zero output bias again
+    config, state = FakeHelper.built[-1]
+    assert (config.attn_bias, config.mlp_bias, config.bias) == (True, False, False)
+    for i in range(2):
+        assert torch.equal(state[f"decoder.layers.{i}.self_attention.linear_proj.bias"], torch.zeros(8))
+    assert [c[0] for c in engine.trt_llm_exporter.calls] == ["build", "refit"]
+    assert "qkv bias dropped" not in {c[0] for c in engine.trt_llm_exporter.calls}
+    assert fake_helper.TRTLLMHelper is FakeHelper  # the subclass lives only for the build
+
+    actor = FakeActor(model={"qkv_bias": False, "bias": False})  # dense without bias: no override, no extra keys
+    engine = _engine(actor)
+    TRTLLMGenerator(actor, engine).generate(ids, mask, max_new_tokens=3, seed=1)
+    config, state = FakeHelper.built[-1]
+    assert config.attn_bias is False and not any(k.endswith("bias") for k in state)
+
+    with pytest.raises(ValueError, match="model_type: llama"):
+        TRTLLMGenerator(FakeActor(model={"qkv_bias": True}, model_type="gptnext"), _engine(actor))
+
+
+def test_unloaded_engine_is_reloaded_and_refit_by_the_next_call():
+    """Relies on nemo_aligner/utils/trt_llm.py ``free``: ``self.trt_llm_exporter.unload_engine()`` with
+    ``unload_engine_train``; nemo/export/trt_llm/tensorrt_llm_run.py ``unload_engine``:
+    ``tensorrt_llm_worker_context.decoder = None`` (``_generate`` then calls ``decoder.generate``); NeMo's
+    ``TensorRTLLM.refit`` calls ``load_distributed(...)``, which reloads when the decoder is not a ModelRunner, then
+    ``refit(weights_dict)``."""
+    ids, mask, _ = _prompts(["ab", "cd"])
+    actor = FakeActor(unload_engine_train=True)
+    engine = _engine(actor, unload_engine_train=True)
+    gen = TRTLLMGenerator(actor, engine)
+    for seed in (1, 2, 3):  # no weight update in between: the reload alone makes the refit necessary
+        gen.generate(ids, mask, max_new_tokens=4, seed=seed)
+    assert _names(engine) == ["refit", "generate", "free"] * 3
+    assert [c[0] for c in engine.trt_llm_exporter.calls] == [
+        "build", "unload", "load_distributed", "refit", "unload", "load_distributed", "refit", "unload"]
+
+    # the defect: a generator that trusts the engine to stay loaded dereferences the freed session
+    stale = TRTLLMGenerator(FakeActor(unload_engine_train=True), _engine(actor, unload_engine_train=True))
+    stale.generate(ids, mask, max_new_tokens=4, seed=1)
+    stale._stale = False
+    with pytest.raises(AttributeError, match="NoneType"):
+        stale.generate(ids, mask, max_new_tokens=4, seed=2)
+
+
+def test_moe_models_are_refused_with_the_engine_that_can_refit_them():
+    actor = FakeActor(model={"num_moe_experts": 8, "expert_model_parallel_size": 2})
+    with pytest.raises(NotImplementedError, match="rollout_engine: trtllm"):
+        TRTLLMGenerator(actor, _engine(FakeActor()))
+    with pytest.raises(NotImplementedError, match="num_moe_experts=8"):
+        build_generator(actor)
 
 
 def test_limits_are_checked_with_the_key_to_change():
-    gen = TRTLLMGenerator(FakeActor(), FakeGPTGenerateTRTLLM(max_input_len=3))
+    actor = FakeActor()
+    gen = TRTLLMGenerator(actor, _engine(actor, max_input_len=3))
     ids, mask, _ = _prompts(["abcd"])
     with pytest.raises(ValueError, match="max_input_len"):
         gen.generate(ids, mask, max_new_tokens=3)
@@ -168,13 +458,14 @@ def test_limits_are_checked_with_the_key_to_change():
 
 
 def test_refit_gather_replaces_the_exporter_gather():
-    engine = FakeGPTGenerateTRTLLM()
+    actor = FakeActor()
+    engine = _engine(actor)
 
-    def expert_aware(model_config, model, storage_dtype):
+    def custom(model_config, model, storage_dtype):
         return {}
 
-    TRTLLMGenerator(FakeActor(), engine, refit_gather=expert_aware)
-    assert engine.trt_llm_exporter.gather_and_reshard_model is expert_aware
+    TRTLLMGenerator(actor, engine, refit_gather=custom)
+    assert engine.trt_llm_exporter.gather_and_reshard_model is custom
 
 
 def test_reshard_splits_prompts_over_pipeline_stages(monkeypatch):
@@ -182,7 +473,7 @@ def test_reshard_splits_prompts_over_pipeline_stages(monkeypatch):
 
     monkeypatch.setattr(ps, "get_pipeline_model_parallel_world_size", lambda: 2)
     monkeypatch.setattr(ps, "get_pipeline_model_parallel_group", lambda: "pp-group")
-    gen = TRTLLMGenerator(FakeActor(), FakeGPTGenerateTRTLLM(), reshard=True)
+    gen = TRTLLMGenerator(FakeActor(), _engine(FakeActor()), reshard=True)
     shares = []
     for r in (0, 1):
         monkeypatch.setattr(ps, "get_pipeline_model_parallel_rank", lambda r=r: r)
@@ -190,14 +481,12 @@ def test_reshard_splits_prompts_over_pipeline_stages(monkeypatch):
         shares.append(rows)
         assert group == "pp-group"
     assert shares == [[0, 1], [2, 3, 4]]
-    assert TRTLLMGenerator(FakeActor(), FakeGPTGenerateTRTLLM(), reshard=False)._my_rows(5) == ([0, 1, 2, 3, 4], None)
+    assert TRTLLMGenerator(FakeActor(), _engine(FakeActor()), reshard=False)._my_rows(5) == ([0, 1, 2, 3, 4], None)
 
 
 def _real_init_parameters():
     """Keyword names of the installed NeMo-Aligner GPTGenerateTRTLLM.__init__, read from its source."""
-    spec = importlib.util.find_spec("nemo_aligner")
-    path = os.path.join(spec.submodule_search_locations[0], "utils", "trt_llm.py")
-    tree = ast.parse(open(path).read())
+    tree = ast.parse(_site("nemo_aligner", "utils", "trt_llm.py"))
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "GPTGenerateTRTLLM")
     init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
     return {a.arg for a in init.args.args[1:]}
@@ -219,29 +508,31 @@ def test_engine_is_built_with_keywords_the_installed_nemo_aligner_accepts(monkey
     assert seen["trt_model_type"] == "qwen" and seen["reshard_model"] is True and seen["tokenizer"] is TOK
 
 
-def test_expert_parallel_refit_gathers_through_the_megatron_layer(monkeypatch):
-    """With EP > 1 the engine refit reads the Megatron layer's expert-aware buckets, cut for the engine's TP rank."""
-    import nemo_dapo.megatron.refit_gather as rg
-    from megatron.core import parallel_state as ps
-    from nemo_dapo.aligner.generation import build_generator
-
-    seen = {}
-
-    def fake_buckets(model, *, bucket_bytes, infer_tp_size, infer_tp_rank, dtype):
-        seen.update(model=model, tp=infer_tp_size, rank=infer_tp_rank, dtype=dtype)
-        yield [("decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight", torch.zeros(2))]
-        yield [("decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight", torch.ones(2))]
-
-    monkeypatch.setattr(rg, "iter_refit_buckets", fake_buckets)
-    monkeypatch.setattr(ps, "get_tensor_model_parallel_world_size", lambda: 2)
-    monkeypatch.setattr(ps, "get_tensor_model_parallel_rank", lambda: 1)
-    actor = FakeActor()
-    actor.cfg.expert_model_parallel_size = 4
-    engine = FakeGPTGenerateTRTLLM()
-    monkeypatch.setattr("nemo_dapo.aligner.generation.build_trtllm_engine", lambda a: engine)
-    build_generator(actor)
-    gather = engine.trt_llm_exporter.gather_and_reshard_model
-    state = gather({"precision": "bf16"}, actor.model, torch.bfloat16)
-    assert seen == {"model": actor.model, "tp": 2, "rank": 1, "dtype": torch.bfloat16}
-    assert sorted(state) == ["decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight",
-                             "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight"]
+@pytest.mark.parametrize("package,path,line", [
+    # GPTGenerateTRTLLM: the tokenizer the exporter gets, the engine's single SamplingConfig, unload in free()
+    ("nemo_aligner", "utils/trt_llm.py", "tokenizer=self.tokenizer,"),
+    ("nemo_aligner", "utils/trt_llm.py", "self.trt_llm_exporter.refit(model, self.model_cfg)"),
+    ("nemo_aligner", "utils/trt_llm.py", "self.trt_llm_exporter.unload_engine()"),
+    ("nemo_aligner", "utils/trt_llm.py", "sampling_config=self.sampling_config"),
+    # NeMo 2.1 exporter: where the vocabulary size and the weights come from, the helper imported at call time
+    ("nemo", "export/tensorrt_llm.py", "self.tokenizer = build_tokenizer(tokenizer)"),
+    ("nemo", "export/tensorrt_llm.py", "vocab_size=self.tokenizer.vocab_size,"),
+    ("nemo", "export/tensorrt_llm.py", "tokenizer_vocab_size=self.tokenizer.vocab_size,"),
+    ("nemo", "export/tensorrt_llm.py", "from megatron.core.export.trtllm.trtllm_helper import TRTLLMHelper"),
+    ("nemo", "export/tensorrt_llm.py", "self.trtllm_helper.get_trtllm_pretrained_config_and_model_weights("),
+    ("nemo", "export/tensorrt_llm.py", "model_state_dict = self.gather_and_reshard_model(model_config, model, "
+                                       "storage_dtype)"),
+    ("nemo", "export/tensorrt_llm.py", "load_distributed(self.model_dir, self.mp_rank, self.gpus_per_node)"),
+    ("nemo", "export/trt_llm/tensorrt_llm_run.py", "tensorrt_llm_worker_context.decoder = None"),
+    ("nemo", "export/trt_llm/nemo_ckpt_loader/nemo_file.py",
+     "if isinstance(tokenizer, nemo_tokenizers.TokenizerSpec):"),
+    # megatron-core 0.10: the divide on the tokenizer's size, the only bias key of the engine config
+    ("megatron", "core/export/trtllm/trtllm_weights_converter/distributed_trtllm_model_weights_converter.py",
+     "tokenizer_vocab_size, self.tp_rank, self.inference_tp_size"),
+    ("megatron", "core/tensor_parallel/utils.py", "per_partition_vocab_size = divide(global_vocab_size, world_size)"),
+    ("megatron", "core/export/trtllm/trtllm_helper.py", "'bias': self.transformer_config.add_bias_linear,"),
+    ("megatron", "core/export/trtllm/model_to_trllm_mapping/default_conversion_dict.py",
+     "'decoder.layers.self_attention.linear_proj.bias': TRTLLMLayers.attention_dense_bias,"),
+])
+def test_the_sources_the_fakes_copy_still_say_so(package, path, line):
+    assert line in _site(package, *path.split("/")), f"{package}/{path} no longer contains {line!r}"

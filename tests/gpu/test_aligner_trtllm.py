@@ -8,7 +8,9 @@ Transformer Engine, apex); skipped elsewhere. Inside the container, from the rep
 The worker (aligner_trtllm_worker.py) runs in its own process: TensorRT-LLM initialises MPI and CUDA state that
 must not leak into the test session. What is checked: the engine is built once and refit (not rebuilt) after a
 weight update; greedy tokens are Megatron's argmax under teacher forcing (the engine and the trainer compute the
-same distribution), before and after the refit; seeded sampling is reproducible.
+same distribution), before and after the refit; seeded sampling is reproducible; after the first refit the engine's
+log-probs of its sampled tokens equal the actor's recomputed ones within the worker's LOGPROB_* tolerances (the
+worker exits non-zero on a mismatch); the model has Qwen2's QKV bias, which the engine must carry.
 """
 import importlib.util
 import json
@@ -40,4 +42,7 @@ def test_trtllm_engine_build_refit_and_agreement_with_megatron(tmp_path):
         assert r["max_logprob_gap"] < 0.05, (phase, r)
     assert report["refit_changed_output"], "after the weight update the engine still produced the old tokens"
     assert report["sampling_reproducible"] and report["sampling_seed_changes_output"]
+    lp = report["logprob_after_refit"]
+    assert lp["tokens"] > 0, lp
+    assert lp["max_abs_diff"] <= lp["tolerance"]["max_abs"] and lp["mean_abs_diff"] <= lp["tolerance"]["mean_abs"], lp
     assert all(1 <= n <= 16 for n in report["response_lengths"])

@@ -1,0 +1,321 @@
+"""Rollouts of the NeMo-Aligner run through engine servers (``trainer.dapo.rollout_engine: trtllm | vllm | local``).
+
+The servers (``python -m nemo_dapo.engines.server``) are started by the launcher (``containers/dapo.sbatch``) on the
+GPUs of the training ranks, colocated; this module connects the trainer to them.
+
+Rank -> server (:class:`EngineLayout`). An engine spans ``G = engine_server.tensor_parallel_size x
+pipeline_parallel_size`` GPUs inside one node; node n runs ``gpus_per_node / G`` engines, engine ``i`` of node n on
+the node-local GPUs ``[i G, (i + 1) G)``. Global rank r (node ``r // gpus_per_node``, local rank
+``l = r % gpus_per_node``) belongs to engine ``i = l // G`` of its node, and the rank with ``l % G == 0`` (the first
+GPU of the engine) OWNS the connection: it is the only rank that talks to that server (a server takes one client at
+a time) and sends it the weights. Its address is ``engine_server.address`` (or ``$<address_env>``) formatted with
+``node``, ``local`` (= i), ``port`` (= base_port + i) and ``rank`` (the owner's global rank); the launcher starts the
+servers with the same template. Weights travel through node-local shared memory, so owner and server share a node.
+
+Generation. The ranks of one model-parallel (TP x PP) group hold the same prompts (one data-parallel replica). The
+owners inside the group split its rows in order (owner j of k takes rows [j B / k, (j + 1) B / k)), and the group
+all-gathers the results, so every rank returns the same ``Generation``. Every group needs at least one owner
+(engine GPUs <= TP, or a layout where each TP x PP group contains an engine's first GPU); the builder checks it.
+
+Weights. Every rank runs the HF-named gather (``megatron.refit_hf.hf_weight_buckets``: TP all-gathers, expert
+broadcasts, PP broadcasts) to the end; only owners send the buckets. A failure on any owner is finished in step
+(the gather is drained so no rank hangs in a collective) and then raised on EVERY rank: the run stops, the server
+refuses to generate on partial weights. ``sleep`` frees the engine's KV cache (level 1) or its weights too (level
+2) while the colocated trainer trains; the next generate or update wakes it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from nemo_dapo.core.loop_data import mix_seed
+from nemo_dapo.core.types import Generation
+
+log = logging.getLogger("nemo_dapo")
+
+SERVER_ENGINES = ("trtllm", "vllm", "local")  # rollout_engine values served by nemo_dapo.engines.server
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """Which engine server each global rank belongs to (module docstring). Pure arithmetic, no process groups."""
+
+    world: int
+    gpus_per_node: int
+    engine_gpus: int  # GPUs of one engine (its tensor x pipeline parallel size)
+
+    def __post_init__(self):
+        for key in ("world", "gpus_per_node", "engine_gpus"):
+            if int(getattr(self, key)) < 1:
+                raise ValueError(f"EngineLayout.{key}={getattr(self, key)} must be >= 1")
+        if self.gpus_per_node % self.engine_gpus:
+            raise ValueError(f"an engine of {self.engine_gpus} GPUs (engine_server.tensor_parallel_size x "
+                             f"pipeline_parallel_size) does not tile a node of {self.gpus_per_node} GPUs "
+                             "(trainer.devices): engines must not span nodes; choose a divisor of trainer.devices")
+        if self.world % self.gpus_per_node:
+            raise ValueError(f"world size {self.world} is not a whole number of {self.gpus_per_node}-GPU nodes")
+
+    @property
+    def engines_per_node(self) -> int:
+        return self.gpus_per_node // self.engine_gpus
+
+    @property
+    def num_engines(self) -> int:
+        return self.world // self.engine_gpus
+
+    def engine_of(self, rank: int) -> tuple:
+        """(node, node-local engine index) of global ``rank``."""
+        return rank // self.gpus_per_node, (rank % self.gpus_per_node) // self.engine_gpus
+
+    def owner_of(self, rank: int) -> int:
+        node, local = self.engine_of(rank)
+        return node * self.gpus_per_node + local * self.engine_gpus
+
+    def is_owner(self, rank: int) -> bool:
+        return self.owner_of(rank) == rank
+
+    def address(self, rank: int, template: str, base_port: int = 0) -> str:
+        """The address of ``rank``'s engine server from ``template`` ({node}, {local}, {port}, {rank})."""
+        node, local = self.engine_of(rank)
+        try:
+            return template.format(node=node, local=local, port=base_port + local, rank=self.owner_of(rank))
+        except (KeyError, IndexError) as e:
+            raise ValueError(f"engine_server.address {template!r}: unknown field {e}; use {{node}}, {{local}}, "
+                             "{port}, {rank}") from None
+
+
+def owners_in_group(layout: EngineLayout, group_ranks) -> list:
+    """The connection owners among the global ranks of one model-parallel group, in rank order."""
+    return sorted(r for r in group_ranks if layout.is_owner(r))
+
+
+def split_rows(b: int, k: int) -> list:
+    """[(lo, hi)] of ``b`` rows over ``k`` owners, contiguous and in order."""
+    return [(j * b // k, (j + 1) * b // k) for j in range(k)]
+
+
+class _ActorWeights:
+    """The ``hf_weight_buckets(bucket_bytes)`` face of the NeMo actor's megatron-core model for ``weight_buckets``."""
+
+    def __init__(self, actor, hf_config, dtype: Optional[torch.dtype]):
+        self.actor, self.hf_config, self.dtype = actor, hf_config, dtype
+
+    def hf_weight_buckets(self, bucket_bytes: int) -> Iterator[list]:
+        from nemo_dapo.megatron.refit_hf import hf_weight_buckets, layer_spec_name
+
+        chunks = self.actor.model if isinstance(self.actor.model, list) else [self.actor.model]
+        if len(chunks) != 1:
+            raise NotImplementedError("engine refit runs one model chunk per rank (no virtual pipeline stages)")
+        return hf_weight_buckets(chunks[0], self.hf_config, bucket_bytes=bucket_bytes,
+                                 spec=layer_spec_name(chunks[0]), dtype=self.dtype)
+
+
+class _DrainedStream:
+    """``stream()``'s result for a model-parallel group: the groups of one generate, yielded in prompt order.
+    Under data parallelism the loop drains streams anyway (core/loop.py), so nothing is lost by not aborting."""
+
+    def __init__(self, gen: Generation, n: int, num_prompts: int, pad_id: int):
+        self._parts = [(k, _rows(gen, k * n, (k + 1) * n)) for k in range(num_prompts)]
+        self.generated_tokens = int(gen.response_mask.sum()) if len(gen) else 0
+        self.aborted_tokens = self.aborted_requests = 0
+        self.done = True
+
+    def __iter__(self):
+        yield from self._parts
+
+    def abort(self) -> None:
+        pass
+
+
+def _rows(gen: Generation, lo: int, hi: int) -> Generation:
+    return Generation(response_ids=gen.response_ids[lo:hi], response_mask=gen.response_mask[lo:hi],
+                      truncated=gen.truncated[lo:hi],
+                      logprobs=None if gen.logprobs is None else gen.logprobs[lo:hi])
+
+
+class AlignerEngineGenerator:
+    """``Generator`` (core/types.py) of one rank of the NeMo-Aligner run over the engine servers (module doc).
+
+    ``engine``: this rank's ``engines.generator.EngineGenerator`` when it owns a connection, else None;
+    ``owners``: the owners of this rank's model-parallel group (global ranks); ``mp_group``: that group."""
+
+    def __init__(self, actor, engine, *, owners: list, mp_group, hf_config, dtype: Optional[torch.dtype] = None,
+                 pad_id: int):
+        if not owners:
+            raise ValueError("a model-parallel group without an engine owner cannot generate (see EngineLayout)")
+        self.actor, self.engine, self.owners, self.mp_group = actor, engine, list(owners), mp_group
+        self.pad_id = int(pad_id)
+        self._weights = _ActorWeights(actor, hf_config, dtype)
+        self.last_update: dict = {}
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    # ---- generation ------------------------------------------------------------------------------------------------
+    def _gather(self, part: Optional[Generation]) -> Generation:
+        size = dist.get_world_size(self.mp_group) if self.mp_group is not None else 1
+        if size == 1:
+            return part
+        parts = [None] * size
+        dist.all_gather_object(parts, (self.rank, part), group=self.mp_group)
+        by_rank = dict(parts)
+        return Generation.cat([by_rank[r] for r in self.owners], self.pad_id)
+
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens,
+                 temperature: float = 1.0, top_p: float = 1.0, seed: Optional[int] = None) -> Generation:
+        """LEFT-padded [B, P] prompts -> one response per row, identical on every rank of the model-parallel group."""
+        part = None
+        if self.engine is not None:
+            j = self.owners.index(self.rank)
+            lo, hi = split_rows(prompt_ids.shape[0], len(self.owners))[j]
+            budget = max_new_tokens[lo:hi] if isinstance(max_new_tokens, torch.Tensor) else max_new_tokens
+            part = self.engine.generate(prompt_ids[lo:hi], prompt_mask[lo:hi], max_new_tokens=budget,
+                                        temperature=temperature, top_p=top_p,
+                                        seed=None if seed is None else mix_seed(int(seed), j))
+        return self._gather(part)
+
+    def stream(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, n: int, max_new_tokens: int,
+               temperature: float = 1.0, top_p: float = 1.0, seed: Optional[int] = None) -> _DrainedStream:
+        """n samples of each prompt, as the groups of a drained stream (rows of prompt k: [k n, (k + 1) n))."""
+        rep = lambda x: x.repeat_interleave(n, dim=0)  # noqa: E731
+        gen = self.generate(rep(prompt_ids), rep(prompt_mask), max_new_tokens=max_new_tokens,
+                            temperature=temperature, top_p=top_p, seed=seed)
+        return _DrainedStream(gen, n, prompt_ids.shape[0], self.pad_id)
+
+    # ---- weights and memory ----------------------------------------------------------------------------------------
+    def update_weights(self, policy=None) -> None:
+        """Gather the actor's weights in HF names on every rank; owners send them. Raises on every rank if any
+        owner's update failed (after the gather has been drained in step)."""
+        failure = None
+        buckets = self._weights.hf_weight_buckets(self.engine.bucket_bytes if self.engine else 64 << 20)
+        if self.engine is not None:
+            counted = _Counting(buckets)
+            try:
+                self.engine.update_weights(counted)
+                self.last_update = dict(self.engine.last_update)
+            except Exception as e:  # noqa: BLE001 - finished in step below, then raised on every rank
+                failure = e
+            for _ in counted.rest():  # the other ranks are still in the gather's collectives
+                pass
+        else:
+            for bucket in buckets:
+                del bucket
+        flag = torch.tensor([0.0 if failure is None else 1.0], device=_collective_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if failure is not None:
+            raise failure
+        if float(flag.item()) > 0:
+            raise RuntimeError("an engine weight update failed on another rank (its log names the engine); the run "
+                               "stops rather than generate on partial weights")
+
+    def sleep(self) -> None:
+        if self.engine is not None:
+            self.engine.sleep()
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.client.close()
+
+
+class _Counting:
+    """A bucket iterator whose unconsumed rest can still be drained after its consumer stopped on an error."""
+
+    def __init__(self, buckets):
+        self._it = iter(buckets)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._it)
+
+    def rest(self):
+        yield from self._it
+
+    # weight_buckets() looks for hf_weight_buckets on the policy it is given; this object is that policy
+    def hf_weight_buckets(self, bucket_bytes: int):
+        return self
+
+
+def _collective_device() -> torch.device:
+    from nemo_dapo.aligner.reducer import collective_device
+
+    return collective_device()
+
+
+# ---- configuration -----------------------------------------------------------------------------------------------
+def server_settings(cfg) -> dict:
+    """``trainer.dapo.engine_server`` with defaults, plus trainer.devices (gpus per node)."""
+    d = (cfg.get("trainer") or {}).get("dapo") or {}
+    srv = dict(d.get("engine_server") or {})
+    srv.setdefault("tensor_parallel_size", 1)
+    srv.setdefault("pipeline_parallel_size", 1)
+    srv.setdefault("base_port", 0)
+    srv.setdefault("address_env", "NEMO_DAPO_ENGINE_ADDRESS")
+    srv.setdefault("authkey_env", "NEMO_DAPO_ENGINE_AUTHKEY")
+    srv.setdefault("connect_timeout_s", 600.0)
+    srv.setdefault("request_timeout_s", 3600.0)
+    srv.setdefault("bucket_mb", 512)
+    srv.setdefault("sleep_level", 1)
+    srv.setdefault("dtype", None)
+    srv["gpus_per_node"] = int((cfg.get("trainer") or {}).get("devices") or 1)
+    return srv
+
+
+def build_engine_generator(actor, cfg, *, hf_config=None, world: Optional[int] = None,
+                           rank: Optional[int] = None) -> AlignerEngineGenerator:
+    """Connect this rank (when it owns a server) and return the generator; pushes the actor's weights once, so the
+    engines start from the trainer's (possibly resumed) weights. ``cfg``: the whole run config."""
+    from megatron.core import parallel_state as mcore_ps
+
+    from nemo_dapo.engines.client import EngineClient
+    from nemo_dapo.engines.generator import EngineGenerator
+
+    srv = server_settings(cfg)
+    engine_name = cfg.trainer.dapo.rollout_engine
+    world = dist.get_world_size() if world is None else world
+    rank = dist.get_rank() if rank is None else rank
+    layout = EngineLayout(world=world, gpus_per_node=srv["gpus_per_node"],
+                          engine_gpus=int(srv["tensor_parallel_size"]) * int(srv["pipeline_parallel_size"]))
+    mp_group = mcore_ps.get_model_parallel_group()
+    owners = owners_in_group(layout, dist.get_process_group_ranks(mp_group))
+    missing = torch.tensor([0.0 if owners else 1.0], device=_collective_device())
+    dist.all_reduce(missing, op=dist.ReduceOp.MAX)  # every rank stops, not only those of the unserved group
+    if float(missing.item()) > 0:
+        raise ValueError(f"a tensor x pipeline parallel group holds no engine's first GPU (engines of "
+                         f"{layout.engine_gpus} GPUs, {layout.gpus_per_node} per node): make "
+                         "engine_server.tensor_parallel_size x pipeline_parallel_size "
+                         "<= model.tensor_model_parallel_size")
+    if hf_config is None:
+        from transformers import AutoConfig
+
+        if not srv.get("hf_model_dir"):
+            raise ValueError("trainer.dapo.engine_server.hf_model_dir is not set: give the Hugging Face directory the "
+                             "engines load (its config.json names the weights the trainer sends)")
+
+        hf_config = AutoConfig.from_pretrained(srv["hf_model_dir"])
+    actor.valid_vocab = int(hf_config.vocab_size)  # the HF-shaped engine has no vocabulary-padding rows
+    engine = None
+    if layout.is_owner(rank):
+        template = os.environ.get(srv["address_env"]) or srv["address"]
+        address = layout.address(rank, template, int(srv["base_port"]))
+        authkey = os.environ.get(srv["authkey_env"], "").encode() or None
+        client = EngineClient(address, authkey=authkey, name=f"{engine_name}@{address}",
+                              connect_timeout_s=float(srv["connect_timeout_s"]),
+                              request_timeout_s=float(srv["request_timeout_s"]))
+        log.info("rank %d owns engine %s at %s (%s)", rank, engine_name, address, client.info)
+        tok = actor.tokenizer
+        sp = (actor.cfg.dapo.get("sampling_params") or {})
+        engine = EngineGenerator(client, eos_id=tok.eos_id, pad_id=tok.eos_id, top_k=int(sp.get("top_k", 0) or 0),
+                                 bucket_bytes=int(srv["bucket_mb"]) << 20, sleep_level=int(srv["sleep_level"]))
+    dtype = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[srv["dtype"]]
+    gen = AlignerEngineGenerator(actor, engine, owners=owners, mp_group=mp_group, hf_config=hf_config, dtype=dtype,
+                                 pad_id=actor.tokenizer.eos_id)
+    gen.update_weights()
+    return gen

@@ -1,0 +1,115 @@
+"""Engine-server rollouts on the NeMo-Aligner path (aligner/engine_generation.py).
+
+* The rank -> server mapping and the row split (pure arithmetic), against a hand-written table.
+* End to end on CPU with the real NeMo / NeMo-Aligner stack: two TP ranks train one DAPO rollout step generating
+  through a real ``nemo_dapo.engines.server`` process (the local engine, plus a weight dump); the engine's weights
+  after the initial push and after the step's update equal the actor's, in Hugging Face names.
+"""
+import json
+import os
+
+import pytest
+
+from nemo_dapo.aligner.engine_generation import EngineLayout, owners_in_group, split_rows
+from tests.aligner.conftest import needs_nemo
+from tests.support.dist import ROOT, run_torchrun
+
+
+def test_rank_to_server_mapping_by_hand():
+    lay = EngineLayout(world=16, gpus_per_node=8, engine_gpus=4)  # 2 nodes x 2 engines of TP4
+    assert (lay.engines_per_node, lay.num_engines) == (2, 4)
+    table = {0: (0, 0, 0), 3: (0, 0, 0), 4: (0, 1, 4), 7: (0, 1, 4), 8: (1, 0, 8), 13: (1, 1, 12)}
+    for rank, (node, local, owner) in table.items():
+        assert lay.engine_of(rank) == (node, local) and lay.owner_of(rank) == owner
+    assert [r for r in range(16) if lay.is_owner(r)] == [0, 4, 8, 12]
+    assert lay.address(13, "unix:/tmp/e/engine-{local}.sock") == "unix:/tmp/e/engine-1.sock"
+    assert lay.address(13, "tcp://127.0.0.1:{port}", base_port=29600) == "tcp://127.0.0.1:29601"
+    assert lay.address(9, "unix:/s/n{node}-r{rank}.sock") == "unix:/s/n1-r8.sock"
+    with pytest.raises(ValueError, match="unknown field"):
+        lay.address(0, "unix:/tmp/{gpu}.sock")
+
+
+def test_engines_that_span_nodes_are_refused():
+    with pytest.raises(ValueError, match="does not tile a node"):
+        EngineLayout(world=16, gpus_per_node=8, engine_gpus=3)
+
+
+def test_owners_of_model_parallel_groups():
+    lay = EngineLayout(world=16, gpus_per_node=8, engine_gpus=2)
+    # TP8 groups of contiguous ranks: four engines each, owners every second rank
+    assert owners_in_group(lay, range(8, 16)) == [8, 10, 12, 14]
+    # TP2 x PP2 (megatron: PP outermost), group {0, 1, 8, 9}: the engines of GPUs 0-1 and 8-9
+    assert owners_in_group(lay, [0, 1, 8, 9]) == [0, 8]
+    # engine TP4 wider than a TP2 group: the group {2, 3} holds no engine's first GPU
+    assert owners_in_group(EngineLayout(world=8, gpus_per_node=8, engine_gpus=4), [2, 3]) == []
+
+
+def test_split_rows_is_contiguous_and_complete():
+    for b in range(0, 13):
+        for k in range(1, 5):
+            parts = split_rows(b, k)
+            assert parts[0][0] == 0 and parts[-1][1] == b and len(parts) == k
+            assert all(x[1] == y[0] for x, y in zip(parts, parts[1:]))
+            assert max(h - lo for lo, h in parts) - min(h - lo for lo, h in parts) <= 1
+
+
+@needs_nemo
+@pytest.mark.nemo
+@pytest.mark.slow
+def test_aligner_step_through_a_local_engine_server(tok_dir, tmp_path):
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    import subprocess
+    import sys
+
+    from nemo_dapo.engines.client import EngineProcess
+
+    # the tiny NeMo GPT of tests/support/nemo_cpu.py as a Hugging Face Llama, randomly initialised: the engine must
+    # end up with the actor's weights only through the refit
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    hf = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, rms_norm_eps=1e-5,
+                     rope_theta=10000.0, tie_word_embeddings=False, eos_token_id=tok.eos_token_id,
+                     pad_token_id=tok.eos_token_id)
+    hf_dir = tmp_path / "hf"
+    LlamaForCausalLM(hf).save_pretrained(hf_dir)
+    tok.save_pretrained(hf_dir)
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    sock_dir = tmp_path / "s"
+    sock_dir.mkdir()
+    address = f"unix:{sock_dir}/e.sock"
+    proc = EngineProcess(engine="tests.aligner.workers.engine_dump:DumpingEngine.from_path", model_dir=str(hf_dir),
+                         address=address, options={"max_batch_size": 16}, log_path=str(tmp_path / "engine.log"),
+                         env={"ENGINE_DUMP_DIR": str(dump), "PYTHONPATH": str(ROOT)})
+    try:
+        # the launcher's health wait (the probe hangs up, so the server accepts the trainer next)
+        probe = subprocess.run([sys.executable, "-m", "nemo_dapo.engines.health", "--timeout-s", "180",
+                                "--interval-s", "1", address], capture_output=True, text=True, timeout=240)
+        assert probe.returncode == 0 and json.loads(probe.stdout.splitlines()[-1])["weights_ok"], probe.stderr
+        run_torchrun(ROOT / "tests/aligner/workers/engine_generation_worker.py", nproc=2, out_dir=tmp_path,
+                     env={"TOK_DIR": tok_dir, "HF_DIR": str(hf_dir), "ENGINE_ADDRESS": address,
+                          "ENGINE_DUMP_DIR": str(dump)})
+    finally:
+        proc.stop()
+    r0 = json.loads((tmp_path / "engine_rank0.json").read_text())
+    r1 = json.loads((tmp_path / "engine_rank1.json").read_text())
+    assert r0["owners"] == r1["owners"] == [0] and r0["owns"] and not r1["owns"]  # one engine, rank 0 sends
+    for key in ("initial", "after_step"):
+        assert r0[key]["names_equal"] and r0[key]["n"] == 2 + 2 * 9 + 1, r0[key]  # embed, 2 x 9, norm, lm_head
+        assert r0[key]["max_abs_diff"] == 0.0, r0[key]
+    assert r0["updates"] == 2  # the initial push and the one after the step's optimizer updates
+    # the actor's log-probs leave Megatron's vocabulary padding out, as the HF-shaped engine does
+    assert r0["valid_vocab"] == r1["valid_vocab"] == r0["hf_vocab"] <= r0["padded_vocab"]
+    step = next(r for r in r0["records"] if "train/batch_acc" in r or "actor/loss" in r)
+    assert step["rollout/trained_tokens"] > 0 and step["actor/grad_norm"] > 0
+    assert os.path.getsize(tmp_path / "engine.log") > 0
+
+
+def test_the_launcher_passes_the_config_to_build_generator():
+    # without cfg= build_generator falls back to the legacy engine, whatever trainer.dapo.rollout_engine says
+    import ast
+    src = open(os.path.join(ROOT, "examples", "train_gpt_dapo.py")).read()
+    calls = [n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Call)
+             and getattr(n.func, "id", None) == "build_generator"]
+    assert calls and all(any(k.arg == "cfg" for k in c.keywords) for c in calls)

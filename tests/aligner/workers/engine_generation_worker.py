@@ -1,0 +1,104 @@
+"""Worker: the DAPO trainer on CPU (real NeMo / NeMo-Aligner stack, TP=2 over gloo) generating through an engine
+server that the test started (``rollout_engine: local``), wired by ``generation.build_generator(actor, cfg=...)``.
+
+Env: TOK_DIR, OUT_DIR, HF_DIR (what the server loaded), ENGINE_ADDRESS, ENGINE_DUMP_DIR (the server's dumps).
+Writes ``engine_rank<r>.json``: the owners, rank 0's comparison of the engine's weights (after the initial push and
+after one trained rollout step) with the actor's HF-named gather, and the step's metrics.
+"""
+import glob
+import json
+import os
+
+from tests.support import nemo_cpu  # noqa: F401  (patches first)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from nemo.utils.exp_manager import exp_manager  # noqa: E402
+from nemo_aligner.utils.distributed import Timer  # noqa: E402
+from nemo_aligner.utils.train_script_utils import (  # noqa: E402
+    CustomLoggerWrapper, add_custom_checkpoint_callback, extract_optimizer_scheduler_from_ptl_model,
+    init_distributed, init_using_ptl)
+from nemo_dapo.aligner.dataset import DAPOPromptDataset  # noqa: E402
+from nemo_dapo.aligner.engine_generation import AlignerEngineGenerator, _ActorWeights  # noqa: E402
+from nemo_dapo.aligner.generation import build_generator  # noqa: E402
+from nemo_dapo.aligner.reward_client import LocalRewardClient  # noqa: E402
+from nemo_dapo.aligner.trainer import DAPOTrainer  # noqa: E402
+from tests.aligner.workers.trainer_worker import RecordingLogger, rows, warm_up  # noqa: E402
+
+TP = 2
+OUT = os.environ["OUT_DIR"]
+
+
+def compare_with_engine(actor, hf_config, update: int) -> dict:
+    """Every rank gathers the actor's HF tensors; rank 0 compares them with the engine's dump ``update``."""
+    mine = {}
+    for bucket in _ActorWeights(actor, hf_config, None).hf_weight_buckets(1 << 20):
+        mine.update({n: t.detach().clone() for n, t in bucket})
+    if dist.get_rank() != 0:
+        return {}
+    engine = torch.load(os.path.join(os.environ["ENGINE_DUMP_DIR"], f"update{update}.pt"))
+    return {"names_equal": sorted(mine) == sorted(engine), "n": len(mine),
+            "max_abs_diff": max(float((mine[k].float() - engine[k].float()).abs().max()) for k in mine)}
+
+
+def main() -> None:
+    nemo_cpu.init_parallel(TP, 1)
+    nemo_cpu.quiet_nemo()
+    ptl_trainer = nemo_cpu.cpu_trainer(max_steps=20)
+    exp_manager(ptl_trainer, OmegaConf.create({
+        "explicit_log_dir": os.path.join(OUT, "run"), "exp_dir": None, "name": "dapo",
+        "create_tensorboard_logger": False, "create_wandb_logger": False, "resume_if_exists": False,
+        "create_checkpoint_callback": True,
+        "checkpoint_callback_params": {"monitor": "step", "mode": "max", "save_top_k": -1, "save_last": False,
+                                       "always_save_nemo": False, "save_nemo_on_train_end": False,
+                                       "filename": "dapo-{step}", "model_parallel_size": TP}}))
+    dapo = dict(nemo_cpu.DAPO_DEFAULTS, clip_c=3.0, length_params={"max_length": 6},
+                sampling_params={"temperature": 1.0, "top_p": 1.0, "end_strings": []})
+    _, actor = nemo_cpu.build_actor(TP, 1, mbs=2, gbs=4, tokenizer_dir=os.environ["TOK_DIR"], dapo=dapo,
+                                    trainer=ptl_trainer,
+                                    optim={"name": "sgd", "lr": 0.05, "momentum": 0.0, "weight_decay": 0.0,
+                                           "sched": {"name": "CosineAnnealing", "warmup_steps": 1,
+                                                     "constant_steps": 0, "min_lr": 0.005}})
+    init_distributed(ptl_trainer, actor, use_te=False)
+    train_ds = DAPOPromptDataset(rows(40, 2), actor.tokenizer, max_prompt_len=32)
+    warm_up(actor, steps=30)
+    init_using_ptl(ptl_trainer, actor, torch.utils.data.DataLoader(train_ds, batch_size=2,
+                                                                   collate_fn=lambda items: items), train_ds)
+    optimizer, scheduler = extract_optimizer_scheduler_from_ptl_model(actor)
+    cfg = OmegaConf.create({"trainer": {"devices": TP, "dapo": {"rollout_engine": "local", "engine_server": {
+        "hf_model_dir": os.environ["HF_DIR"], "tensor_parallel_size": TP, "address": os.environ["ENGINE_ADDRESS"],
+        "address_env": "UNSET_IN_THIS_TEST", "connect_timeout_s": 120.0, "request_timeout_s": 300.0,
+        "bucket_mb": 1, "dtype": None, "sleep_level": 1}}}})
+    generator = build_generator(actor, cfg=cfg)  # connects (rank 0 owns the one engine) and pushes the weights
+    assert isinstance(generator, AlignerEngineGenerator)
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(os.environ["HF_DIR"])
+    result = {"owners": generator.owners, "owns": generator.engine is not None, "valid_vocab": actor.valid_vocab,
+              "hf_vocab": hf_config.vocab_size, "padded_vocab": actor.padded_vocab_size,
+              "initial": compare_with_engine(actor, hf_config, 1)}
+    recorder = RecordingLogger()
+    trainer_cfg = OmegaConf.create({
+        "max_epochs": 10, "max_steps": 1, "val_check_interval": 0, "save_interval": 0, "gradient_clip_val": 1.0,
+        "group_size": 4, "prompts_per_step": 2, "ppo_epochs": 1, "seed": 5,
+        "dynamic_sampling": {"enabled": True, "max_gen_batches": 8, "on_budget_exhausted": "train_partial",
+                             "max_age": 1, "adaptive": False, "gen_batch_size": 3},
+        "overlong": {"enabled": True, "l_cache": 2, "penalty_factor": 1.0}})
+    dapo_trainer = DAPOTrainer(trainer_cfg, actor, optimizer, scheduler, train_ds, None,
+                               LocalRewardClient(actor.tokenizer, num_workers=1), generator,
+                               CustomLoggerWrapper([recorder]), add_custom_checkpoint_callback(ptl_trainer, actor),
+                               Timer(None))
+    dapo_trainer.fit()
+    updates = len(glob.glob(os.path.join(os.environ["ENGINE_DUMP_DIR"], "update*.pt")))
+    result.update(records=recorder.records, updates=updates, last_update=generator.last_update,
+                  after_step=compare_with_engine(actor, hf_config, updates))
+    generator.close()
+    with open(os.path.join(OUT, f"engine_rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
