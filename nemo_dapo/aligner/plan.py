@@ -22,6 +22,9 @@ or torch, so ``nemo-dapo plan`` runs anywhere. The formulas follow the project's
   batch waits for its longest sample), in-flight batching (throughput of the same KV pool, plus the long tail) and
   streaming with early stop (the dynamic-sampling filler aborts what it no longer needs); formulas in
   ``nemo_dapo/aligner/plan_generation.py``. ``trainer.dapo.rollout_engine`` says which one the run uses.
+* The engine servers (rollout_engine trtllm | vllm) take their layout, KV pool, concurrency, refit and sleep / wake
+  from ``trainer.dapo.engine_server`` instead (``nemo_dapo/aligner/plan_engine_server.py``); the legacy engine's
+  ``trt_llm.*`` keys then play no part.
 * Training FLOPs per token: old log-prob 2N, update 8N (forward 2N + backward 4N + recompute 2N), N = active params,
   plus causal attention 4 L heads d (S / 2) per forward; time = FLOPs / (GPUs x peak x HFU).
 Lines marked GUESS in ``DEFAULT_ASSUMPTIONS`` are judgement calls; override them under ``plan.assume``.
@@ -34,9 +37,13 @@ import textwrap
 from dataclasses import dataclass
 from typing import Optional
 
-from nemo_dapo.aligner.plan_generation import (ENGINE_MODEL, MODEL_LABELS, ResponseLengths, decode_step_seconds,
-                                              engine_memory, format_generation, generation_times,
+from nemo_dapo.aligner.plan_engine_server import (SERVER_ENGINES, concurrency, format_server,
+                                                 server_layout, server_overhead, server_phases)
+from nemo_dapo.aligner.plan_generation import (ENGINE_MODEL, MODEL_LABELS, PlanError, ResponseLengths,
+                                              decode_step_seconds, engine_memory, format_generation, generation_times,
                                               inflight_tokens_per_s_per_gpu, needed_fraction)
+
+__all__ = ["PlanError", "make_plan", "format_plan", "run_cli"]
 
 GB = 1e9
 KIB = 1024
@@ -66,6 +73,8 @@ DEFAULT_ASSUMPTIONS = {
     "decode_efficiency": 0.75,  # eta: achieved fraction of HBM bandwidth while decoding
     "decode_step_floor_ms": None,  # None: 10 ms dense, 25 ms MoE (GUESS: per-token latency of one engine)
     "refit_gb_per_s": 5.0,  # GUESS: engine weight refit throughput per GPU (convert + trt.Refitter)
+    "handover_gb_per_s": 5.0,  # GUESS: engine servers: HF-named gather over TP/PP/EP + shared-memory handover
+    "sleep_wake_s": 5.0,  # GUESS: engine servers: one sleep + wake of a colocated engine
     "pcie_gb_per_s": 25.0,  # host <-> device copies for Adam offload and engine reload
     "engine_workspace_gb": 3.0,  # GUESS: TRT-LLM activations and workspace
     "cuda_reserved_gb": 3.0,  # GUESS: CUDA context, NCCL buffers
@@ -213,10 +222,6 @@ ARCH_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_head
              "vocab_size", "tied_embeddings", "qkv_bias", "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk")
 
 
-class PlanError(ValueError):
-    """The config lacks what the estimate needs; the message names the keys."""
-
-
 def _need(value, key: str):
     if value is None:
         raise PlanError(f"{key} is not set; `nemo-dapo plan` needs it (see conf/gpt_dapo_actor.yaml, plan.*)")
@@ -249,18 +254,19 @@ def make_plan(cfg: dict) -> dict:
     a = {**DEFAULT_ASSUMPTIONS, **{k: v for k, v in (select(cfg, "plan.assume", {}) or {}).items() if v is not None}}
     layout = Layout(world=s["world"], tp=s["tp"], pp=s["pp"], cp=s["cp"], ep=s["ep"],
                     sequence_parallel=bool(select(cfg, "model.sequence_parallel", False)))
-    phases, gen = _memory_phases(cfg, arch, layout, a)
-    if gen["engine"] not in ENGINE_MODEL:
-        raise PlanError(f"trainer.dapo.rollout_engine={gen['engine']!r}: `nemo-dapo plan` models "
+    engine = _need(select(cfg, "trainer.dapo.rollout_engine"), "trainer.dapo.rollout_engine")
+    if engine not in ENGINE_MODEL:
+        raise PlanError(f"trainer.dapo.rollout_engine={engine!r}: `nemo-dapo plan` models "
                         f"{sorted(ENGINE_MODEL)} ('local', the project's small-model engine, is not sized here)")
     budget = a["usable_fraction"] * gpu.memory_gb * GB
+    phases, gen = _memory_phases(cfg, arch, layout, a, gpu=gpu, budget=budget)
     plan = {"gpu": gpu, "gpu_key": gpu_key, "arch": arch, "layout": layout, "assume": a, "phases": phases,
             "budget": budget, "fits": all(sum(p.values()) <= budget for p in phases.values()), "gen": gen}
     plan["time"] = _step_time(cfg, plan, gpu_key)
     return plan
 
 
-def _memory_phases(cfg: dict, arch: Arch, layout: Layout, a: dict) -> tuple:
+def _memory_phases(cfg: dict, arch: Arch, layout: Layout, a: dict, *, gpu: Gpu, budget: float) -> tuple:
     """({"train": {part: bytes}, "generate": {part: bytes}}, generation settings) per GPU."""
     from nemo_dapo.aligner.config_validate import DISTRIBUTED_OPTIMIZERS, select
 
@@ -278,6 +284,12 @@ def _memory_phases(cfg: dict, arch: Arch, layout: Layout, a: dict) -> tuple:
            "max_seq": trt.get("max_input_len", 0) + select(cfg, "model.dapo.length_params.max_length"),
            # NeMo-Aligner offloads only apex distributed-Adam states while generating
            "offloaded": bool(select(cfg, "model.dapo.offload_adam_states")) and optim == "distributed_fused_adam"}
+    if gen["engine"] in SERVER_ENGINES:
+        srv = server_layout(cfg, arch, layout.world)
+        phases, kv = server_phases(arch, srv, train, offloaded=gen["offloaded"], gpu=gpu, budget=budget, a=a)
+        gen.update(tp=srv["tp"], pp=srv["pp"], trt=True, max_seq=srv["max_seq"], server=srv, kv=kv,
+                   kv_per_token=kv["kv_per_token"])
+        return phases, gen
     engine = {}
     if gen["trt"]:
         engine = engine_memory(arch, gen_tp=gen["tp"], gen_pp=gen["pp"], batch=gen["batch"], max_seq=gen["max_seq"])
@@ -314,6 +326,13 @@ def _generation(cfg: dict, plan: dict, *, generated: float, l_max: int, oversamp
     step = lambda b, ctx: decode_step_seconds(arch, gpu, gen_tp=g["tp"], gen_pp=g["pp"], batch=b,  # noqa: E731
                                               context=ctx, efficiency=a["decode_efficiency"], floor_s=floor)
     engines = plan["layout"].world // (g["tp"] * g["pp"])
+    max_slots = None
+    if "server" in g:
+        scheduler = g["server"]["capacity_scheduler"]
+        g["concurrency"] = concurrency(g["server"], g["kv"], scheduler=scheduler, prompt=prompt, l_max=l_max,
+                                       mean_context=lengths.mean_context(1, prompt), requests=generated / engines,
+                                       group_size=select(cfg, "trainer.dapo.group_size"))
+        g["scheduler"], max_slots = scheduler, g["concurrency"]["slots"]
     pass_rate = a["pass_rate"] or _need(select(cfg, "trainer.dapo.dynamic_sampling.prior_pass_rate"),
                                         "trainer.dapo.dynamic_sampling.prior_pass_rate")
     if not 0 < pass_rate <= 1:
@@ -321,7 +340,8 @@ def _generation(cfg: dict, plan: dict, *, generated: float, l_max: int, oversamp
                         "in (0, 1]")
     gen = generation_times(lengths, requests=generated / engines, group_size=select(cfg, "trainer.dapo.group_size"),
                            static_batch=g["batch"], pool_tokens=g["batch"] * g["max_seq"], prompt=prompt,
-                           needed=needed_fraction(oversample, pass_rate), step_s=step, pipeline_stages=g["pp"])
+                           needed=needed_fraction(oversample, pass_rate), step_s=step, pipeline_stages=g["pp"],
+                           max_slots=max_slots)
     return {**t, "gen": gen, "engines": engines, "batches_per_engine": gen["batches"], "pass_rate": pass_rate,
             "steps_per_batch": gen["batch_max"], "step_ms": gen["static_step_s"] * 1e3,
             "generation": gen[ENGINE_MODEL[g["engine"]]]}
@@ -342,12 +362,16 @@ def _step_time(cfg: dict, plan: dict, gpu_key: str) -> dict:
     t.update(training_seconds(arch, gpu, world=layout.world, tokens=prompts * group * seq_len, seq_len=seq_len,
                               hfu=hfu), hfu=hfu)
     engine_bytes = plan["phases"]["generate"].get("engine_weights", 0.0)
-    other = engine_bytes / (a["refit_gb_per_s"] * GB)
-    if g["offloaded"]:
-        other += 2 * plan["phases"]["train"]["optimizer"] / (a["pcie_gb_per_s"] * GB)
-    if select(cfg, "trainer.dapo.trt_llm.unload_engine_train"):
-        other += engine_bytes / (a["pcie_gb_per_s"] * GB)
-    t["refit_and_offload"] = other
+    adam = plan["phases"]["train"]["optimizer"] if g["offloaded"] else 0.0
+    parts = {"adam_offload": 2 * adam / (a["pcie_gb_per_s"] * GB)}
+    if "server" in g:
+        parts.update(server_overhead(arch, g["server"], a))
+    else:
+        parts["refit"] = engine_bytes / (a["refit_gb_per_s"] * GB)
+        if select(cfg, "trainer.dapo.trt_llm.unload_engine_train"):
+            parts["engine_reload"] = engine_bytes / (a["pcie_gb_per_s"] * GB)
+    other = sum(parts.values())
+    t["refit_and_offload"], t["overhead"] = other, parts
     t["total"] = t["old_logprob"] + t["training"] + other + (t["generation"] or 0.0)
     if t["gen"]:  # the step under each engine model, everything but generation unchanged
         t["totals"] = {k: t["total"] - t["generation"] + t["gen"][k] for k in MODEL_LABELS}
@@ -364,7 +388,11 @@ def _format_time(plan: dict) -> list:
                             117, initial_indent="  ", subsequent_indent="    "),
              f"  old log-probs (2N/token)          {t['old_logprob']:10.0f}",
              f"  training (8N/token)               {t['training']:10.0f}",
-             f"  refit + Adam offload + reload     {t['refit_and_offload']:10.0f}"]
+             f"  refit + Adam offload + reload     {t['refit_and_offload']:10.0f}",
+             "      " + ", ".join(f"{k.replace('_', ' ')} {v:.0f}" for k, v in t["overhead"].items())
+             + (f" (model {2 * plan['arch'].total_params() / GB:.0f} GB / handover "
+                f"{plan['assume']['handover_gb_per_s']}"
+                f" GB/s; sleep + wake {plan['assume']['sleep_wake_s']} s)" if "server" in g else "")]
     if not t["gen"]:
         return lines + [f"  {'generation':<34}not estimated (Megatron generation, debug path)",
                         f"  {'total':<45}{t['total']:10.0f} ({t['total'] / 60:3.0f} min)"]
@@ -384,14 +412,17 @@ def format_plan(plan: dict, title: str = "") -> str:
              f"{arch.active_params() / 1e9:.2f} B active{moe}",
              f"training    TP{lay.tp} PP{lay.pp} CP{lay.cp} EP{lay.ep} (ETP=TP) -> DP {lay.dp}, expert-DP "
              f"{lay.expert_dp}, sequence parallel {'on' if lay.sequence_parallel else 'off'}"]
-    if g["trt"]:
+    if "server" in g:
+        lines += format_server(g["server"], g["kv"], g["concurrency"], g["engine"], g["scheduler"])
+    elif g["trt"]:
         lines.append(f"generation  TRT-LLM engines TP{g['tp']} PP{g['pp']} x {t['engines']}, static batch {g['batch']}"
                      f", KV reserved for {g['max_seq']} tokens/seq ({g['kv_per_token'] / KIB:.0f} KiB/token/GPU)")
     lines += ["", "per-GPU memory, GB (est.)        train   generate"]
     names = {"weights": "weights (bf16)", "grads": "main grads", "optimizer": "Adam states (fp32 master, m, v)",
              "activations": "activations (recompute as set)", "logits": "fp32 logits of one micro-batch",
-             "engine_weights": "TRT-LLM engine weights", "kv_cache": "TRT-LLM KV cache (static batch)",
-             "engine_workspace": "TRT-LLM workspace (GUESS)", "cuda_reserved": "CUDA context + NCCL (GUESS)"}
+             "engine_weights": "engine weights (bf16)", "kv_cache": "engine KV cache"
+             + (" (free fraction)" if "server" in g else " (static batch)"),
+             "engine_workspace": "engine workspace (GUESS)", "cuda_reserved": "CUDA context + NCCL (GUESS)"}
     tr, ge = plan["phases"]["train"], plan["phases"]["generate"]
     for key, label in names.items():
         if key in tr or key in ge:

@@ -37,13 +37,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Optional
 
 if TYPE_CHECKING:  # plan.py imports this module; the shapes are only read through their attributes
     from nemo_dapo.aligner.plan import Arch, Gpu
 
 SHAPE_LIMIT = 500.0  # |a| bound of the exponential's shape (keeps e^a finite): means 0.2 % .. 99.8 % of l_max
 QUADRATURE_POINTS = 4096
+
+
+class PlanError(ValueError):
+    """The config lacks what the estimate needs, or a layout does not fit; the message names the keys and the fix."""
 
 
 # ---- one engine: memory and decode step (shapes and GPUs from plan.py) ---------------------------------------------
@@ -149,15 +153,19 @@ def needed_fraction(oversample: float, pass_rate: float) -> float:
 
 def generation_times(lengths: ResponseLengths, *, requests: float, group_size: int, static_batch: int,
                      pool_tokens: float, prompt: float, needed: float, step_s: Callable[[float, float], float],
-                     pipeline_stages: int = 1) -> dict:
+                     pipeline_stages: int = 1, max_slots: Optional[int] = None) -> dict:
     """Seconds of generation of one engine's ``requests`` responses under (a) static, (b) in-flight and (c)
-    streaming-with-early-stop batching, and their inputs (formulas: module docstring)."""
+    streaming-with-early-stop batching, and their inputs (formulas: module docstring). ``max_slots``: the in-flight
+    concurrency C of an engine server (its max_batch_size, max_num_tokens and KV admission, plan_engine_server.py),
+    replacing the pool-derived C of the static engine's reservation."""
     b, m = static_batch, lengths.max_moment(1)  # = lengths.mean, by the same quadrature as the batch maxima
     batch_max = lengths.max_moment(b)
     static_step = step_s(b, lengths.mean_context(b, prompt))
     static = math.ceil(requests / b) * batch_max * static_step
     context = lengths.mean_context(1, prompt)
     slots = max(1, min(max(b, math.floor(pool_tokens / context)), math.ceil(requests)))
+    if max_slots is not None:
+        slots = max(1, min(int(max_slots), math.ceil(requests)))
     full_step = step_s(slots / pipeline_stages, context)
     rate = slots / full_step
     admitted = lambda k: max(0.0, k - slots) * m / rate  # noqa: E731

@@ -147,17 +147,21 @@ def run_cli(*argv) -> int:
     return args.func(args)
 
 
-@pytest.mark.parametrize("recipe", ["qwen2.5-32b_h100", "qwen2.5-32b_h20", "moe-235b-a22b_h100",
-                                    "moe-235b-a22b_h20"])
+RECIPES = ["qwen2.5-32b_h100", "qwen2.5-32b_h20", "moe-mixtral-8x22b_h100", "moe-mixtral-8x22b_h20"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_every_recipe_plans_and_fits(recipe, capsys):
     assert run_cli(recipe) == 0
     out = capsys.readouterr().out
     assert "ESTIMATES" in out and "-> fits" in out
     assert all(f"generation, {label}" in out for label in P.MODEL_LABELS.values())
+    assert "<- trainer.dapo.rollout_engine=trtllm" in out and "engine servers TP8" in out
 
 
 def test_plan_reports_a_layout_that_does_not_fit(capsys):
-    assert run_cli("qwen2.5-32b_h100", "model.dapo.rollout_micro_batch_size=128") == 1
+    assert run_cli("qwen2.5-32b_h100", "trainer.dapo.rollout_engine=legacy",
+                   "model.dapo.rollout_micro_batch_size=128") == 1
     assert "DOES NOT FIT" in capsys.readouterr().out
 
 
@@ -175,7 +179,7 @@ def test_plan_32b_h100_numbers_by_hand():
     from nemo_dapo.aligner.config_validate import load_config
     from omegaconf import OmegaConf
 
-    plan = P.make_plan(OmegaConf.to_container(load_config("qwen2.5-32b_h100")))
+    plan = P.make_plan(OmegaConf.to_container(load_config("qwen2.5-32b_h100", ["trainer.dapo.rollout_engine=legacy"])))
     gen = plan["phases"]["generate"]
     assert gen["optimizer"] == 0.0  # apex distributed Adam is offloaded while generating
     assert gen["kv_cache"] == 32 * S * 32 * 1024  # static batch 32, TP8
@@ -281,7 +285,7 @@ def plan_of(recipe, *overrides):
 
 
 def test_plan_32b_h100_generation_by_hand():
-    plan = plan_of("qwen2.5-32b_h100")
+    plan = plan_of("qwen2.5-32b_h100", "trainer.dapo.rollout_engine=legacy")
     t, gen = plan["time"], plan["time"]["gen"]
     lengths = G.ResponseLengths(20480, 6000, 0.05)
     step = lambda b, ctx: P.decode_step_seconds(QWEN25_32B, P.GPUS["h100"], gen_tp=8, gen_pp=1, batch=b,  # noqa
@@ -303,12 +307,12 @@ def test_plan_32b_h100_generation_by_hand():
 
 
 def test_rollout_engine_selects_the_model_and_the_total(capsys):
-    legacy, trtllm = plan_of("qwen2.5-32b_h100")["time"], plan_of(
-        "qwen2.5-32b_h100", "trainer.dapo.rollout_engine=trtllm")["time"]
-    assert trtllm["total"] == pytest.approx(legacy["totals"]["inflight"])
+    legacy = plan_of("qwen2.5-32b_h100", "trainer.dapo.rollout_engine=legacy")["time"]
+    trtllm = plan_of("qwen2.5-32b_h100")["time"]
+    assert trtllm["total"] == pytest.approx(trtllm["totals"]["inflight"])
     assert legacy["total"] == pytest.approx(legacy["totals"]["static"])
     assert legacy["total"] > trtllm["total"]
-    assert run_cli("qwen2.5-32b_h100", "trainer.dapo.rollout_engine=vllm") == 0
+    assert run_cli("qwen2.5-32b_h100", "trainer.dapo.rollout_engine=vllm") == 0  # same engine_server layout
     assert "in-flight batching" in next(line for line in capsys.readouterr().out.splitlines() if "<-" in line)
     assert run_cli("qwen2.5-32b_h100", "trainer.dapo.rollout_engine=trt") == 2
     assert "config problem: trainer.dapo.rollout_engine='trt' must be one of" in capsys.readouterr().out
@@ -319,14 +323,15 @@ def test_rollout_engine_selects_the_model_and_the_total(capsys):
 
 
 def test_streaming_without_dynamic_sampling_aborts_nothing():
-    t = plan_of("qwen2.5-32b_h100", "trainer.dapo.dynamic_sampling.enabled=False")["time"]
+    t = plan_of("qwen2.5-32b_h100", "trainer.dapo.rollout_engine=legacy",
+                "trainer.dapo.dynamic_sampling.enabled=False")["time"]
     assert t["gen"]["needed"] == 1.0 and t["gen"]["streaming"] == t["gen"]["inflight"]
     assert t["generated_samples"] == 512 * 16
 
 
 def test_printed_32b_h100_plan_shows_every_engine_and_its_step(capsys):
-    plan = plan_of("qwen2.5-32b_h100")
-    assert run_cli("qwen2.5-32b_h100") == 0
+    plan = plan_of("qwen2.5-32b_h100", "trainer.dapo.rollout_engine=legacy")
+    assert run_cli("qwen2.5-32b_h100", "trainer.dapo.rollout_engine=legacy") == 0
     out = capsys.readouterr().out
     gen, totals = plan["time"]["gen"], plan["time"]["totals"]
     for key, label in P.MODEL_LABELS.items():
@@ -336,3 +341,94 @@ def test_printed_32b_h100_plan_shows_every_engine_and_its_step(capsys):
     assert "static batches" in static_row
     assert gen["static"] > 5 * gen["inflight"] > 5 * gen["streaming"]  # the legacy path's penalty, SCALE.md 3.4
     assert "total (legacy: static batches)" in out
+
+
+# ---- engine servers (rollout_engine trtllm | vllm): layout, memory and concurrency from engine_server -------------
+ES = "trainer.dapo.engine_server"
+
+
+def test_engine_layout_that_does_not_tile_a_node_is_refused(capsys):
+    with pytest.raises(P.PlanError, match=f"{ES}: an engine of tensor_parallel_size x pipeline_parallel_size = 3"):
+        plan_of("qwen2.5-32b_h100", f"{ES}.tensor_parallel_size=3")
+    with pytest.raises(P.PlanError, match="expert_parallel_size=4 must divide tensor_parallel_size=2"):
+        plan_of("moe-mixtral-8x22b_h100", f"{ES}.tensor_parallel_size=2", f"{ES}.expert_parallel_size=4")
+    assert run_cli("qwen2.5-32b_h100", f"{ES}.tensor_parallel_size=16") == 2  # an engine wider than a node
+    assert "does not tile a node of trainer.devices=8" in capsys.readouterr().out
+
+
+def test_generating_phase_that_does_not_fit_is_refused_with_the_fraction_that_would():
+    with pytest.raises(P.PlanError, match=f"generating phase .* fix: lower {ES}.free_gpu_memory_fraction to <= "
+                                          r"(0\.\d\d)") as e:
+        plan_of("qwen2.5-32b_h100", f"{ES}.free_gpu_memory_fraction=0.9")
+    fits = float(str(e.value).rsplit("<= ", 1)[1])
+    plan = plan_of("qwen2.5-32b_h100", f"{ES}.free_gpu_memory_fraction={fits}")  # the fix it names does fit
+    assert sum(plan["phases"]["generate"].values()) <= plan["budget"]
+    with pytest.raises(P.PlanError, match=f"raise {ES}.tensor_parallel_size"):  # a TP1 engine: 65 GB of weights
+        plan_of("qwen2.5-32b_h100", f"{ES}.tensor_parallel_size=1")
+
+
+def test_awake_engine_during_training_is_refused_naming_the_sleep_level():
+    with pytest.raises(P.PlanError, match=f"training phase .*{ES}.sleep_level=0 .* fix: set {ES}.sleep_level=1"):
+        plan_of("qwen2.5-32b_h100", f"{ES}.sleep_level=0")
+    one, two = (plan_of("qwen2.5-32b_h100", f"{ES}.sleep_level={k}") for k in (1, 2))
+    assert "kv_cache" not in one["phases"]["train"] and one["phases"]["train"]["engine_weights"] > 0
+    assert "engine_weights" not in two["phases"]["train"]
+    assert two["time"]["overhead"]["sleep_wake"] > one["time"]["overhead"]["sleep_wake"]
+
+
+def test_server_memory_of_the_generating_phase_by_hand():
+    plan = plan_of("qwen2.5-32b_h100")
+    gen, a = plan["phases"]["generate"], plan["assume"]
+    engine_weights = 2 * QWEN25_32B.total_params() / 8
+    free_at_start = 80e9 - engine_weights - (a["engine_workspace_gb"] + a["cuda_reserved_gb"]) * 1e9
+    assert gen["engine_weights"] == pytest.approx(engine_weights)
+    assert gen["kv_cache"] == pytest.approx(0.5 * free_at_start)  # the recipe's free_gpu_memory_fraction
+    assert gen["optimizer"] == 0.0 and gen["grads"] == 2 * gen["weights"]  # Adam offloaded, fp32 grads kept
+    assert plan["time"]["overhead"]["refit"] == pytest.approx(2 * QWEN25_32B.total_params() / 5e9)
+
+
+def test_inflight_concurrency_is_the_tightest_engine_limit():
+    plan = plan_of("qwen2.5-32b_h100")
+    c, pool = plan["gen"]["concurrency"], plan["gen"]["kv"]["pool_tokens"]
+    context = plan["time"]["lengths"].mean_context(1, 250)  # max_utilization: KV held to the context
+    assert c["binding"] == "KV pool (max_utilization)" and c["slots"] == math.floor(pool / (250 / 16 + context - 250))
+    assert plan["time"]["gen"]["slots"] == c["slots"]
+    small = plan_of("qwen2.5-32b_h100", f"{ES}.max_batch_size=8")
+    assert small["gen"]["concurrency"]["binding"] == "max_batch_size" and small["time"]["gen"]["slots"] == 8
+    assert small["time"]["generation"] > plan["time"]["generation"]
+    reserved = plan_of("qwen2.5-32b_h100", f"{ES}.capacity_scheduler=guaranteed_no_evict")
+    r = reserved["gen"]["concurrency"]  # guaranteed_no_evict: every request reserves KV up to the cap
+    assert r["binding"] == "KV pool (guaranteed_no_evict)" and r["slots"] == math.floor(pool / (250 / 16 + 20480))
+    assert c["slots"] > 3 * reserved["time"]["gen"]["slots"]
+    with pytest.raises(P.PlanError, match=f"{ES}.capacity_scheduler='fifo'"):
+        plan_of("qwen2.5-32b_h100", f"{ES}.capacity_scheduler=fifo")
+
+
+def test_trtllm_step_is_below_the_legacy_one_for_every_recipe():
+    for recipe in RECIPES:
+        trtllm, legacy = plan_of(recipe)["time"], plan_of(recipe, "trainer.dapo.rollout_engine=legacy")["time"]
+        assert trtllm["total"] < legacy["total"], recipe
+
+
+def test_32b_h100_trtllm_step_within_25_minutes_when_kv_is_paged():
+    """The issue's target. It holds with KV admitted at the context (engine_server.capacity_scheduler=
+    max_utilization, the base config's value, which the launcher passes to the engine); under TensorRT-LLM's own
+    default guaranteed_no_evict it does not."""
+    paged = plan_of("qwen2.5-32b_h100")["time"]
+    reserved = plan_of("qwen2.5-32b_h100", f"{ES}.capacity_scheduler=guaranteed_no_evict")["time"]
+    legacy = plan_of("qwen2.5-32b_h100", "trainer.dapo.rollout_engine=legacy")["time"]
+    assert paged["total"] <= 25 * 60 < reserved["total"] < legacy["total"]
+
+
+@pytest.mark.parametrize("key", ["max_batch_size", "free_gpu_memory_fraction", "capacity_scheduler", "sleep_level"])
+def test_engine_server_keys_are_read_strictly(key):
+    """No code default stands in for a key the launcher passes to the engine: a missing or null one is an error."""
+    from nemo_dapo.aligner.config_validate import load_config
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.to_container(load_config("qwen2.5-32b_h100"), resolve=True)
+    del cfg["trainer"]["dapo"]["engine_server"][key]
+    with pytest.raises(P.PlanError, match=f"{ES}.{key} is missing"):
+        P.make_plan(cfg)
+    with pytest.raises(P.PlanError, match=rf"{ES}.{key}( is null|=None must be)"):  # sleep_level: the validator's
+        plan_of("qwen2.5-32b_h100", f"{ES}.{key}=null")
