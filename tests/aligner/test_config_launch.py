@@ -240,11 +240,15 @@ def test_cluster_docs_show_the_commands_and_name_existing_files():
     text = DOCS.read_text()
     assert "\n## Run on a cluster\n" in text
     text = text[text.index("\n## Run on a cluster\n"):]
-    for cmd in ("docker build -f containers/Dockerfile", "sbatch --nodes=16", "containers/dapo.sbatch",
-                "nemo-dapo plan", "srun --mpi=pmix", "--no-container-mount-home", "NCCL_ALGO=Tree",
-                "CUDA_DEVICE_MAX_CONNECTIONS=1"):
+    for cmd in ("docker build -f containers/Dockerfile ", "docker build -f containers/Dockerfile.engine",
+                "sbatch --nodes=16", "containers/dapo.sbatch", "nemo-dapo plan", "srun --mpi=pmix",
+                "--no-container-mount-home", "CUDA_DEVICE_MAX_CONNECTIONS=1", "ENGINE_CONTAINER=", "TOKENIZER=",
+                "HF_MODEL="):
         assert cmd in text, cmd
-    for recipe in set(re.findall(r"\b((?:qwen2\.5-32b|moe-235b-a22b)_h(?:100|20))\b", text)):
+    assert "NCCL_ALGO` is no longer exported" in text  # the launch-path fix is documented, not the old default
+    recipes = set(re.findall(r"\b((?:qwen2\.5-32b|moe-[\w.-]+?)_h(?:100|20))\b", text))
+    assert {"qwen2.5-32b_h100", "moe-mixtral-8x22b_h100"} <= recipes
+    for recipe in recipes:
         assert (ROOT / "conf" / "recipes" / f"{recipe}.yaml").is_file(), recipe
     for path in set(re.findall(r"`((?:containers|conf|examples|nemo_dapo)/[\w./-]+)`", text)):
         assert (ROOT / path).exists(), path
