@@ -413,3 +413,51 @@ def test_readers_refuse_what_the_verifier_could_never_match(tmp_path):
     assert read_dapo_math(write_jsonl(tmp_path / "ok.jsonl", [_with_truth(ok)]))[0].ground_truth == ok
     with pytest.raises(DataFormatError, match="long.jsonl: row 1: 'reward_model.ground_truth' is 1201"):
         read_dapo_math(write_jsonl(tmp_path / "long.jsonl", [_with_truth(ok + "9")]))
+
+
+# ---- 7. `plan` arguments -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("override, fragment", [
+    ("trainer.num_nodes=0", "trainer.num_nodes=0 must be an integer >= 1"),
+    ("trainer.devices=0", "trainer.devices=0 must be an integer >= 1"),
+    ("trainer.devices=-8", "trainer.devices=-8 must be an integer >= 1"),
+    ("model.tensor_model_parallel_size=abc", "model.tensor_model_parallel_size='abc' must be an integer >= 1"),
+    ("model.tensor_model_parallel_size=1.5", "model.tensor_model_parallel_size=1.5 must be an integer >= 1"),
+    ("model.tensor_model_parallel_size=-2", "model.tensor_model_parallel_size=-2 must be an integer >= 1"),
+    ("model.pipeline_model_parallel_size=0", "model.pipeline_model_parallel_size=0 must be an integer >= 1"),
+    ("model.expert_model_parallel_size=true", "model.expert_model_parallel_size=True must be an integer >= 1"),
+    ("plan.assume.decode_efficiency=0", "plan.assume.decode_efficiency=0 must be a number in (0, 1]"),
+    ("plan.assume.hfu=-1", "plan.assume.hfu=-1 must be a number in (0, 1]"),
+    ("plan.assume.hfu=1.5", "plan.assume.hfu=1.5 must be a number in (0, 1]"),
+    ("plan.assume.refit_gb_per_s=0", "plan.assume.refit_gb_per_s=0 must be a number > 0"),
+    ("plan.assume.pcie_gb_per_s=-25", "plan.assume.pcie_gb_per_s=-25 must be a number > 0"),
+    ("plan.assume.handover_gb_per_s=.inf", "plan.assume.handover_gb_per_s=inf must be a number > 0"),
+    ("plan.assume.mean_prompt_tokens=-5", "plan.assume.mean_prompt_tokens=-5 must be a number > 0"),
+    ("plan.assume.mean_response_tokens=0", "plan.assume.mean_response_tokens=0 must be a number > 0"),
+    ("plan.assume.truncated_fraction=-0.1", "plan.assume.truncated_fraction=-0.1 must be a number in [0, 1]"),
+    ("plan.assume.usable_fraction=0", "plan.assume.usable_fraction=0 must be a number in (0, 1]"),
+    ("plan.assume.oversample=0", "plan.assume.oversample=0 must be a number >= 1"),
+    ("plan.assume.pass_rate=0", "plan.assume.pass_rate=0 must be a number in (0, 1]"),
+    ("plan.assume.cuda_reserved_gb=abc", "plan.assume.cuda_reserved_gb='abc' must be a number >= 0"),
+    ("+plan.assume.hfu_dense=0.4", "plan.assume.hfu_dense: unknown assumption"),
+    ("plan.arch.num_layers=0", "plan.arch.num_layers=0 must be an integer >= 1"),
+    ("model.dapo.eps_hihg=0.3", "override 'model.dapo.eps_hihg=0.3': no key 'model.dapo.eps_hihg'"),
+], ids=lambda v: v if "=" in str(v) else None)
+def test_plan_arguments_exit_2_naming_the_key(override, fragment, capsys):
+    err = err_of(["plan", "qwen2.5-32b_h100", override], capsys, 2)
+    assert fragment in err and err.startswith("nemo-dapo plan: error:")
+    assert "fix" in err.lower() or "use +" in err  # every message says how to get out
+
+
+def test_plan_unknown_recipe_names_the_recipes_that_exist(capsys):
+    err = err_of(["plan", "qwen2.5-32b-h100"], capsys, 2)
+    assert "config 'qwen2.5-32b-h100' not found" in err
+    known = err.split("known recipes: ")[1].rstrip(")").split(", ")
+    assert "qwen2.5-32b_h100" in known and "moe-mixtral-8x22b_h20" in known and len(known) == len(set(known))
+
+
+@pytest.mark.parametrize("override", ["plan.assume.decode_step_floor_ms=0", "plan.assume.sleep_wake_s=0",
+                                      "plan.assume.truncated_fraction=0", "plan.assume.hfu=1"])
+def test_plan_accepts_the_edges_of_each_range(override, capsys):
+    assert cli.main(["plan", "qwen2.5-32b_h100", override]) == 0
+    out = capsys.readouterr().out
+    assert "-> fits" in out and override.split("plan.assume.")[1] in out  # the assumptions line of the report

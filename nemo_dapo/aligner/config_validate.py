@@ -16,16 +16,21 @@ from typing import Any, Iterable, Optional, Sequence, Union
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-# Mirrors of nemo_dapo.core.loss.AGG_MODES and nemo_dapo.core.dynamic_sampling.BUDGET_POLICIES, kept here so that
-# validating a config imports no torch (tests assert the copies agree).
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-BUDGET_POLICIES = ("raise", "train_partial", "unbounded")
+from nemo_dapo.core import settings as algorithm  # torch-free: the rules of the algorithm block, shared with the CLI
+
+AGG_MODES, BUDGET_POLICIES = algorithm.AGG_MODES, algorithm.BUDGET_POLICIES
 VERIFIERS = ("dapo", "tolerant", "math_verify")  # the CPU path's reward.verifier choices (nemo_dapo/config.py)
 DATA_FORMATS = ("dapo_math", "verl", "aime2024", "aime2025", "math500", "gsm8k")  # nemo_dapo.data.readers.READERS
 DISTRIBUTED_OPTIMIZERS = ("distributed_fused_adam", "mcore_distributed_optim")
 ROLLOUT_ENGINES = ("legacy", "trtllm", "vllm", "local")  # trainer.dapo.rollout_engine (engine-server names)
 ENGINE_SERVERS = ("trtllm", "vllm", "local")  # the ones served by nemo_dapo.engines.server
 ENGINE_SLEEP_LEVELS = (0, 1, 2)  # trainer.dapo.engine_server.sleep_level
+
+# Where each field of the shared algorithm block (nemo_dapo.core.settings.FIELDS) lives in gpt_dapo_actor.yaml: the
+# loss in model.dapo (the actor builds it from its own config), the rest in trainer.dapo. The trainer reads these
+# keys strictly through this table; the validator checks them with the shared rules.
+ALGORITHM_KEYS = {name: ("model.dapo." if name in algorithm.LOSS_FIELDS else "trainer.dapo.") + name
+                  for name in algorithm.FIELDS}
 
 REPO_CONF = Path(__file__).resolve().parents[2] / "conf"
 PACKAGE_CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -68,7 +73,7 @@ def find_config(name: Union[str, Path]) -> Path:
         for candidate in (root / path.parent / stem, root / "recipes" / stem):
             if candidate.is_file():
                 return candidate
-    known = sorted(p.stem for root in (REPO_CONF, PACKAGE_CONF) for p in (root / "recipes").glob("*.yaml"))
+    known = sorted({p.stem for root in (REPO_CONF, PACKAGE_CONF) for p in (root / "recipes").glob("*.yaml")})
     raise FileNotFoundError(f"config {str(name)!r} not found as a file or under conf/recipes/ (known recipes: "
                             f"{', '.join(known) or 'none'})")
 
@@ -119,6 +124,18 @@ def load_config(recipe: Optional[Union[str, Path]] = None, overrides: Iterable[s
 _MISSING = object()
 
 
+def required(node, key: str, where: str) -> Any:
+    """The value at dotted ``key`` of ``node`` (DictConfig or dict; null is a value), or :class:`ConfigError`
+    naming ``where.key``: the runtime reads every key the YAML defines strictly, so no code default can drift from
+    the documented one."""
+    for part in key.split("."):
+        node = node.get(part, _MISSING) if isinstance(node, (dict, DictConfig)) else _MISSING
+        if node is _MISSING:
+            raise ConfigError([f"config key {where}.{key} is missing; set it (every key is documented in "
+                               f"conf/{BASE_CONFIG}, which recipes and tests start from)"])
+    return node
+
+
 # ---- access helpers ---------------------------------------------------------------------------------------------
 def _plain(cfg) -> dict:
     if isinstance(cfg, DictConfig):
@@ -142,14 +159,30 @@ def _arch(cfg: dict, key: str) -> Any:
     return select(cfg, f"model.{key}", select(cfg, f"plan.arch.{key}"))
 
 
+SIZE_KEYS = (("nodes", "trainer.num_nodes"), ("devices", "trainer.devices"),
+             ("tp", "model.tensor_model_parallel_size"), ("pp", "model.pipeline_model_parallel_size"),
+             ("cp", "model.context_parallel_size"), ("ep", "model.expert_model_parallel_size"))
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def sizes(cfg: dict) -> dict:
-    """World size and parallel sizes (defaults 1) of a plain config dict."""
-    s = {"world": select(cfg, "trainer.num_nodes", 1) * select(cfg, "trainer.devices", 1)}
-    for name, key in (("tp", "tensor_model_parallel_size"), ("pp", "pipeline_model_parallel_size"),
-                      ("cp", "context_parallel_size"), ("ep", "expert_model_parallel_size")):
-        s[name] = select(cfg, f"model.{key}", 1)
+    """World size and parallel sizes (defaults 1) of a plain config dict. ``bad`` lists the sizes that are not
+    integers >= 1 (each message names its key and the fix); those count as 1 here and ``dp`` is None, so that the
+    rules' arithmetic never meets a string, a fraction or a zero."""
+    s, bad = {}, []
+    for name, key in SIZE_KEYS:
+        value = select(cfg, key, 1)
+        if not _is_count(value):
+            bad.append(f"{key}={value!r} must be an integer >= 1; fix: set {key} to a whole number of "
+                       f"{'nodes' if name == 'nodes' else 'GPUs per node' if name == 'devices' else 'ranks'} "
+                       "(1 or more)")
+        s[name] = value if _is_count(value) else 1
+    s["world"], s["bad"] = s.pop("nodes") * s.pop("devices"), bad
     model_size = s["tp"] * s["pp"] * s["cp"]
-    s["dp"] = s["world"] // model_size if model_size and s["world"] % model_size == 0 else None
+    s["dp"] = s["world"] // model_size if not bad and s["world"] % model_size == 0 else None
     reshard = select(cfg, "trainer.dapo.trt_llm.reshard", False) and select(cfg, "trainer.dapo.trt_llm.enable", False)
     s["dp_gen"] = None if s["dp"] is None else s["dp"] * (s["pp"] if reshard else 1)
     return s
@@ -158,9 +191,8 @@ def sizes(cfg: dict) -> dict:
 # ---- rules: each yields messages naming the keys and the fix ----------------------------------------------------
 def _layout(cfg: dict, s: dict):
     tp, pp, cp, world = s["tp"], s["pp"], s["cp"], s["world"]
-    if min(tp, pp, cp, s["ep"], world) < 1:
-        yield (f"trainer.num_nodes x trainer.devices={world}, model.tensor/pipeline/context/expert_model_parallel_size"
-               f"={tp}/{pp}/{cp}/{s['ep']}: every size must be >= 1")
+    if s["bad"]:
+        yield from s["bad"]
         return
     if world % (tp * pp * cp):
         yield (f"trainer.num_nodes x trainer.devices = {world} GPUs is not divisible by "
@@ -187,7 +219,7 @@ def _experts(cfg: dict, s: dict):
     tp, pp, ep, world = s["tp"], s["pp"], s["ep"], s["world"]
     experts = _arch(cfg, "num_moe_experts")
     etp = select(cfg, "model.expert_tensor_parallel_size")
-    if min(tp, pp, ep) < 1:
+    if s["bad"]:
         return  # reported by _layout
     if etp is not None and etp != tp:
         yield (f"model.expert_tensor_parallel_size={etp} differs from model.tensor_model_parallel_size={tp}: "
@@ -236,9 +268,6 @@ def _batches(cfg: dict, s: dict):
         if not isinstance(value, int) or value < 1:
             yield f"{key}={value!r} must be an integer >= 1"
             return
-    if group < 2:
-        yield (f"trainer.dapo.group_size={group}: group-normalised advantages need >= 2 samples per prompt "
-               "(paper: 16)")
     if dp is None:
         return
     if gbs % (mbs * dp):
@@ -275,17 +304,21 @@ def _rollout_engine(cfg: dict, s: dict):
         yield f"trainer.dapo.rollout_engine={engine!r} must be one of {ROLLOUT_ENGINES}"
 
 
-def _dynamic_sampling(cfg: dict, s: dict):
-    ds = "trainer.dapo.dynamic_sampling"
-    policy = select(cfg, f"{ds}.on_budget_exhausted", "raise")
-    if policy not in BUDGET_POLICIES:
-        yield f"{ds}.on_budget_exhausted={policy!r} must be one of {BUDGET_POLICIES}"
-    max_gen = select(cfg, f"{ds}.max_gen_batches", 1)
-    if not isinstance(max_gen, int) or max_gen < 1:
-        yield f"{ds}.max_gen_batches={max_gen!r} must be an integer >= 1 (reference: 10)"
-    age = select(cfg, f"{ds}.max_age", 0)
-    if not isinstance(age, int) or age < 0:
-        yield f"{ds}.max_age={age!r} must be an integer >= 0 (0 discards surplus groups like the reference)"
+def _algorithm(cfg: dict, s: dict):
+    """The algorithm block (nemo_dapo.core.settings.problems, the CLI validator's rules); a missing key is named."""
+    values = {}
+    for name, key in ALGORITHM_KEYS.items():
+        node: Any = cfg
+        for part in key.split("."):  # unlike select, a null value is present
+            node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
+        value = node
+        if value is _MISSING:
+            yield f"{key} is missing; every key of the algorithm block is required (see conf/gpt_dapo_actor.yaml)"
+        else:
+            values[name] = value
+    gen = select(cfg, "model.dapo.length_params.max_length")
+    for name, message in algorithm.problems(values, gen if isinstance(gen, int) else None):
+        yield f"{ALGORITHM_KEYS[name]}={values[name]!r} {message}"
 
 
 def _lengths(cfg: dict, s: dict):
@@ -307,29 +340,10 @@ def _lengths(cfg: dict, s: dict):
     ov = "trainer.dapo.overlong"
     if not select(cfg, f"{ov}.enabled", False):
         return
-    l_max, l_cache = select(cfg, f"{ov}.l_max"), select(cfg, f"{ov}.l_cache")
-    if not (isinstance(l_max, int) and isinstance(l_cache, int) and 0 < l_cache < l_max):
-        yield (f"{ov}.l_cache={l_cache} must be an integer in (0, {ov}.l_max={l_max}): it is the buffer before "
-               "the cap where the soft penalty ramps (paper: 4096 of 20480)")
-    elif l_max != gen:
+    l_max = select(cfg, f"{ov}.l_max")
+    if l_max is not None and l_max != gen:
         yield (f"{ov}.l_max={l_max} differs from the generation cap model.dapo.length_params.max_length={gen}; "
                "fix: set them equal (the penalty must reach -1 exactly at the cap)")
-
-
-def _loss(cfg: dict, s: dict):
-    eps_low, eps_high = select(cfg, "model.dapo.eps_low"), select(cfg, "model.dapo.eps_high")
-    clip_c, agg = select(cfg, "model.dapo.clip_c"), select(cfg, "model.dapo.agg")
-    tis = select(cfg, "model.dapo.tis_cap")
-    if not (isinstance(eps_low, (int, float)) and 0 <= eps_low < 1):
-        yield f"model.dapo.eps_low={eps_low!r} must be in [0, 1) (paper: 0.2)"
-    if not (isinstance(eps_high, (int, float)) and eps_high >= 0):
-        yield f"model.dapo.eps_high={eps_high!r} must be >= 0 (paper: 0.28)"
-    if clip_c is not None and not (isinstance(clip_c, (int, float)) and clip_c > 1):
-        yield f"model.dapo.clip_c={clip_c!r} (dual clip) must be > 1, or null to disable it (reference: 10.0)"
-    if agg not in AGG_MODES:
-        yield f"model.dapo.agg={agg!r} must be one of {AGG_MODES} (DAPO: token-mean)"
-    if tis is not None and not (isinstance(tis, (int, float)) and tis > 0):
-        yield f"model.dapo.tis_cap={tis!r} must be > 0, or null to disable truncated importance sampling"
 
 
 def _sampling(cfg: dict, s: dict):
@@ -405,14 +419,14 @@ def _engine_server(cfg: dict, s: dict):
     tp, pp = srv.get("tensor_parallel_size", 1) or 1, srv.get("pipeline_parallel_size", 1) or 1
     ep = srv.get("expert_parallel_size", 1) or 1
     devices = select(cfg, "trainer.devices")
-    if isinstance(tp, int) and isinstance(pp, int) and isinstance(devices, int) and devices % (tp * pp):
+    if isinstance(tp, int) and isinstance(pp, int) and _is_count(devices) and devices % (tp * pp):
         yield (f"{key}: an engine of tensor_parallel_size x pipeline_parallel_size = {tp * pp} GPUs does not tile "
                f"a node of trainer.devices={devices}; engines must not span nodes")
     if isinstance(ep, int) and isinstance(tp, int) and tp % ep:
         yield (f"{key}.expert_parallel_size={ep} must divide tensor_parallel_size={tp} (TensorRT-LLM: "
                "moe_tensor_parallel_size x moe_expert_parallel_size = tensor_parallel_size)")
-    mtp = select(cfg, "model.tensor_model_parallel_size", 1)
-    if isinstance(tp, int) and isinstance(pp, int) and isinstance(mtp, int) and tp * pp > mtp and (tp * pp) % mtp:
+    mtp = s["tp"]  # 1 when invalid (reported by _layout)
+    if isinstance(tp, int) and isinstance(pp, int) and tp * pp > mtp and (tp * pp) % mtp:
         yield (f"{key}: engines of {tp * pp} GPUs vs model.tensor_model_parallel_size={mtp}: one must divide the "
                "other so that every tensor-parallel group reaches an engine")
     max_seq, max_in = srv.get("max_seq_len"), srv.get("max_input_len")
@@ -422,7 +436,7 @@ def _engine_server(cfg: dict, s: dict):
                f"max_seq_len ({max_seq}): raise max_seq_len to {max_in + gen}")
 
 
-RULES = (_layout, _experts, _optimizer, _batches, _rollout_engine, _dynamic_sampling, _lengths, _loss, _sampling,
+RULES = (_layout, _experts, _optimizer, _batches, _rollout_engine, _algorithm, _lengths, _sampling,
          _reward, _data, _arch_agrees, _engine_server)
 
 

@@ -80,6 +80,16 @@ DEFAULT_ASSUMPTIONS = {
     "cuda_reserved_gb": 3.0,  # GUESS: CUDA context, NCCL buffers
     "usable_fraction": 0.95,  # GUESS: allocator fragmentation margin
 }
+# The range of each assumption as (low, low allowed, high or None): rates, lengths and utilisations must be > 0
+# (they divide), fractions lie in [0, 1] or (0, 1], overheads may be 0, and a null takes the default above.
+ASSUMPTION_RANGES = {
+    "mean_prompt_tokens": (0, False, None), "mean_response_tokens": (0, False, None),
+    "truncated_fraction": (0, True, 1), "oversample": (1, True, None), "pass_rate": (0, False, 1),
+    "hfu": (0, False, 1), "decode_efficiency": (0, False, 1), "decode_step_floor_ms": (0, True, None),
+    "refit_gb_per_s": (0, False, None), "handover_gb_per_s": (0, False, None), "sleep_wake_s": (0, True, None),
+    "pcie_gb_per_s": (0, False, None), "engine_workspace_gb": (0, True, None), "cuda_reserved_gb": (0, True, None),
+    "usable_fraction": (0, False, 1),
+}
 
 
 @dataclass(frozen=True)
@@ -222,6 +232,41 @@ ARCH_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_head
              "vocab_size", "tied_embeddings", "qkv_bias", "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk")
 
 
+def _range_text(low: float, closed: bool, high: Optional[float]) -> str:
+    if high is None:
+        return f"a number {'>=' if closed else '>'} {low}"
+    return f"a number in {'[' if closed else '('}{low}, {high}]"
+
+
+def assumption_problems(cfg: dict) -> list:
+    """Every ``plan.assume.*`` value that would give a nonsense estimate (a zero rate divides, a negative length
+    or a utilisation above 1 is no machine), each naming its key, its range and the default as the fix."""
+    from nemo_dapo.aligner.config_validate import select
+
+    problems = []
+    for key, value in (select(cfg, "plan.assume", {}) or {}).items():
+        name = f"plan.assume.{key}"
+        if key not in ASSUMPTION_RANGES:
+            problems.append(f"{name}: unknown assumption; fix: use one of {', '.join(ASSUMPTION_RANGES)}")
+            continue
+        low, closed, high = ASSUMPTION_RANGES[key]
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if value is None or (number and (value >= low if closed else value > low) and (high is None or value <= high)):
+            continue
+        default = DEFAULT_ASSUMPTIONS[key]
+        problems.append(f"{name}={value!r} must be {_range_text(low, closed, high)}; fix: set it in range, or to "
+                        f"null for the default ({'from the model and GPU' if default is None else default})")
+    return problems
+
+
+def input_problems(cfg: dict) -> list:
+    """Inputs that make any estimate meaningless (parallel sizes and node counts that are not integers >= 1,
+    assumptions out of range): ``nemo-dapo plan`` refuses them before planning."""
+    from nemo_dapo.aligner.config_validate import sizes
+
+    return sizes(cfg)["bad"] + assumption_problems(cfg)
+
+
 def _need(value, key: str):
     if value is None:
         raise PlanError(f"{key} is not set; `nemo-dapo plan` needs it (see conf/gpt_dapo_actor.yaml, plan.*)")
@@ -232,11 +277,12 @@ def arch_from_config(cfg: dict) -> Arch:
     spec = cfg.get("plan", {}).get("arch", {}) or {}
     kw = {k: spec.get(k) for k in ARCH_KEYS}
     for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-              "kv_channels", "vocab_size"):
-        _need(kw[k], f"plan.arch.{k}")
-    if kw["num_moe_experts"]:
-        _need(kw["moe_ffn_hidden_size"], "plan.arch.moe_ffn_hidden_size")
-        _need(kw["moe_router_topk"], "plan.arch.moe_router_topk")
+              "kv_channels", "vocab_size", *(("moe_ffn_hidden_size", "moe_router_topk") if kw["num_moe_experts"]
+                                             else ())):
+        value = _need(kw[k], f"plan.arch.{k}")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise PlanError(f"plan.arch.{k}={value!r} must be an integer >= 1; fix: set it to the "
+                            "model's value (its config.json)")
     return Arch(**{k: v for k, v in kw.items() if v is not None}, name=spec.get("name") or "")
 
 
@@ -245,6 +291,9 @@ def make_plan(cfg: dict) -> dict:
     from nemo_dapo.aligner.config_validate import select, sizes
 
     s = sizes(cfg)
+    bad = input_problems(cfg)
+    if bad:
+        raise PlanError("; ".join(bad))
     if s["dp"] is None:
         raise PlanError(f"world size {s['world']} is not divisible by TP x PP x CP; run the validator for details")
     gpu_key = str(_need(select(cfg, "plan.gpu"), "plan.gpu")).lower()
@@ -322,7 +371,8 @@ def _generation(cfg: dict, plan: dict, *, generated: float, l_max: int, oversamp
                                                   efficiency=a["decode_efficiency"])}
     if not g["trt"]:
         return t  # Megatron generation (debug path) is not estimated
-    floor = (a["decode_step_floor_ms"] or (25.0 if arch.is_moe else 10.0)) / 1e3
+    floor = a["decode_step_floor_ms"]  # 0 is a valid choice: no latency floor
+    floor = (floor if floor is not None else (25.0 if arch.is_moe else 10.0)) / 1e3
     step = lambda b, ctx: decode_step_seconds(arch, gpu, gen_tp=g["tp"], gen_pp=g["pp"], batch=b,  # noqa: E731
                                               context=ctx, efficiency=a["decode_efficiency"], floor_s=floor)
     engines = plan["layout"].world // (g["tp"] * g["pp"])
@@ -448,13 +498,18 @@ def run_cli(args) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"nemo-dapo plan: error: {e}", file=sys.stderr)
         return 2
+    refused = input_problems(cfg)
+    for p in refused:  # no estimate at all: it would be arithmetic on nonsense
+        print(f"nemo-dapo plan: error: {p}", file=sys.stderr)
+    if refused:
+        return 2
     problems = check_config(cfg)
     for p in problems:
         print(f"config problem: {p}")
     try:
         plan = make_plan(cfg)
     except PlanError as e:
-        print(f"cannot plan: {e}")
+        print(f"nemo-dapo plan: error: cannot plan: {e}", file=sys.stderr)
         return 2
     print(format_plan(plan, title=str(args.recipe)))
     return 2 if problems else (0 if plan["fits"] else 1)

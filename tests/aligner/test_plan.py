@@ -172,7 +172,7 @@ def test_plan_reports_config_problems(capsys):
 
 def test_plan_names_the_missing_key(capsys):
     assert run_cli("qwen2.5-32b_h100", "plan.arch.hidden_size=null") == 2
-    assert "plan.arch.hidden_size is not set" in capsys.readouterr().out
+    assert "error: cannot plan: plan.arch.hidden_size is not set" in capsys.readouterr().err
 
 
 def test_plan_32b_h100_numbers_by_hand():
@@ -432,3 +432,20 @@ def test_engine_server_keys_are_read_strictly(key):
         P.make_plan(cfg)
     with pytest.raises(P.PlanError, match=rf"{ES}.{key}( is null|=None must be)"):  # sleep_level: the validator's
         plan_of("qwen2.5-32b_h100", f"{ES}.{key}=null")
+
+
+@pytest.mark.parametrize("override, key", [
+    ("trainer.num_nodes=0", "trainer.num_nodes=0"),
+    ("model.tensor_model_parallel_size=abc", "model.tensor_model_parallel_size='abc'"),
+    ("model.context_parallel_size=-1", "model.context_parallel_size=-1")])
+def test_bad_sizes_are_problems_of_the_validator_and_refused_by_make_plan(override, key):
+    """The validator's rules never do arithmetic on a size that is not an integer >= 1 (no ZeroDivisionError)."""
+    from nemo_dapo.aligner.config_validate import check_config, load_config
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.to_container(load_config("qwen2.5-32b_h100", [override]))
+    problems = check_config(cfg)
+    assert [p for p in problems if p.startswith(f"{key} must be an integer >= 1; fix:")] == problems[:1]
+    assert not any("divisible" in p for p in problems)  # no arithmetic on the bad size
+    with pytest.raises(P.PlanError, match=key):
+        P.make_plan(cfg)
