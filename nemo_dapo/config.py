@@ -225,12 +225,38 @@ CHOICES = {
     "reward.verifier": ("dapo", "tolerant", "math_verify"),
     "data.task": ("arithmetic", "file"),
     "model.arch": ("llama", "qwen2"),
-    "algorithm.agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
-    "algorithm.dynamic_sampling.on_budget_exhausted": ("raise", "train_partial", "unbounded"),
     "rollout.engine": ("inprocess", "local", "vllm"),
     "rollout.on_filler_full": ("abort", "finish"),
     "rollout.server.sleep_level": (0, 1, 2),
 }
+
+
+# Where each field of the shared algorithm block (nemo_dapo.core.settings.FIELDS) lives in this config.
+ALGORITHM_KEYS = {name: ("reward." if name.startswith("overlong.") else "algorithm.") + name
+                  for name in ("group_size", "eps_low", "eps_high", "clip_c", "agg", "overlong_filter", "tis_cap",
+                               "adv_eps", "scale_by_std",
+                               *(f"dynamic_sampling.{k}" for k in (
+                                   "enabled", "max_gen_batches", "on_budget_exhausted", "max_age", "adaptive",
+                                   "gen_batch_size", "max_gen_batch_size", "prior_pass_rate", "prior_weight",
+                                   "pass_rate_memory", "safety")),
+                               *(f"overlong.{k}" for k in ("enabled", "l_max", "l_cache", "penalty_factor")))}
+
+
+def algorithm_values(cfg: Config) -> dict:
+    """The shared algorithm block of ``cfg`` as ``{field: value}`` (see nemo_dapo.core.settings)."""
+    return {name: _get(cfg, key) for name, key in ALGORITHM_KEYS.items()}
+
+
+def _check_algorithm(cfg: Config) -> None:
+    """The rules of nemo_dapo.core.settings (shared with the NeMo-side validator), first problem raised."""
+    from nemo_dapo.core.settings import problems
+
+    values = algorithm_values(cfg)
+    for name, message in problems(values, cfg.rollout.max_new_tokens):
+        key = ALGORITHM_KEYS[name]
+        raise ConfigError(f"config key '{key}' = {values[name]!r} {message}"
+                          + (" (l_max is reward.overlong.l_max, or rollout.max_new_tokens when null)"
+                             if name == "overlong.l_cache" else ""))
 
 
 def _get(cfg: Config, key: str):
@@ -275,32 +301,26 @@ def _check_numbers(cfg: Config) -> None:
         if _get(cfg, key) <= 0:
             raise ConfigError(f"config key '{key}' = {_get(cfg, key)} must be > 0: nothing trains with it. Fix: "
                               f"a small positive learning rate (paper: 1e-6; tiny_cpu: 3e-4)")
-    for key in ("optim.eps", "algorithm.adv_eps"):
-        _in_range(cfg, key, 0, math.inf, lo_open=True, fix="a small positive epsilon (1e-8 / 1e-6)")
-    for key in ("optim.weight_decay", "warmup.weight_decay", "reward.overlong.penalty_factor",
-                "algorithm.dynamic_sampling.prior_weight"):
+    _in_range(cfg, "optim.eps", 0, math.inf, lo_open=True, fix="a small positive epsilon (1e-8)")
+    for key in ("optim.weight_decay", "warmup.weight_decay"):
         _in_range(cfg, key, 0, math.inf)
     for i in range(len(cfg.optim.betas)):
         if not 0 <= cfg.optim.betas[i] < 1:
             raise ConfigError(f"config key 'optim.betas[{i}]' = {cfg.optim.betas[i]} must be in [0, 1) "
                               "(Adam's decay rates, default [0.9, 0.999])")
-    for key in ("optim.grad_clip", "warmup.grad_clip", "algorithm.tis_cap", "trainer.max_time_s",
+    for key in ("optim.grad_clip", "warmup.grad_clip", "trainer.max_time_s",
                 "warmup.max_seconds", "rollout.server.connect_timeout_s", "rollout.server.request_timeout_s"):
         _in_range(cfg, key, 0, math.inf, lo_open=True, fix="a positive number, or null where allowed")
     for key in ("warmup.slip_prob", "warmup.format_prob", "warmup.ramble_prob", "warmup.target_low",
                 "warmup.target_high"):
         _in_range(cfg, key, 0, 1)
-    ds = "algorithm.dynamic_sampling."
-    _in_range(cfg, ds + "prior_pass_rate", 0, 1, lo_open=True, hi_open=True)
-    _in_range(cfg, ds + "pass_rate_memory", 0, 1, hi_open=True)
-    _in_range(cfg, ds + "safety", 1, math.inf, fix="1.0 or more (the over-draw factor on the estimated need)")
     _in_range(cfg, "trainer.max_entropy_fraction", 0, 1, lo_open=True,
               fix="e.g. 0.9, or null to disable the entropy check")
     for key in ("eval.temperature", "warmup.temperature"):
         _in_range(cfg, key, 0, math.inf)
     _in_range(cfg, "eval.top_p", 0, 1, lo_open=True)
     for key in ("optim.warmup_steps", "warmup.lr_warmup_steps", "warmup.max_steps", "warmup.min_steps",
-                "algorithm.dynamic_sampling.max_age", "trainer.max_skipped_updates"):
+                "trainer.max_skipped_updates"):
         if _get(cfg, key) < 0:
             raise ConfigError(f"config key '{key}' must be >= 0, got {_get(cfg, key)}")
     for key in ("warmup.batch_size", "warmup.eval_every", "warmup.probe_size", "data.max_prompt_tokens",
@@ -310,10 +330,6 @@ def _check_numbers(cfg: Config) -> None:
     if cfg.warmup.target_low > cfg.warmup.target_high:
         raise ConfigError(f"config keys 'warmup.target_low' = {cfg.warmup.target_low} and 'warmup.target_high' = "
                           f"{cfg.warmup.target_high}: need target_low <= target_high")
-    if cfg.algorithm.group_size < 2:
-        raise ConfigError(f"config key 'algorithm.group_size' = {cfg.algorithm.group_size}: group advantages need "
-                          "at least 2 responses per prompt (with 1 every advantage is 0 and nothing trains). Fix: "
-                          "algorithm.group_size=16 (paper) or at least 2")
     if cfg.model.path is None:
         _check_model_shape(cfg)
     if cfg.data.task == "arithmetic":
@@ -396,33 +412,22 @@ def validate(cfg: Config) -> Config:
     for key, allowed in CHOICES.items():
         if _get(cfg, key) not in allowed:
             raise ConfigError(f"config key '{key}' = {_get(cfg, key)!r} is not one of {allowed}")
-    positive = ("algorithm.group_size", "trainer.train_batch_size", "trainer.mini_batch_size", "trainer.ppo_epochs",
+    _check_algorithm(cfg)
+    positive = ("trainer.train_batch_size", "trainer.mini_batch_size", "trainer.ppo_epochs",
                 "trainer.keep_last", "trainer.save_every", "trainer.val_samples", "rollout.max_new_tokens",
                 "eval.n_samples", "eval.batch_size", "rollout.processes", "data.heldout_size", "data.train_size",
                 "reward.num_workers", "rollout.server.bucket_mb", "rollout.server.max_batch_size",
-                "rollout.server.threads", "algorithm.dynamic_sampling.max_gen_batches")
+                "rollout.server.threads")
     for key in positive:
         if _get(cfg, key) < 1:
             raise ConfigError(f"config key '{key}' must be >= 1, got {_get(cfg, key)}")
     for key in ("trainer.max_steps", "trainer.val_every"):
         if _get(cfg, key) < 0:
             raise ConfigError(f"config key '{key}' must be >= 0, got {_get(cfg, key)}")
-    for key in ("trainer.micro_batch_size", "trainer.threads", "trainer.val_problems", "trainer.max_samples",
-                "algorithm.dynamic_sampling.gen_batch_size",
-                "algorithm.dynamic_sampling.max_gen_batch_size"):
+    for key in ("trainer.micro_batch_size", "trainer.threads", "trainer.val_problems", "trainer.max_samples"):
         if _get(cfg, key) is not None and _get(cfg, key) < 1:
             raise ConfigError(f"config key '{key}' must be >= 1 or null, got {_get(cfg, key)}")
-    a, r = cfg.algorithm, cfg.rollout
-    if not 0 <= a.eps_low < 1 or a.eps_high < 0:
-        raise ConfigError(f"config keys 'algorithm.eps_low'/'algorithm.eps_high' need 0 <= eps_low < 1 and "
-                          f"eps_high >= 0 (paper: 0.2 / 0.28), got {a.eps_low} / {a.eps_high}")
-    if a.clip_c is not None and a.clip_c <= 1:
-        raise ConfigError(f"config key 'algorithm.clip_c' must be > 1 or null (no dual clip), got {a.clip_c}")
-    ov = cfg.reward.overlong
-    l_max = ov.l_max if ov.l_max is not None else r.max_new_tokens
-    if ov.enabled and not 0 < ov.l_cache <= l_max:
-        raise ConfigError(f"config key 'reward.overlong.l_cache' must be in (0, l_max={l_max}] (l_max is "
-                          f"reward.overlong.l_max, or rollout.max_new_tokens when null), got {ov.l_cache}")
+    r = cfg.rollout
     if not 0 < r.top_p <= 1 or r.temperature < 0:
         raise ConfigError(f"config keys 'rollout.temperature'/'rollout.top_p' need temperature >= 0 and "
                           f"0 < top_p <= 1, got {r.temperature} / {r.top_p}")

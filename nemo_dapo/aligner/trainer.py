@@ -38,12 +38,14 @@ from nemo_aligner.utils.distributed import ScopedTimer
 from nemo_aligner.utils.train_utils import clip_gradients, set_eval, set_train
 from nemo_dapo.aligner.layout import pack_rollout, prompt_lengths_of, unpack_response
 from nemo_dapo.aligner.compat import pack_state, unpack_state
+from nemo_dapo.aligner.config_validate import ALGORITHM_KEYS, required
 from nemo_dapo.aligner.reducer import DataParallelReducer
 from nemo_dapo.aligner.reward_client import ClientReward
 from nemo_dapo.core.dynamic_sampling import BatchFiller
 from nemo_dapo.core.loop import DAPOLoop, LoopSettings
 from nemo_dapo.core.loop_data import PromptSampler, PromptSet
 from nemo_dapo.core.loop_eval import evaluate
+from nemo_dapo.core.settings import AlgorithmSettings, build_algorithm as core_build_algorithm, from_values
 from nemo_dapo.core.types import RolloutBatch
 
 log = logging.getLogger("nemo_dapo")
@@ -73,11 +75,12 @@ class ActorPolicy:
     @torch.no_grad()
     def logprobs(self, batch: Optional[RolloutBatch]) -> tuple:
         empty = batch is None or len(batch) == 0
-        tokens = torch.zeros(0, 2, dtype=torch.long) if empty else \
-            pack_rollout(batch, self.actor.tokenizer.eos_id)["response_tokens"]
+        packed = {"response_tokens": torch.zeros(0, 2, dtype=torch.long), "response_lengths": torch.zeros(0)} \
+            if empty else pack_rollout(batch, self.actor.tokenizer.eos_id)
         set_eval(self.actor)
-        try:
-            lp, ent = self.actor.get_logprobs_and_entropy(tokens)
+        try:  # the lengths let each micro-batch stop at its own longest row
+            lp, ent = self.actor.get_logprobs_and_entropy(packed["response_tokens"],
+                                                          lengths=packed["response_lengths"])
         finally:
             set_train(self.actor)
         if empty:
@@ -124,32 +127,48 @@ class ActorPolicy:
         pass
 
 
+def _key(cfg: DictConfig, model_cfg: DictConfig, key: str):
+    """Strict read of a ``trainer.dapo.*`` (cfg) or ``model.*`` (model_cfg) key: missing is an error naming it."""
+    if key.startswith("trainer.dapo."):
+        return required(cfg, key[len("trainer.dapo."):], "trainer.dapo")
+    return required(model_cfg, key[len("model."):], "model")
+
+
+def algorithm_settings(cfg: DictConfig, model_cfg: DictConfig) -> AlgorithmSettings:
+    """The shared algorithm block (core/settings.py) from ``trainer.dapo`` and ``model.dapo``, every key required."""
+    return from_values({name: _key(cfg, model_cfg, key) for name, key in ALGORITHM_KEYS.items()})
+
+
+def build_algorithm(cfg: DictConfig, model_cfg: DictConfig) -> tuple:
+    """``(LoopSettings, BatchFiller, loss_fn)`` through core/settings.build_algorithm, the builder the CPU path calls
+    too: batch keys from ``trainer.dapo.prompts_per_step`` / ``ppo_epochs`` / ``shuffle_minibatches`` and
+    ``model.global_batch_size``, the generation cap and sampling parameters from ``model.dapo``."""
+    a = algorithm_settings(cfg, model_cfg)
+    max_new = int(required(model_cfg, "dapo.length_params.max_length", "model"))
+    if a.overlong.l_max is not None and int(a.overlong.l_max) != max_new:
+        raise ValueError(f"trainer.dapo.overlong.l_max ({a.overlong.l_max}) must equal "
+                         f"model.dapo.length_params.max_length ({max_new}): the soft overlong penalty reaches its "
+                         "floor at the generation cap")
+    sp = required(model_cfg, "dapo.sampling_params", "model")
+    greedy = bool(required(sp, "use_greedy", "model.dapo.sampling_params"))
+    return core_build_algorithm(
+        a, train_batch_size=int(required(cfg, "prompts_per_step", "trainer.dapo")),
+        mini_batch_size=int(required(model_cfg, "global_batch_size", "model")),
+        ppo_epochs=int(required(cfg, "ppo_epochs", "trainer.dapo")),
+        shuffle_minibatches=bool(required(cfg, "shuffle_minibatches", "trainer.dapo")), max_new_tokens=max_new,
+        temperature=0.0 if greedy else float(required(sp, "temperature", "model.dapo.sampling_params")),
+        top_p=float(required(sp, "top_p", "model.dapo.sampling_params")),
+        seed=int(required(cfg, "seed", "trainer.dapo")),
+        # the aligner path generates one blocking batch at a time (no streaming dynamic sampling yet)
+        streaming=False, on_filler_full="abort")
+
+
 def loop_settings(cfg: DictConfig, model_cfg: DictConfig) -> LoopSettings:
-    """LoopSettings from ``trainer.dapo`` (cfg) and ``model.dapo`` (generation cap, sampling parameters)."""
-    d, ov = model_cfg.dapo, cfg.get("overlong") or {}
-    sp = d.get("sampling_params") or {}
-    max_new = int(d.length_params.max_length)
-    if ov.get("l_max") is not None and int(ov.l_max) != max_new:
-        raise ValueError(f"trainer.dapo.overlong.l_max ({ov.l_max}) must equal model.dapo.length_params.max_length "
-                         f"({max_new}): the soft overlong penalty reaches its floor at the generation cap")
-    temperature = 0.0 if sp.get("use_greedy", False) else float(sp.get("temperature", 1.0))
-    return LoopSettings(group_size=int(cfg.group_size), mini_batch_size=int(model_cfg.global_batch_size),
-                        max_new_tokens=max_new, ppo_epochs=int(cfg.get("ppo_epochs", 1)),
-                        temperature=temperature, top_p=float(sp.get("top_p", 1.0)),
-                        overlong_shaping=bool(ov.get("enabled", True)), l_cache=int(ov.get("l_cache", 4096)),
-                        overlong_penalty_factor=float(ov.get("penalty_factor", 1.0)),
-                        adv_eps=float(cfg.get("adv_eps", 1e-6)), scale_by_std=bool(cfg.get("scale_by_std", True)),
-                        shuffle_minibatches=bool(cfg.get("shuffle_minibatches", True)),
-                        seed=int(cfg.get("seed", model_cfg.get("seed", 0))))
+    return build_algorithm(cfg, model_cfg)[0]
 
 
-def batch_filler(cfg: DictConfig) -> BatchFiller:
-    """The dynamic-sampling filler from ``trainer.dapo.prompts_per_step`` and ``trainer.dapo.dynamic_sampling``."""
-    ds = cfg.get("dynamic_sampling") or {}
-    opt = {k: ds[k] for k in ("max_gen_batches", "on_budget_exhausted", "max_age", "gen_batch_size", "adaptive",
-                              "max_gen_batch_size", "prior_pass_rate", "prior_weight", "pass_rate_memory", "safety")
-           if ds.get(k) is not None}
-    return BatchFiller(int(cfg.prompts_per_step), enabled=bool(ds.get("enabled", True)), **opt)
+def batch_filler(cfg: DictConfig, model_cfg: DictConfig) -> BatchFiller:
+    return build_algorithm(cfg, model_cfg)[1]
 
 
 def training_steps(num_prompts: int, prompts_per_step: int, max_epochs, max_steps) -> tuple:
@@ -251,17 +270,19 @@ class DAPOTrainer:
         self.train_ds, self.val_ds, self.rm, self.generator = train_ds, val_ds, rm, generator
         self.logger, self.ckpt_callback, self.run_timer = logger, ckpt_callback, run_timer
         self.reducer = reducer or DataParallelReducer()
-        self.settings = loop_settings(cfg, model.cfg)
+        self.settings, filler, loss_fn = build_algorithm(cfg, model.cfg)
         self.reward_fn = ClientReward(rm)
-        self.policy = ActorPolicy(model, optimizer, scheduler, gradient_clip_val=cfg.get("gradient_clip_val", 1.0))
+        self.policy = ActorPolicy(model, optimizer, scheduler,
+                                  gradient_clip_val=required(cfg, "gradient_clip_val", "trainer.dapo"))
         prompts: PromptSet = train_ds.prompt_set()
         self.loop = DAPOLoop(policy=self.policy, generator=generator, reward_fn=self.reward_fn,
-                             loss_fn=model.loss_fn, prompts=prompts, filler=batch_filler(cfg),
+                             loss_fn=loss_fn, prompts=prompts, filler=filler,
                              settings=self.settings, sampler=PromptSampler(len(prompts), seed=self.settings.seed),
                              reducer=self.reducer)
         self.timer = ScopedTimer(reduction="mean", sync_cuda=True, buffer_size=1)
-        self.max_steps, why = training_steps(len(prompts), int(cfg.prompts_per_step), cfg.get("max_epochs"),
-                                             cfg.get("max_steps"))
+        self.max_steps, why = training_steps(len(prompts), filler.num_groups,
+                                             required(cfg, "max_epochs", "trainer.dapo"),
+                                             required(cfg, "max_steps", "trainer.dapo"))
         log.info("DAPO training for %d rollout steps: %s", self.max_steps, why)
         self.history: list = []  # (step, metrics) of every rollout step and validation, for callers and tests
         if getattr(model, "trainer_state", None) is not None:
@@ -297,7 +318,7 @@ class DAPOTrainer:
             log.info("DAPO training already finished (step %d of %d)", self.step, self.max_steps)
             return
         self.run_timer.start_time()
-        budget = self.budget = TimeBudget(self._time_left, float(self.cfg.get("save_time_s", 600)),
+        budget = self.budget = TimeBudget(self._time_left, float(required(self.cfg, "save_time_s", "trainer.dapo")),
                                           agree=self._rank0_decides)
         self._saved_at = self.loop.counters["gen_batches"]
         while self.step < self.max_steps:
@@ -317,8 +338,8 @@ class DAPOTrainer:
             self.logger.log_metrics(metrics, step=self.step, prefix="")
             self.history.append((self.step, metrics))
             run_val, save, is_train_end = progress(self.step, self.max_steps,
-                                                   int(self.cfg.get("val_check_interval", 0)),
-                                                   int(self.cfg.get("save_interval", 0)))
+                                                   int(required(self.cfg, "val_check_interval", "trainer.dapo")),
+                                                   int(required(self.cfg, "save_interval", "trainer.dapo")))
             extra = {}
             if run_val and self.val_ds is not None:
                 if budget.fits("validation"):
@@ -342,16 +363,16 @@ class DAPOTrainer:
     @torch.no_grad()
     def run_validation(self) -> dict:
         """avg@n accuracy (and pass@n, lengths) on ``val_ds`` with ``trainer.dapo.val`` sampling settings."""
-        v = self.cfg.get("val") or {}
+        v = {k: required(self.cfg, f"val.{k}", "trainer.dapo")
+             for k in ("n_samples", "temperature", "top_p", "seed", "batch_size", "max_problems")}
         t0 = time.monotonic()
         with self.timer("validation_time"):
             res = evaluate(self.generator, self.reward_fn, self.val_ds.prompt_set(),
-                           n_samples=int(v.get("n_samples", 1)), max_new_tokens=self.settings.max_new_tokens,
-                           temperature=float(v.get("temperature", self.settings.temperature)),
-                           top_p=float(v.get("top_p", self.settings.top_p)), seed=int(v.get("seed", 0)),
-                           batch_size=int(v.get("batch_size", 256)),
-                           indices=None if v.get("max_problems") is None else range(
-                               min(int(v.max_problems), len(self.val_ds))),
+                           n_samples=int(v["n_samples"]), max_new_tokens=self.settings.max_new_tokens,
+                           temperature=float(v["temperature"]), top_p=float(v["top_p"]), seed=int(v["seed"]),
+                           batch_size=int(v["batch_size"]),
+                           indices=None if v["max_problems"] is None else range(
+                               min(int(v["max_problems"]), len(self.val_ds))),
                            reducer=self.reducer)
         out = res.summary(prefix="val/")
         out["val/generations"] = float(res.acc.numel())  # problems x n_samples (AIME-2024: 30 x 32)

@@ -33,13 +33,12 @@ import torch
 
 from nemo_dapo.config import Config
 from nemo_dapo.core.checkpoint import latest_checkpoint, list_checkpoints, rng_state, save_checkpoint, set_rng_state
-from nemo_dapo.core.dynamic_sampling import BatchFiller
 from nemo_dapo.core.health import DivergenceGuard, TrainingDiverged, diverged_message
-from nemo_dapo.core.loop import DAPOLoop, LoopSettings
+from nemo_dapo.core.loop import DAPOLoop
 from nemo_dapo.core.loop_data import PromptSampler
 from nemo_dapo.core.loop_eval import EvalResult, evaluate
-from nemo_dapo.core.loss import make_loss_fn
 from nemo_dapo.core.reward import RuleReward
+from nemo_dapo.core.settings import build_algorithm as core_build_algorithm, from_values
 from nemo_dapo.engines.base import EngineError
 from nemo_dapo.local.policy import LocalPolicy
 from nemo_dapo.local.run_dir import (RunDirLock, RunInterrupted, StopSignals, check_resume_config, finished_summary,
@@ -64,30 +63,17 @@ def set_threads(threads: Optional[int]) -> int:
     return n
 
 
-def loop_settings(cfg: Config) -> LoopSettings:
-    a, ov = cfg.algorithm, cfg.reward.overlong
-    return LoopSettings(group_size=a.group_size, mini_batch_size=cfg.trainer.mini_batch_size,
-                        max_new_tokens=cfg.rollout.max_new_tokens, ppo_epochs=cfg.trainer.ppo_epochs,
-                        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, overlong_shaping=ov.enabled,
-                        l_cache=ov.l_cache, l_max=ov.l_max, overlong_penalty_factor=ov.penalty_factor,
-                        adv_eps=a.adv_eps, scale_by_std=a.scale_by_std,
-                        shuffle_minibatches=cfg.trainer.shuffle_minibatches, seed=cfg.seed,
-                        streaming=cfg.rollout.streaming, on_filler_full=cfg.rollout.on_filler_full)
+def build_algorithm(cfg: Config) -> tuple:
+    """``(LoopSettings, BatchFiller, loss_fn)`` from the algorithm block (core/settings.build_algorithm, the builder
+    the NeMo-Aligner path calls too) and this config's batch and rollout keys."""
+    from nemo_dapo.config import algorithm_values
 
-
-def build_filler(cfg: Config) -> BatchFiller:
-    ds = cfg.algorithm.dynamic_sampling
-    return BatchFiller(cfg.trainer.train_batch_size, enabled=ds.enabled, max_gen_batches=ds.max_gen_batches,
-                       on_budget_exhausted=ds.on_budget_exhausted, max_age=ds.max_age,
-                       gen_batch_size=ds.gen_batch_size, adaptive=ds.adaptive,
-                       max_gen_batch_size=ds.max_gen_batch_size, prior_pass_rate=ds.prior_pass_rate,
-                       prior_weight=ds.prior_weight, pass_rate_memory=ds.pass_rate_memory, safety=ds.safety)
-
-
-def build_loss(cfg: Config):
-    a = cfg.algorithm
-    return make_loss_fn(eps_low=a.eps_low, eps_high=a.eps_high, clip_c=a.clip_c, agg=a.agg,
-                        max_len=cfg.rollout.max_new_tokens, overlong_filter=a.overlong_filter, tis_cap=a.tis_cap)
+    t, r = cfg.trainer, cfg.rollout
+    return core_build_algorithm(from_values(algorithm_values(cfg)), train_batch_size=t.train_batch_size,
+                                mini_batch_size=t.mini_batch_size, ppo_epochs=t.ppo_epochs,
+                                shuffle_minibatches=t.shuffle_minibatches, max_new_tokens=r.max_new_tokens,
+                                temperature=r.temperature, top_p=r.top_p, seed=cfg.seed, streaming=r.streaming,
+                                on_filler_full=r.on_filler_full)
 
 
 def build_reward(cfg: Config, tokenizer) -> RuleReward:
@@ -117,9 +103,10 @@ class LocalRun:
             self.engine = EngineRollouts(cfg, self.model, self.tokenizer, self.policy)
             self.sampler = self.engine.generator
         self.reward = build_reward(cfg, self.tokenizer)
-        self.loop = DAPOLoop(policy=self.policy, generator=self.sampler, reward_fn=self.reward,
-                             loss_fn=build_loss(cfg), prompts=self.train_set, filler=build_filler(cfg),
-                             settings=loop_settings(cfg), sampler=PromptSampler(len(self.train_set), seed=cfg.seed))
+        settings, filler, loss_fn = build_algorithm(cfg)
+        self.loop = DAPOLoop(policy=self.policy, generator=self.sampler, reward_fn=self.reward, loss_fn=loss_fn,
+                             prompts=self.train_set, filler=filler, settings=settings,
+                             sampler=PromptSampler(len(self.train_set), seed=cfg.seed))
 
     @property
     def step(self) -> int:

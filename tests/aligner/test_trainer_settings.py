@@ -8,16 +8,14 @@ pytestmark = [needs_nemo, pytest.mark.nemo]
 
 
 def _cfgs(**trainer_over):
-    trainer = OmegaConf.create({"group_size": 16, "prompts_per_step": 512, "ppo_epochs": 1, "seed": 3,
-                                "overlong": {"enabled": True, "l_max": 20480, "l_cache": 4096, "penalty_factor": 1.0},
-                                "dynamic_sampling": {"enabled": True, "max_gen_batches": 10, "max_age": 1,
-                                                     "on_budget_exhausted": "train_partial", "adaptive": True,
-                                                     "gen_batch_size": None, "max_gen_batch_size": 1536,
-                                                     "prior_pass_rate": 0.4, "safety": 1.2}})
-    trainer = OmegaConf.merge(trainer, OmegaConf.create(trainer_over))
-    model = OmegaConf.create({"global_batch_size": 512, "seed": 1234, "dapo": {
-        "length_params": {"max_length": 20480}, "sampling_params": {"temperature": 1.0, "top_p": 1.0}}})
-    return trainer, model
+    """(trainer.dapo, model) of conf/gpt_dapo_actor.yaml at the paper's lengths, with ``trainer_over`` merged in."""
+    from nemo_dapo.aligner.config_validate import load_config
+
+    cfg = load_config(None, ["model.dapo.length_params.max_length=20480", "model.encoder_seq_length=22528",
+                             "trainer.dapo.overlong.l_cache=4096", "trainer.dapo.seed=3",
+                             "trainer.dapo.dynamic_sampling.prior_pass_rate=0.4",
+                             "trainer.dapo.dynamic_sampling.safety=1.2"])
+    return OmegaConf.merge(cfg.trainer.dapo, OmegaConf.create(trainer_over)), cfg.model
 
 
 def test_loop_settings_follow_the_paper_recipe():
@@ -46,10 +44,54 @@ def test_greedy_sampling_maps_to_temperature_zero():
 def test_batch_filler_takes_every_dynamic_sampling_key():
     from nemo_dapo.aligner.trainer import batch_filler
 
-    f = batch_filler(_cfgs()[0])
+    f = batch_filler(*_cfgs())
     assert (f.num_groups, f.enabled, f.max_gen_batches, f.on_budget_exhausted) == (512, True, 10, "train_partial")
     assert (f.max_gen_batch_size, f.prior_pass_rate, f.safety) == (1536, 0.4, 1.2)
-    assert not batch_filler(_cfgs(dynamic_sampling={"enabled": False})[0]).enabled
+    assert not batch_filler(*_cfgs(dynamic_sampling={"enabled": False})).enabled
+
+
+@pytest.mark.parametrize("key", ["trainer.dapo.adv_eps", "trainer.dapo.dynamic_sampling.safety",
+                                 "trainer.dapo.overlong.l_cache", "model.dapo.eps_high", "model.dapo.tis_cap",
+                                 "trainer.dapo.shuffle_minibatches", "trainer.dapo.seed"])
+def test_a_missing_key_is_an_error_naming_it(key):
+    from nemo_dapo.aligner.config_validate import ConfigError
+    from nemo_dapo.aligner.trainer import build_algorithm
+
+    trainer, model = _cfgs()
+    root = {"trainer.dapo": trainer, "model": model}
+    head = "trainer.dapo" if key.startswith("trainer.dapo.") else "model"
+    parent, _, leaf = key[len(head) + 1:].rpartition(".")
+    node = OmegaConf.select(root[head], parent) if parent else root[head]
+    del node[leaf]
+    with pytest.raises(ConfigError, match=f"config key {key} is missing"):
+        build_algorithm(trainer, model)
+
+
+def test_the_actor_loss_reads_model_dapo_strictly():
+    # in a subprocess: importing the actor needs the TensorRT-LLM stand-in, an import hook kept out of this process
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+import tests.support.trtllm_stub
+from omegaconf import OmegaConf
+from nemo_dapo.aligner.actor import loss_fn_from_cfg
+from nemo_dapo.aligner.config_validate import ConfigError, load_config
+model = load_config(None, ["model.dapo.clip_c=3.0"]).model
+loss = loss_fn_from_cfg(model)
+print("LOSS", loss.eps_low, loss.eps_high, loss.clip_c, loss.agg, loss.max_len)
+del model.dapo["clip_c"]
+try:
+    loss_fn_from_cfg(model)
+except ConfigError as e:
+    print("ERR", e.problems[0])
+"""
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
+    lines = [x.split(" ", 1)[1] for x in out.stdout.splitlines() if x.startswith(("LOSS ", "ERR "))]
+    assert lines[0] == "0.2 0.28 3.0 token-mean 2048"
+    assert lines[1].startswith("config key model.dapo.clip_c is missing")
 
 
 # ---- training length ------------------------------------------------------------------------------------------------

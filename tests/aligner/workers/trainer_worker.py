@@ -140,7 +140,7 @@ def main() -> None:
                                        "filename": "dapo-{step}-{consumed_samples}", "model_parallel_size": TP * PP}})
     exp_manager(ptl_trainer, exp_cfg)
     dapo = dict(nemo_cpu.DAPO_DEFAULTS, clip_c=3.0, length_params={"max_length": 6},
-                sampling_params={"temperature": 1.0, "top_p": 1.0, "end_strings": []})
+                sampling_params={"use_greedy": False, "temperature": 1.0, "top_p": 1.0, "end_strings": []})
     _, actor = nemo_cpu.build_actor(TP, PP, mbs=2, gbs=4, tokenizer_dir=os.environ["TOK_DIR"], dapo=dapo,
                                     trainer=ptl_trainer,
                                     # SGD: torch AdamW keeps a 0-dim "step" per parameter, which NeMo 2.1's
@@ -161,12 +161,14 @@ def main() -> None:
     recorder = RecordingLogger()
     trainer_cfg = OmegaConf.create({
         "max_epochs": 10, "max_steps": max_steps, "val_check_interval": 1, "save_interval": 1,
-        "gradient_clip_val": 1.0,
-        "group_size": 4, "prompts_per_step": 2, "ppo_epochs": 1, "seed": 5,
+        "gradient_clip_val": 1.0, "save_time_s": 600,
+        "group_size": 4, "prompts_per_step": 2, "ppo_epochs": 1, "seed": 5, "shuffle_minibatches": True,
+        "adv_eps": 1e-6, "scale_by_std": True,
         "dynamic_sampling": {"enabled": True, "max_gen_batches": 8, "on_budget_exhausted": "raise", "max_age": 2,
-                             "adaptive": False, "gen_batch_size": 3},
-        "overlong": {"enabled": True, "l_cache": 2, "penalty_factor": 1.0},
-        "val": {"n_samples": 2, "temperature": 1.0, "top_p": 1.0, "batch_size": 8}})
+                             "adaptive": False, "gen_batch_size": 3, "max_gen_batch_size": None,
+                             "prior_pass_rate": 0.5, "prior_weight": 8.0, "pass_rate_memory": 0.7, "safety": 1.1},
+        "overlong": {"enabled": True, "l_max": None, "l_cache": 2, "penalty_factor": 1.0},
+        "val": {"n_samples": 2, "temperature": 1.0, "top_p": 1.0, "seed": 0, "batch_size": 8, "max_problems": None}})
     mark = {}
 
     def after_first_batch_of_step_2() -> bool:
