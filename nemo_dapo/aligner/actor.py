@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mcore_ps
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.core.utils import get_model_config
 from omegaconf import DictConfig, OmegaConf
 
-from nemo.collections.nlp.modules.common.megatron.utils import get_iterator_k_split
 from nemo_aligner.utils.distributed import broadcast_tensor_within_pp
 from nemo_aligner.utils.train_utils import set_sync_funcs
 from nemo_dapo.aligner.compat import CHECKPOINT_KEY, actor_base
@@ -42,7 +42,11 @@ from nemo_dapo.aligner.layout import (  # noqa: F401  (re-exported: the actor's 
     to_shifted,
     unpack_response,
 )
-from nemo_dapo.core.loss import METRIC_REDUCTION, make_loss_fn
+from nemo_dapo.aligner.config_validate import required
+from nemo_dapo.core.loss import METRIC_REDUCTION, make_loss_fn  # noqa: F401  (make_loss_fn: re-exported for tests)
+from nemo_dapo.core.settings import LOSS_FIELDS, LossSettings, build_loss
+from nemo_dapo.core.microbatch import plan_microbatches
+from nemo_dapo.megatron.policy import hidden_logprobs_entropy, hidden_states_only
 from nemo_dapo.megatron.reduction import megatron_loss_scale
 from nemo_dapo.megatron.vocab_parallel import vocab_parallel_logits_logprobs_entropy
 
@@ -82,13 +86,54 @@ def pad_seq_len(batch: dict, multiple: int, pad_id: int) -> tuple:
     return out, s
 
 
-def _agreed_microbatches(rows: int, mbs: int) -> int:
-    """Micro-batches every DP rank runs: the max over DP of ceil(rows / mbs) (at least 1). Expert-parallel all-to-alls
-    span DP ranks, so all of them must run the same number of forwards; short ranks add all-masked rows."""
-    n = torch.tensor([max(1, -(-rows // mbs))], dtype=torch.int64).cuda()
+def _agreed_microbatches(n_local: int) -> int:
+    """Micro-batches every DP rank runs: the max over DP of the local counts (at least 1). Expert-parallel
+    all-to-alls span DP ranks, so all of them must run the same number of forwards; short ranks add filler
+    micro-batches (all-masked rows)."""
+    n = torch.tensor([max(1, int(n_local))], dtype=torch.int64).cuda()
     if mcore_ps.get_data_parallel_world_size() > 1:
         dist.all_reduce(n, op=dist.ReduceOp.MAX, group=mcore_ps.get_data_parallel_group())
     return int(n.item())
+
+
+def row_lengths(batch: dict) -> torch.Tensor:
+    """[B] real tokens of each row: ``response_lengths`` (prompt + response, as pack_rollout writes it) when the
+    batch has it, else the full width S (nothing known: no row is trimmed)."""
+    b, s = batch["response_tokens"].shape
+    if "response_lengths" in batch:
+        return batch["response_lengths"].long().clamp(1, s)
+    return torch.full((b,), s, dtype=torch.long)
+
+
+def _take(batch: dict, rows: torch.Tensor, width: int) -> dict:
+    """Rows ``rows`` of ``batch``, its [B, S] tokens cut to ``width`` columns and [B, S-1] fields to width - 1."""
+    s = batch["response_tokens"].shape[1]
+    out = {}
+    for k, v in batch.items():
+        v = v[rows]
+        if k == "response_tokens":
+            v = v[:, :width]
+        elif v.dim() == 2 and v.shape[1] == s - 1:
+            v = v[:, :width - 1]
+        out[k] = v
+    return out
+
+
+def split_microbatches(batch: dict, groups: list, n_total: int, multiple: int, pad_id: int) -> list:
+    """One batch dict per group of row indices (core.microbatch.plan_microbatches): its rows trimmed to the group's
+    longest row and right-padded to a multiple of ``multiple`` (pad_seq_len); then all-masked filler micro-batches
+    (one row of ``multiple`` pad tokens, ended, zero mask) up to ``n_total`` (the DP-agreed count)."""
+    lengths, s = row_lengths(batch), batch["response_tokens"].shape[1]
+    out = []
+    for g in groups:
+        rows = torch.tensor(g, dtype=torch.long)
+        out.append(pad_seq_len(_take(batch, rows, max(2, int(lengths[rows].max()))), multiple, pad_id)[0])
+    if len(out) < n_total:
+        blank, _ = pad_rows({k: v[:0] for k, v in batch.items()}, 1, pad_id)
+        filler = pad_seq_len(_take(blank, torch.zeros(1, dtype=torch.long), max(2, min(s, multiple))),
+                             multiple, pad_id)[0]
+        out += [filler] * (n_total - len(out))
+    return out
 
 
 # ---- the actor -----------------------------------------------------------------------------------------------------
@@ -100,17 +145,17 @@ def _dapo_cfg(cfg: DictConfig) -> DictConfig:
     return cfg.dapo
 
 
+def _dapo(cfg: DictConfig, key: str):
+    """Strict read of ``model.dapo.<key>``: a missing key is an error naming it (the YAML holds every default)."""
+    return required(_dapo_cfg(cfg), key, "model.dapo")
+
+
 def loss_fn_from_cfg(cfg: DictConfig):
-    """``core.loss.make_loss_fn`` from ``model.dapo``: eps_low, eps_high, clip_c (dual clip), agg, overlong_filter,
-    tis_cap (and, for agg=seq-mean-token-sum-norm, the generation cap length_params.max_length)."""
-    d = _dapo_cfg(cfg)
-    agg = d.get("agg", "token-mean")
-    max_len = d.get("length_params", {}).get("max_length") if agg == "seq-mean-token-sum-norm" else None
-    clip_c, tis_cap = d.get("clip_c", None), d.get("tis_cap", None)
-    return make_loss_fn(eps_low=float(d.get("eps_low", 0.2)), eps_high=float(d.get("eps_high", 0.28)),
-                        clip_c=None if clip_c is None else float(clip_c), agg=agg, max_len=max_len,
-                        overlong_filter=bool(d.get("overlong_filter", False)),
-                        tis_cap=None if tis_cap is None else float(tis_cap))
+    """The loss of ``model.dapo`` (eps_low, eps_high, clip_c, agg, overlong_filter, tis_cap; the generation cap
+    length_params.max_length is seq-mean-token-sum-norm's constant) through core/settings.build_loss, as the
+    trainer's builder makes it."""
+    loss = LossSettings(**{name: _dapo(cfg, name) for name in LOSS_FIELDS})
+    return build_loss(loss, max_new_tokens=int(_dapo(cfg, "length_params.max_length")))
 
 
 class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
@@ -120,21 +165,20 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
         # The PPO actor's __init__ reads model.ppo and may build a TensorRT-LLM engine: run the model's own __init__
         # chain instead and set the attributes the inherited methods use.
         super(MegatronGPTActorModel, self).__init__(cfg, trainer=trainer)
-        d = _dapo_cfg(self.cfg)
         self.automatic_optimization = False
         self.init_policy_state_dict = None  # DAPO has no reference policy
         self.distributed_adam_offload_manager = None
-        self._length_params = OmegaConf.to_container(d.get("length_params", {}), resolve=True)
-        self._sampling_params = OmegaConf.to_container(d.get("sampling_params", {}), resolve=True)
-        self.to_offload_adam_states = bool(d.get("offload_adam_states", False)) and self.with_distributed_adam
-        self.forward_micro_batch_size = int(d.get("forward_micro_batch_size", self.cfg.micro_batch_size))
+        self._length_params = OmegaConf.to_container(_dapo(self.cfg, "length_params"), resolve=True)
+        self._sampling_params = OmegaConf.to_container(_dapo(self.cfg, "sampling_params"), resolve=True)
+        self.to_offload_adam_states = bool(_dapo(self.cfg, "offload_adam_states")) and self.with_distributed_adam
+        self.forward_micro_batch_size = int(_dapo(self.cfg, "forward_micro_batch_size"))
         self.use_trtllm_generation = False  # rollouts: nemo_dapo.aligner.generation
         self.entropy_bonus, self.ratio_eps = 0.0, None  # PPO-only attributes, unused here
         self.loss_fn = loss_fn_from_cfg(self.cfg)
-        self.logprob_chunk_size = int(d.get("logprob_chunk_size", 1024))
+        self.logprob_chunk_size = int(_dapo(self.cfg, "logprob_chunk_size"))
         self.seq_len_multiple = seq_len_multiple(self.cfg)  # sequence-parallel split and kernel alignment
         # log pi is taken at the sampling temperature, like the reference (logits / T)
-        self.logprob_temperature = float(self._sampling_params.get("temperature", 1.0) or 1.0)
+        self.logprob_temperature = float(_dapo(self.cfg, "sampling_params.temperature") or 1.0)
         self.trainer_state: Optional[torch.Tensor] = None  # packed trainer state, saved inside checkpoints
         # Vocabulary the rollout engine samples from (ids >= it are Megatron's padding rows, left out of the softmax so
         # that training log-probs and the engine's describe one distribution); set by generation.build_generator.
@@ -155,15 +199,34 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
         self.trainer_state = checkpoint.get(CHECKPOINT_KEY)
 
     # ---- shared forward ------------------------------------------------------------------------------------------
-    def _logprobs_entropy(self, logits: torch.Tensor, tokens: torch.Tensor) -> tuple:
-        """logits [b, S, V/tp] (last stage), tokens [b, S] -> fp32 (logp, entropy) [b, S-1] of tokens 1..S-1."""
-        return vocab_parallel_logits_logprobs_entropy(logits[:, :-1], tokens[:, 1:],
-                                                      chunk_size=self.logprob_chunk_size,
-                                                      temperature=self.logprob_temperature,
-                                                      valid_vocab=self.valid_vocab)
+    # True: take log-probs from NeMo's full [b, S, V/tp] logits (the former path, kept as the tests' reference for
+    # the hidden-state path; it costs ~3 x b x S x V/tp x 4 bytes more per micro-batch, benchmarks/actor_logits_memory.py)
+    logprobs_from_logits = False
+
+    def _logprobs_entropy(self, out: torch.Tensor, tokens: torch.Tensor, model=None, mask=None) -> tuple:
+        """fp32 (logp, entropy) [b, S-1] of tokens 1..S-1 of ``tokens`` [b, S] from the last stage's output of
+        ``_forward_logprob`` on ``model``: final hidden states [S(/tp with SP), b, H] through the output-layer
+        shard, chunk by chunk (megatron.policy.hidden_logprobs_entropy), or with ``logprobs_from_logits`` logits
+        [b, S, V/tp]. ``mask`` [b, S-1]: only positions with mask != 0 are computed (the others are 0)."""
+        if self.logprobs_from_logits:
+            return vocab_parallel_logits_logprobs_entropy(out[:, :-1], tokens[:, 1:],
+                                                          chunk_size=self.logprob_chunk_size,
+                                                          temperature=self.logprob_temperature,
+                                                          valid_vocab=self.valid_vocab)
+        return hidden_logprobs_entropy(model, out, tokens[:, 1:], mask=None if mask is None else mask > 0,
+                                       chunk_size=self.logprob_chunk_size, temperature=self.logprob_temperature,
+                                       valid_vocab=self.valid_vocab)
 
     def _forward(self, model, mb: dict):
+        """logits [b, S, V/tp] (last stage; the debug sampler reads them)."""
         return model(mb["response_tokens"], mb["position_ids"], mb["attention_mask"], labels=None)
+
+    def _forward_logprob(self, model, mb: dict):
+        """The forward whose last-stage output ``_logprobs_entropy`` takes: final hidden states (no logits)."""
+        if self.logprobs_from_logits:
+            return self._forward(model, mb)
+        with hidden_states_only(model):
+            return self._forward(model, mb)
 
     def _with_masks(self, batch: dict) -> dict:
         attention_mask, _, position_ids = self.get_ltor_masks_and_position_ids(batch["response_tokens"])
@@ -176,10 +239,10 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
         def fwd_output_and_loss_func(data_iterator, model):
             mb = {k: (v.cuda(non_blocking=True) if isinstance(v, torch.Tensor) else v)
                   for k, v in next(data_iterator).items()}
-            logits = self._forward(model, mb)
+            out = self._forward_logprob(model, mb)
 
-            def loss_func(logits):
-                logp, entropy = self._logprobs_entropy(logits, mb["response_tokens"])
+            def loss_func(out):
+                logp, entropy = self._logprobs_entropy(out, mb["response_tokens"], model, mb["mask"])
                 loss, metrics = loss_fn(logp, entropy, as_rollout(mb), num_tokens)
                 metrics = {k: torch.as_tensor(v).detach().float() for k, v in metrics.items()}
                 metrics["loss"] = loss.detach().float()
@@ -187,7 +250,7 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
                 # over ranks; the scale (megatron.reduction) undoes both so the gradient is that of the summed shares.
                 return loss * scale, metrics
 
-            return logits, loss_func
+            return out, loss_func
 
         return fwd_output_and_loss_func
 
@@ -198,30 +261,54 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
         dist.all_reduce(local, group=mcore_ps.get_data_parallel_group())
         return local[0].cpu()
 
+    def _plan(self, batch: dict, rows: int) -> list:
+        """Groups of row indices, one per micro-batch (core.microbatch.plan_microbatches): longest rows first, at most
+        ``model.dapo.micro_batch_tokens`` rows x padded length each (null: ``rows`` rows each)."""
+        budget = self.cfg.dapo.get("micro_batch_tokens")
+        return plan_microbatches(row_lengths(batch).tolist(), multiple=self.seq_len_multiple,
+                                 max_tokens=None if budget is None else int(budget),
+                                 max_rows=rows if budget is None else None)
+
+    def _run_schedule(self, forward_step_func, microbatches: list, forward_only: bool, **kw):
+        """The Megatron schedule over ``microbatches`` (dicts of different shapes). With pipeline parallelism the
+        stages exchange activation shapes before each transfer (``variable_seq_lengths``), as the shapes change."""
+        config = get_model_config(self.model[0] if isinstance(self.model, list) else self.model)
+        saved = config.variable_seq_lengths
+        config.variable_seq_lengths = saved or mcore_ps.get_pipeline_model_parallel_world_size() > 1
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step_func,
+                data_iterator=self._make_data_iterator_list(iter([self._with_masks(mb) for mb in microbatches])),
+                model=self.model, num_microbatches=len(microbatches), forward_only=forward_only,
+                seq_length=max(mb["response_tokens"].shape[1] for mb in microbatches),
+                micro_batch_size=max(mb["response_tokens"].shape[0] for mb in microbatches), **kw)
+        finally:
+            config.variable_seq_lengths = saved
+
     def get_loss_and_metrics(self, batch: dict, forward_only: bool, *, num_tokens=None, loss_fn=None,
                              reduce_over_dp: bool = True):
         """(loss, metrics) of one optimizer step's local share ``batch`` (any number of rows, including 0).
 
+        Micro-batches: see ``_plan`` (rows sorted by ``response_lengths``, each group padded only to its own longest
+        row, rounded to ``seq_len_multiple``); every DP rank runs the same number (filler micro-batches).
         ``num_tokens``: the global normaliser (computed here over DP when None). Metrics are combined over
         micro-batches as core.loss.METRIC_REDUCTION says, over DP when ``reduce_over_dp`` (else they are this DP
         rank's shares), and returned on every rank. ``loss`` is the step's loss (the DAPO objective of the global
         batch when reduced over DP, else this rank's share of it).
         """
         loss_fn = loss_fn or self.loss_fn
-        mbs = int(self.cfg.micro_batch_size)
-        num_microbatches = _agreed_microbatches(batch["response_tokens"].shape[0], mbs)
-        batch, _ = pad_rows(batch, mbs, self.tokenizer.eos_id, min_rows=num_microbatches * mbs)
-        batch, _ = pad_seq_len(batch, self.seq_len_multiple, self.tokenizer.eos_id)
-        if num_tokens is None:
-            num_tokens = self.global_normalizer(batch, loss_fn)
+        groups = self._plan(batch, int(self.cfg.micro_batch_size))
+        num_microbatches = _agreed_microbatches(len(groups))
+        micro = split_microbatches(batch, groups, num_microbatches, self.seq_len_multiple, self.tokenizer.eos_id)
+        if num_tokens is None:  # the normaliser is additive over rows, and filler rows add nothing
+            num_tokens = torch.stack([loss_fn.normalizer(as_rollout(mb)).float() for mb in micro]).sum().reshape(1)
+            num_tokens = num_tokens.cuda()
+            dist.all_reduce(num_tokens, group=mcore_ps.get_data_parallel_group())
+            num_tokens = num_tokens[0].cpu()
         scale = megatron_loss_scale(num_microbatches)
-        batch = self._with_masks(batch)
         set_sync_funcs(self, forward_only)
-        per_mb = get_forward_backward_func()(
-            forward_step_func=self.get_actor_forward_output_and_loss_func(loss_fn, num_tokens, scale),
-            data_iterator=self._make_data_iterator_list(get_iterator_k_split(batch, num_microbatches)),
-            model=self.model, num_microbatches=num_microbatches, forward_only=forward_only,
-            seq_length=batch["response_tokens"].shape[1], micro_batch_size=mbs)
+        per_mb = self._run_schedule(self.get_actor_forward_output_and_loss_func(loss_fn, num_tokens, scale), micro,
+                                    forward_only)
         metrics = self._combine_metrics(per_mb, reduce_over_dp)
         return metrics["loss"], metrics
 
@@ -254,37 +341,45 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
     def _logprob_entropy_func(self):
         def fwd(data_iterator, model):
             mb = {k: v.cuda(non_blocking=True) for k, v in next(data_iterator).items()}
-            logits = self._forward(model, mb)
+            out = self._forward_logprob(model, mb)
 
-            def collect(logits, non_loss_data=True):
-                logp, entropy = self._logprobs_entropy(logits, mb["response_tokens"])
-                return torch.stack([logp, entropy])  # [2, b, S-1]
+            def collect(out, non_loss_data=True):
+                logp, entropy = self._logprobs_entropy(out, mb["response_tokens"], model)
+                return torch.stack([logp, entropy])  # [2, b, S_mb-1]
 
-            return logits, collect
+            return out, collect
 
         return fwd
 
     @torch.no_grad()
-    def get_logprobs_and_entropy(self, response_tokens: torch.Tensor, forward_micro_batch_size: Optional[int] = None):
+    def get_logprobs_and_entropy(self, response_tokens: torch.Tensor, forward_micro_batch_size: Optional[int] = None,
+                                 lengths: Optional[torch.Tensor] = None):
         """fp32 (logp, entropy), each [B, S-1], of tokens 1..S-1 of ``response_tokens`` [B, S]; on every rank.
 
-        The same forward and log-prob code as the loss (so the first update of a step has ratio exactly 1).
+        ``lengths`` [B] (optional): real tokens of each row; positions t >= lengths[b] - 1 are then not computed
+        (0). Micro-batches as in training (``_plan`` with ``forward_micro_batch_size`` rows when there is no token
+        budget). The same forward and log-prob code as the loss (so the first update of a step has ratio exactly 1).
         """
         fmbs = int(forward_micro_batch_size or self.forward_micro_batch_size)
-        num_microbatches = _agreed_microbatches(response_tokens.shape[0], fmbs)
-        batch, n = pad_rows({"response_tokens": response_tokens}, fmbs, self.tokenizer.eos_id,
-                            min_rows=num_microbatches * fmbs)
-        batch, s = pad_seq_len(batch, self.seq_len_multiple, self.tokenizer.eos_id)
+        n, s = response_tokens.shape
+        batch = {"response_tokens": response_tokens}
+        if lengths is not None:
+            batch["response_lengths"] = lengths
+        groups = self._plan(batch, fmbs)
+        micro = split_microbatches(batch, groups, _agreed_microbatches(len(groups)), self.seq_len_multiple,
+                                   self.tokenizer.eos_id)
+        for mb in micro:
+            mb.pop("response_lengths", None)
         set_sync_funcs(self, forward_only=True)
-        out = get_forward_backward_func()(
-            forward_step_func=self._logprob_entropy_func(),
-            data_iterator=self._make_data_iterator_list(get_iterator_k_split(self._with_masks(batch),
-                                                                             num_microbatches)),
-            model=self.model, num_microbatches=num_microbatches, forward_only=True,
-            seq_length=batch["response_tokens"].shape[1], micro_batch_size=fmbs, collect_non_loss_data=True)
-        stacked = torch.cat(out, dim=1).float() if out else None  # [2, B_padded, S-1] on the last stage
+        out = self._run_schedule(self._logprob_entropy_func(), micro, True, collect_non_loss_data=True)
+        stacked = None
+        if mcore_ps.is_pipeline_last_stage():
+            stacked = torch.zeros(2, n, max(s - 1, 0), dtype=torch.float32)
+            for g, o in zip(groups, out):
+                w = min(s - 1, o.shape[2])
+                stacked[:, torch.tensor(g, dtype=torch.long), :w] = o[:, :, :w].float().cpu()
         stacked = broadcast_tensor_within_pp(stacked, dtype=torch.float32).cpu()
-        return stacked[0, :n, :s - 1], stacked[1, :n, :s - 1]
+        return stacked[0], stacked[1]
 
     @torch.no_grad()
     def get_inference_log_probs(self, response_tokens, forward_micro_batch_size=None):

@@ -97,9 +97,10 @@ def pack_left_aligned(mb: RolloutBatch, seq_len: int) -> dict:
 
 
 @contextlib.contextmanager
-def _hidden_states_only(model):
-    """Make the last stage's GPTModel return its final hidden states [S, b, H] instead of logits: both 0.10.0 and
-    0.16.1 return them when ``post_process`` is False (the final norm belongs to the decoder and still runs)."""
+def hidden_states_only(model):
+    """Make the last stage's GPTModel return its final hidden states [S(/tp with SP), b, H] instead of logits:
+    both 0.10.0 and 0.16.1 return them when ``post_process`` is False (the final norm belongs to the decoder and
+    still runs). ``model`` may be wrapped (DDP, Float16Module: the latter casts them to fp32 on the last stage)."""
     inner = unwrap(model)
     saved = inner.post_process
     inner.post_process = False
@@ -107,6 +108,40 @@ def _hidden_states_only(model):
         yield
     finally:
         inner.post_process = saved
+
+
+def output_weight(model) -> torch.Tensor:
+    """The last stage's output-layer weight shard [V/tp, H] (the shared embedding weight when tied)."""
+    inner = unwrap(model)
+    return inner.shared_embedding_or_output_weight() if inner.share_embeddings_and_output_weights \
+        else inner.output_layer.weight
+
+
+def hidden_logprobs_entropy(model, hidden: torch.Tensor, targets: torch.Tensor, *,
+                            positions: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None,
+                            chunk_size: int = 1024, temperature: float = 1.0,
+                            valid_vocab: Optional[int] = None) -> tuple:
+    """fp32 (logp, entropy) [b, T] of ``targets`` [b, T] from the final hidden states of ``model``'s last stage.
+
+    hidden [S, b, H] ([S/tp, b, H] with sequence parallelism: gathered here, and the gather's backward
+    reduce-scatter sums the TP partial gradients, so the log-prob backward does not all-reduce them again).
+    Target t of row b is predicted at ``positions[b, t]`` (default: position t, i.e. T <= S). ``mask`` [b, T]:
+    only positions with mask != 0 are computed (the others are 0). The logits never exist beyond one chunk of
+    ``chunk_size`` tokens x V/tp (vocab_parallel.vocab_parallel_logprobs_entropy)."""
+    inner = unwrap(model)
+    sp = bool(inner.config.sequence_parallel)
+    if sp:
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+        hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
+    weight = output_weight(inner)
+    h = hidden.transpose(0, 1).to(weight.dtype)  # Float16Module hands fp32 copies of bf16 values: exact cast back
+    if positions is None:
+        h = h[:, :targets.shape[1]]
+    else:
+        h = h.gather(1, positions[..., None].expand(*positions.shape, h.shape[-1]))
+    return vocab_parallel_logprobs_entropy(h, weight, targets, mask=mask, chunk_size=chunk_size,
+                                           temperature=temperature, reduce_grad_hidden=not sp,
+                                           valid_vocab=valid_vocab)
 
 
 def _combine(stored: list) -> dict:
@@ -195,19 +230,9 @@ class MegatronPolicy:
     # ---- forward ---------------------------------------------------------------------------------------------------
     def _logp_entropy(self, hidden: torch.Tensor, packed: dict) -> tuple:
         """hidden [S(/tp with SP), b, H] -> fp32 (logp [b, R], entropy [b, R]), 0 on padding."""
-        sp = self.inner.config.sequence_parallel
-        if sp:
-            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
-        h = hidden.transpose(0, 1)
-        pos = packed["pred_pos"]
-        h = h.gather(1, pos[..., None].expand(*pos.shape, h.shape[-1]))
-        inner = self.inner
-        weight = inner.shared_embedding_or_output_weight() if inner.share_embeddings_and_output_weights \
-            else inner.output_layer.weight
-        return vocab_parallel_logprobs_entropy(h, weight, packed["targets"], mask=packed["mask"],
-                                               chunk_size=self.chunk_size, temperature=self.temperature,
-                                               reduce_grad_hidden=not sp, valid_vocab=self.valid_vocab)
+        return hidden_logprobs_entropy(self.inner, hidden, packed["targets"], positions=packed["pred_pos"],
+                                       mask=packed["mask"], chunk_size=self.chunk_size,
+                                       temperature=self.temperature, valid_vocab=self.valid_vocab)
 
     def _run(self, micro, seq_len: int, loss_func_of, *, forward_only: bool) -> list:
         def forward_step(data_iterator, model):
@@ -215,7 +240,7 @@ class MegatronPolicy:
             s = packed["tokens"].shape[1]
             pos = torch.arange(s, device=self.device).expand_as(packed["tokens"])
             causal = torch.triu(torch.ones(s, s, dtype=torch.bool, device=self.device), 1).view(1, 1, s, s)
-            with _hidden_states_only(model):
+            with hidden_states_only(model):
                 out = model(packed["tokens"], pos, causal)
             return out, lambda hidden: loss_func_of(hidden, mb, packed)
 

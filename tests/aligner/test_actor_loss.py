@@ -2,7 +2,11 @@
 
 The worker (workers/actor_loss_worker.py) builds the real NeMo-Aligner actor on CPU and compares, per rank, against a
 plain reference (full-vocabulary log_softmax + core.loss.dapo_policy_loss on the whole batch in one micro-batch):
-old log-probs and entropies, the loss, every parameter gradient, and the clip metrics. The DP=2 case gives the two
+old log-probs and entropies, the loss, every parameter gradient, and the clip metrics. The actor takes its
+log-probs from the final hidden states through the output-layer shard (no [b, S, V/tp] logits); the same batch also
+goes through the former logits path (``logprobs_from_logits``), which must give the same log-probs, loss, metrics and
+gradients, and through micro-batches packed by a token budget (``model.dapo.micro_batch_tokens``), which must not
+change the update. The DP=2 case gives the two
 ranks 3 and 5 samples, rank 0's all truncated: with overlong filtering it trains on zero tokens yet must still
 contribute exactly nothing while joining every collective. What the trainer LOGS for the same update
 (ActorPolicy.train_step on each rank's share, combined over DP by the step loop) must equal the full-batch
@@ -35,6 +39,10 @@ def _check_against_reference(results, tp, pp, sampler=True):
         assert res["dp"] == 2 // (tp * pp)
         assert res["logp_max_abs_diff"] < 1e-5, res
         assert res["entropy_max_abs_diff"] < 1e-4, res
+        # the hidden-state log-probs equal those from NeMo's full logits, at every position (fp32 on both sides)
+        assert res["paths_logp_max_abs_diff"] < 1e-5 and res["paths_entropy_max_abs_diff"] < 1e-5, res
+        # micro-batches trimmed to their own longest row give the same response log-probs
+        assert res["trimmed_logp_max_abs_diff"] < 1e-5 and res["trimmed_entropy_max_abs_diff"] < 1e-5, res
         cases = {c["case"]: c for c in res["cases"]}
         assert set(cases) == {"filter+dualclip", "tis"}
         for c in cases.values():
@@ -43,6 +51,17 @@ def _check_against_reference(results, tp, pp, sampler=True):
             assert c["grad_max_abs_diff"] < 1e-5 * max(1.0, c["grad_max_abs"]), c
             for k, v in c["ref_metrics"].items():
                 assert c["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-6), (k, c)
+            # hidden-state path vs the former logits path: same loss, metrics, gradients
+            lg = c["logits_path"]
+            assert c["loss"] == pytest.approx(lg["loss"], rel=1e-6, abs=1e-8), c
+            assert lg["grad_max_abs_diff"] < 1e-6 * max(1.0, c["grad_max_abs"]), c
+            assert lg["metrics"] == pytest.approx(c["metrics"], rel=1e-6, abs=1e-7), c
+            # token-budget packing regroups rows only: the update is still the full-batch reference
+            pk = c["packed"]
+            assert pk["loss"] == pytest.approx(c["ref_loss"], rel=1e-5, abs=1e-7), c
+            assert pk["grad_max_abs_diff"] < 1e-5 * max(1.0, c["grad_max_abs"]), c
+            for k, v in c["ref_metrics"].items():
+                assert pk["metrics"][k] == pytest.approx(v, rel=1e-5, abs=1e-6), (k, c)
             # what the trainer logs (ActorPolicy.train_step + the loop's DP combination) is the full-batch value
             assert c["logged"]["loss"] == pytest.approx(c["ref_loss"], rel=1e-5, abs=1e-7), c
             assert set(c["logged"]) == set(c["ref_metrics"]) | {"loss"}, c

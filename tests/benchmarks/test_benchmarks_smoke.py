@@ -74,3 +74,14 @@ def test_rollout_engine_quick():
     assert r["local_tokens_static"] == r["local_tokens_inflight"]
     assert 0 < int(r["local_tokens_stream"]) < int(r["local_tokens_inflight"])
     assert r["local_inflight_vs_static"].endswith("x") and float(r["local_inflight_vs_static"][:-1]) > 0
+
+
+def test_actor_logits_memory_quick():
+    r = run_quick("actor_logits_memory.py")
+    # bf16 on both sides; the log-probs, entropies and both gradients agree to bf16 rounding
+    assert float(r["max_abs_diff"]) < 0.1
+    # allocator bytes are deterministic: the hidden-state path never holds the [tokens, V/tp] logits
+    assert 0 < float(r["alloc_ratio"]) < 0.5
+    # seeded lengths: trimmed, token-budget micro-batches pad less than the mini-batch-maximum split
+    assert 1.0 <= float(r["pad_after"]) < float(r["pad_before"])
+    assert int(r["microbatches_after"]) <= int(r["microbatches_before"])

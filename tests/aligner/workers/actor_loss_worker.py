@@ -21,6 +21,7 @@ import os
 from tests.support import nemo_cpu  # noqa: F401  (patches first)
 
 import torch  # noqa: E402
+from omegaconf import open_dict  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func  # noqa: E402
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region  # noqa: E402
@@ -176,6 +177,19 @@ def logged_metrics(batch: RolloutBatch, loss_fn) -> dict:
     return DAPOLoop._reduce_policy_metrics(type("LoopView", (), {"reducer": reducer})(), out)
 
 
+METRIC_KEYS = ("clip_frac_low", "clip_frac_high", "dual_clip_frac", "num_tokens", "entropy", "approx_kl")
+
+
+def actor_update(local: dict, loss_fn) -> tuple:
+    """(loss, metrics, grads after the DP reduction) of the actor's training step on this rank's share."""
+    actor.prepare_for_training_step()
+    for m in actor.get_model_module_list():
+        m.zero_grad()
+    loss, metrics = actor.get_loss_and_metrics(local, forward_only=False, loss_fn=loss_fn)
+    actor.finish_training_step()
+    return loss, metrics, {n: p.grad.detach().clone() for n, p in actor.named_parameters() if p.grad is not None}
+
+
 def run_case(name: str, loss_kw: dict, tis_cap, batch: RolloutBatch, ref_lp: torch.Tensor) -> dict:
     g = torch.Generator().manual_seed(11)
     noise = torch.randn(batch.response_ids.shape, generator=g) * 0.9
@@ -187,17 +201,26 @@ def run_case(name: str, loss_kw: dict, tis_cap, batch: RolloutBatch, ref_lp: tor
     loss_fn = make_loss_fn(eps_low=loss_kw["eps_low"], eps_high=loss_kw["eps_high"], clip_c=loss_kw["clip_c"],
                            overlong_filter=loss_kw["overlong_filter"], tis_cap=tis_cap)
     local = pack_rollout(batch.select(share_of(batch)), EOS)
-    actor.prepare_for_training_step()
-    for m in actor.get_model_module_list():
-        m.zero_grad()
-    loss, metrics = actor.get_loss_and_metrics(local, forward_only=False, loss_fn=loss_fn)
-    actor.finish_training_step()
-    grads = {n: p.grad.detach().clone() for n, p in actor.named_parameters() if p.grad is not None}
+    loss, metrics, grads = actor_update(local, loss_fn)
     assert grads.keys() == ref_grads.keys() and grads, (sorted(grads), sorted(ref_grads))
     gdiff = max(float((grads[n] - ref_grads[n]).abs().max()) for n in grads)
     gscale = max(float(ref_grads[n].abs().max()) for n in grads)
+    # the former path (NeMo's [b, S, V/tp] logits) on the same batch and micro-batches
+    actor.logprobs_from_logits = True
+    loss_l, metrics_l, grads_l = actor_update(local, loss_fn)
+    actor.logprobs_from_logits = False
+    # micro-batches packed by a token budget (3 rows of <= 16 tokens each, not micro_batch_size=2): same update
+    with open_dict(actor.cfg):
+        actor.cfg.dapo.micro_batch_tokens = 48
+    loss_p, metrics_p, grads_p = actor_update(local, loss_fn)
+    with open_dict(actor.cfg):
+        actor.cfg.dapo.micro_batch_tokens = None
     logged = logged_metrics(batch, loss_fn)
     return {"case": name, "loss": loss, "ref_loss": ref["loss"], "grad_max_abs_diff": gdiff, "grad_max_abs": gscale,
+            "logits_path": {"loss": loss_l, "metrics": {k: metrics_l[k] for k in metrics_l if k in METRIC_KEYS},
+                            "grad_max_abs_diff": max(float((grads[n] - grads_l[n]).abs().max()) for n in grads)},
+            "packed": {"loss": loss_p, "metrics": {k: metrics_p[k] for k in metrics_p if k in METRIC_KEYS},
+                       "grad_max_abs_diff": max(float((grads_p[n] - ref_grads[n]).abs().max()) for n in grads)},
             "logged": {k: logged[k] for k in ("loss", "clip_frac_low", "clip_frac_high", "dual_clip_frac",
                                                 "num_tokens", "approx_kl") if k in logged},
             "metrics": {k: metrics[k] for k in ("clip_frac_low", "clip_frac_high", "dual_clip_frac", "num_tokens",
@@ -210,6 +233,11 @@ batch = global_batch()
 packed = pack_rollout(batch, EOS)
 ref_lp_shift, ref_ent_shift = full_vocab_logp(packed["response_tokens"])
 lp_shift, ent_shift = actor.get_logprobs_and_entropy(packed["response_tokens"])
+actor.logprobs_from_logits = True  # the former path: NeMo's [b, S, V/tp] logits
+lp_logits, ent_logits = actor.get_logprobs_and_entropy(packed["response_tokens"])
+actor.logprobs_from_logits = False
+# each micro-batch cut to its own longest row (what ActorPolicy.logprobs does)
+lp_trim, ent_trim = actor.get_logprobs_and_entropy(packed["response_tokens"], lengths=packed["response_lengths"])
 p_len = packed["prompt_lengths"]
 ref_lp = unpack_response(ref_lp_shift, p_len, batch.response_ids.shape[1]) * batch.response_mask
 lp = unpack_response(lp_shift, p_len, batch.response_ids.shape[1]) * batch.response_mask
@@ -220,7 +248,14 @@ valid_ent = (ref_ent * batch.response_mask).sum() / batch.response_mask.sum()
 result = {"rank": RANK, "tp": TP, "pp": PP, "dp": DP, "sp": SP, "seq_len": int(packed["response_tokens"].shape[1]),
           "logp_max_abs_diff": float((lp - ref_lp).abs().max()),
           "entropy_max_abs_diff": float((ent - ref_ent).abs().max()),
-          "ref_entropy_mean": float(valid_ent), "cases": []}
+          "ref_entropy_mean": float(valid_ent), "cases": [],
+          # all S-1 positions of every row (no lengths given: nothing trimmed), hidden-state vs logits path
+          "paths_logp_max_abs_diff": float((lp_shift - lp_logits).abs().max()),
+          "paths_entropy_max_abs_diff": float((ent_shift - ent_logits).abs().max()),
+          "trimmed_logp_max_abs_diff": float(((unpack_response(lp_trim, p_len, batch.response_ids.shape[1]) *
+                                               batch.response_mask) - lp).abs().max()),
+          "trimmed_entropy_max_abs_diff": float(((unpack_response(ent_trim, p_len, batch.response_ids.shape[1]) *
+                                                  batch.response_mask) - ent).abs().max())}
 base = {"eps_low": 0.2, "eps_high": 0.28, "clip_c": 3.0}
 result["cases"].append(run_case("filter+dualclip", dict(base, overlong_filter=True), None, batch, ref_lp))
 result["cases"].append(run_case("tis", dict(base, clip_c=None, overlong_filter=False), 2.0, batch, ref_lp))
