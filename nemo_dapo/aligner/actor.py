@@ -42,7 +42,7 @@ from nemo_dapo.aligner.layout import (  # noqa: F401  (re-exported: the actor's 
     to_shifted,
     unpack_response,
 )
-from nemo_dapo.aligner.config_validate import required
+from nemo_dapo.aligner.config_validate import nemo_model_key, required
 from nemo_dapo.core.loss import METRIC_REDUCTION, make_loss_fn  # noqa: F401  (make_loss_fn: re-exported for tests)
 from nemo_dapo.core.settings import LOSS_FIELDS, LossSettings, build_loss
 from nemo_dapo.core.microbatch import plan_microbatches
@@ -60,10 +60,10 @@ def seq_len_multiple(cfg: DictConfig) -> int:
     """What every micro-batch's sequence length S is padded to a multiple of: NeMo-Aligner's DPO rule
     (algorithms/dpo.py): 8 x TP with sequence parallelism (megatron-core splits the [S, b, h] activations along S
     over TP and asserts divisibility; TE wants 8-aligned shards), else 16; times CP (context parallelism splits S
-    again)."""
-    tp = int(cfg.get("tensor_model_parallel_size", 1))
-    base = 8 * tp if bool(cfg.get("sequence_parallel", False)) else 16
-    return base * int(cfg.get("context_parallel_size", 1) or 1)
+    again). NeMo's own model keys, read with NeMo's defaults (``nemo_model_key``): NeMo split the model by them."""
+    tp = int(nemo_model_key(cfg, "tensor_model_parallel_size"))
+    base = 8 * tp if bool(nemo_model_key(cfg, "sequence_parallel")) else 16
+    return base * int(nemo_model_key(cfg, "context_parallel_size"))
 
 
 def pad_seq_len(batch: dict, multiple: int, pad_id: int) -> tuple:

@@ -126,14 +126,28 @@ _MISSING = object()
 
 def required(node, key: str, where: str) -> Any:
     """The value at dotted ``key`` of ``node`` (DictConfig or dict; null is a value), or :class:`ConfigError`
-    naming ``where.key``: the runtime reads every key the YAML defines strictly, so no code default can drift from
-    the documented one."""
+    naming ``where.key`` (``where`` "": ``node`` is the whole config): the runtime reads every key the YAML defines
+    strictly, so no code default can drift from the documented one."""
+    full = f"{where}.{key}" if where else key
     for part in key.split("."):
         node = node.get(part, _MISSING) if isinstance(node, (dict, DictConfig)) else _MISSING
         if node is _MISSING:
-            raise ConfigError([f"config key {where}.{key} is missing; set it (every key is documented in "
+            raise ConfigError([f"config key {full} is missing; set it (every key is documented in "
                                f"conf/{BASE_CONFIG}, which recipes and tests start from)"])
     return node
+
+
+# NeMo's own model keys that the runtime reads with a default: NeMo builds the model from them with these defaults
+# when the (checkpoint's) model config lacks them (nemo/.../megatron_base_model.py, ``cfg.get(key, default)``), so
+# reading them strictly would refuse configs NeMo runs, and any other default would misdescribe the model NeMo
+# built. tests/aligner/test_algorithm_block.py checks these values against the installed NeMo source.
+NEMO_MODEL_DEFAULTS = {"tensor_model_parallel_size": 1, "sequence_parallel": False, "context_parallel_size": 1,
+                       "expert_model_parallel_size": 1, "qkv_bias": False, "bias": True, "num_moe_experts": None}
+
+
+def nemo_model_key(model_cfg, key: str) -> Any:
+    """``model.<key>`` of a NeMo model config, with NeMo's default (:data:`NEMO_MODEL_DEFAULTS`) when absent."""
+    return model_cfg.get(key, NEMO_MODEL_DEFAULTS[key])
 
 
 # ---- access helpers ---------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from nemo_dapo.aligner.config_validate import required
 from nemo_dapo.core.loop_data import mix_seed
 from nemo_dapo.core.types import Generation
 
@@ -250,21 +251,17 @@ def _collective_device() -> torch.device:
 
 
 # ---- configuration -----------------------------------------------------------------------------------------------
+# the keys of trainer.dapo.engine_server this module reads (the engine options are the servers')
+SERVER_KEYS = ("hf_model_dir", "tensor_parallel_size", "pipeline_parallel_size", "address", "address_env",
+               "base_port", "authkey_env", "connect_timeout_s", "request_timeout_s", "bucket_mb", "dtype",
+               "sleep_level")
+
+
 def server_settings(cfg) -> dict:
-    """``trainer.dapo.engine_server`` with defaults, plus trainer.devices (gpus per node)."""
-    d = (cfg.get("trainer") or {}).get("dapo") or {}
-    srv = dict(d.get("engine_server") or {})
-    srv.setdefault("tensor_parallel_size", 1)
-    srv.setdefault("pipeline_parallel_size", 1)
-    srv.setdefault("base_port", 0)
-    srv.setdefault("address_env", "NEMO_DAPO_ENGINE_ADDRESS")
-    srv.setdefault("authkey_env", "NEMO_DAPO_ENGINE_AUTHKEY")
-    srv.setdefault("connect_timeout_s", 600.0)
-    srv.setdefault("request_timeout_s", 3600.0)
-    srv.setdefault("bucket_mb", 512)
-    srv.setdefault("sleep_level", 1)
-    srv.setdefault("dtype", None)
-    srv["gpus_per_node"] = int((cfg.get("trainer") or {}).get("devices") or 1)
+    """``trainer.dapo.engine_server``'s :data:`SERVER_KEYS`, read strictly (the defaults live in
+    conf/gpt_dapo_actor.yaml), plus ``gpus_per_node`` = trainer.devices. ``cfg``: the whole run config."""
+    srv = {k: required(cfg, f"trainer.dapo.engine_server.{k}", "") for k in SERVER_KEYS}
+    srv["gpus_per_node"] = int(required(cfg, "trainer.devices", ""))
     return srv
 
 
@@ -295,7 +292,7 @@ def build_engine_generator(actor, cfg, *, hf_config=None, world: Optional[int] =
     if hf_config is None:
         from transformers import AutoConfig
 
-        if not srv.get("hf_model_dir"):
+        if not srv["hf_model_dir"]:
             raise ValueError("trainer.dapo.engine_server.hf_model_dir is not set: give the Hugging Face directory the "
                              "engines load (its config.json names the weights the trainer sends)")
 
@@ -311,8 +308,8 @@ def build_engine_generator(actor, cfg, *, hf_config=None, world: Optional[int] =
                               request_timeout_s=float(srv["request_timeout_s"]))
         log.info("rank %d owns engine %s at %s (%s)", rank, engine_name, address, client.info)
         tok = actor.tokenizer
-        sp = (actor.cfg.dapo.get("sampling_params") or {})
-        engine = EngineGenerator(client, eos_id=tok.eos_id, pad_id=tok.eos_id, top_k=int(sp.get("top_k", 0) or 0),
+        top_k = int(required(actor.cfg, "dapo.sampling_params.top_k", "model"))
+        engine = EngineGenerator(client, eos_id=tok.eos_id, pad_id=tok.eos_id, top_k=top_k,
                                  bucket_bytes=int(srv["bucket_mb"]) << 20, sleep_level=int(srv["sleep_level"]))
     dtype = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[srv["dtype"]]
     gen = AlignerEngineGenerator(actor, engine, owners=owners, mp_group=mp_group, hf_config=hf_config, dtype=dtype,

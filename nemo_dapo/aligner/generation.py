@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from nemo_dapo.aligner.config_validate import nemo_model_key, required
 from nemo_dapo.aligner.layout import pack_tokens
 from nemo_dapo.aligner.legacy_export import (TPPaddedVocab, attention_bias_overrides, banned_ids_list,
                                              engine_config_overrides, with_zero_dense_bias)
@@ -29,6 +30,9 @@ from nemo_dapo.core.sampling import sample_next
 
 # NeMo / megatron are imported inside the generators, so that ``check_generation_lengths`` stays cheap to import
 # (the config validator calls it before anything heavy is loaded).
+
+# Keys of conf/gpt_dapo_actor.yaml are read strictly (``required``); NeMo's own model keys (TP, EP, biases, experts)
+# with NeMo's defaults (``nemo_model_key``), as NeMo built the model from them.
 
 
 def _packed_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, room: int, pad_id: int) -> tuple:
@@ -43,15 +47,13 @@ def _packed_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, room: i
 
 def check_generation_lengths(model_cfg) -> None:
     """Raise when ``max_input_len + max_length > encoder_seq_length`` (NeMo-Aligner asserts it only when the engine
-    is built, i.e. after the model has loaded). Keys: model.dapo.trt_llm.max_input_len (default: the encoder length
-    minus the generation length), model.dapo.length_params.max_length, model.encoder_seq_length."""
-    d = model_cfg.get("dapo") or {}
-    seq = int(model_cfg.encoder_seq_length)
-    gen = (d.get("length_params") or {}).get("max_length")
+    is built, i.e. after the model has loaded). Keys (all required): model.dapo.trt_llm.max_input_len (null: the
+    encoder length minus the generation length), model.dapo.length_params.max_length, model.encoder_seq_length."""
+    seq = int(required(model_cfg, "encoder_seq_length", "model"))
+    gen = required(model_cfg, "dapo.length_params.max_length", "model")
     if gen is None or int(gen) < 1:
         raise ValueError(f"model.dapo.length_params.max_length must be a positive generation cap, got {gen}")
-    trt = d.get("trt_llm") or {}
-    max_in = trt.get("max_input_len")
+    max_in = required(model_cfg, "dapo.trt_llm.max_input_len", "model")
     max_in = seq - int(gen) if max_in is None else int(max_in)
     if max_in < 1 or max_in + int(gen) > seq:
         raise ValueError(
@@ -90,7 +92,7 @@ class MegatronSampler:
     """
 
     def __init__(self, actor, *, stop_token_ids: Optional[list] = None):
-        if int(actor.cfg.get("expert_model_parallel_size", 1) or 1) > 1:
+        if int(nemo_model_key(actor.cfg, "expert_model_parallel_size")) > 1:
             # Expert all-to-alls span data-parallel ranks, which generate different numbers of tokens and batches.
             raise NotImplementedError("MegatronSampler does not support expert parallelism (EP > 1); debug MoE "
                                       "runs with model.expert_model_parallel_size=1 or use TensorRT-LLM")
@@ -180,22 +182,22 @@ class TRTLLMGenerator:
 
     def __init__(self, actor, engine=None, *, reshard: Optional[bool] = None, refit_gather=None):
         cfg = actor.cfg
-        if cfg.get("num_moe_experts"):
+        if nemo_model_key(cfg, "num_moe_experts"):
             raise NotImplementedError(
                 f"model.num_moe_experts={cfg.num_moe_experts}: NeMo-Aligner's TensorRT-LLM engine (rollout_engine: "
                 "legacy) cannot refit MoE weights (NeMo 2.1's exporter has no expert names, megatron-core 0.10's "
                 "converter rejects them); set trainer.dapo.rollout_engine: trtllm")
-        trt = (cfg.dapo.get("trt_llm") or {})
+        trt = required(cfg, "dapo.trt_llm", "model")
         self.actor = actor
-        self.reshard = bool(trt.get("reshard", False)) if reshard is None else reshard
+        self.reshard = bool(required(trt, "reshard", "model.dapo.trt_llm")) if reshard is None else reshard
         self.engine = engine if engine is not None else build_trtllm_engine(actor)
         self.vocab_size = int(actor.tokenizer.vocab_size)  # V: ids >= V are not tokens
-        tp = int(cfg.get("tensor_model_parallel_size", 1) or 1)  # the engine's TP (NeMo's exporter: = training TP)
+        tp = int(nemo_model_key(cfg, "tensor_model_parallel_size"))  # the engine's TP (NeMo's exporter: = training TP)
         self.engine.tokenizer = TPPaddedVocab(actor.tokenizer, tp)  # what the first refit hands to the exporter
-        self._bias = attention_bias_overrides(cfg, str(trt.get("model_type", "llama")))
+        self._bias = attention_bias_overrides(cfg, str(required(trt, "model_type", "model.dapo.trt_llm")))
         exporter = self.engine.trt_llm_exporter
         gather = refit_gather if refit_gather is not None else exporter.gather_and_reshard_model
-        if cfg.get("qkv_bias", False) and not cfg.get("bias", False):
+        if nemo_model_key(cfg, "qkv_bias") and not nemo_model_key(cfg, "bias"):
             gather = with_zero_dense_bias(gather, int(cfg.hidden_size))
         exporter.gather_and_reshard_model = gather
         sc = self.engine.sampling_config
@@ -270,7 +272,7 @@ class TRTLLMGenerator:
         from nemo.collections.nlp.modules.common.text_generation_strategy import GPTModelTextGenerationStrategy
         from nemo_aligner.utils.text_generation_utils import verify_is_valid_and_clamp_range_
 
-        end_strings = list(self.actor._sampling_params.get("end_strings", []) or [])
+        end_strings = list(required(self.actor._sampling_params, "end_strings", "model.dapo.sampling_params") or [])
         strategy = GPTModelTextGenerationStrategy(self.actor)
         return verify_is_valid_and_clamp_range_(rows, totals, strategy, self.actor.tokenizer, end_strings).cpu()
 
@@ -311,19 +313,24 @@ def build_trtllm_engine(actor):
 
     cfg = actor.cfg
     check_generation_lengths(cfg)
-    d = cfg.dapo
-    trt, sp = d.get("trt_llm") or {}, d.get("sampling_params") or {}
-    max_len = int(d.length_params.max_length)
+
+    def trt(key):
+        return required(cfg, f"dapo.trt_llm.{key}", "model")
+
+    def sp(key):
+        return required(cfg, f"dapo.sampling_params.{key}", "model")
+
+    max_len = int(required(cfg, "dapo.length_params.max_length", "model"))
+    max_in = trt("max_input_len")  # null: what the generation cap leaves (as check_generation_lengths)
     return trtllm_generator_class()(
-        model_cfg=cfg, end_strings=list(sp.get("end_strings", []) or []), tokenizer=actor.tokenizer,
-        sample_temperature=float(sp.get("temperature", 1.0)), sample_top_k=int(sp.get("top_k", 0)),
-        sample_top_p=float(sp.get("top_p", 1.0)), repetition_penalty=float(sp.get("repetition_penalty", 1.0)),
-        max_generation_length=max_len,
-        max_input_len=int(trt.get("max_input_len") or cfg.encoder_seq_length - max_len),
-        generation_batch_size=int(d.get("rollout_micro_batch_size", 8)), use_greedy=bool(sp.get("use_greedy", False)),
-        trt_model_type=trt.get("model_type", "llama"), seed=trt.get("seed", cfg.get("seed")),
-        unload_engine_train=bool(trt.get("unload_engine_train", False)), reshard_model=bool(trt.get("reshard", False)),
-        trt_model_dir=trt.get("model_dir", "/tmp/trt_llm_model"))
+        model_cfg=cfg, end_strings=list(sp("end_strings") or []), tokenizer=actor.tokenizer,
+        sample_temperature=float(sp("temperature")), sample_top_k=int(sp("top_k")), sample_top_p=float(sp("top_p")),
+        repetition_penalty=float(sp("repetition_penalty")), max_generation_length=max_len,
+        max_input_len=int(cfg.encoder_seq_length - max_len if max_in is None else max_in),
+        generation_batch_size=int(required(cfg, "dapo.rollout_micro_batch_size", "model")),
+        use_greedy=bool(sp("use_greedy")), trt_model_type=str(trt("model_type")), seed=trt("seed"),
+        unload_engine_train=bool(trt("unload_engine_train")), reshard_model=bool(trt("reshard")),
+        trt_model_dir=str(trt("model_dir")))
 
 
 def build_generator(actor, *, refit_gather=None, cfg=None):
@@ -337,8 +344,7 @@ def build_generator(actor, *, refit_gather=None, cfg=None):
         from nemo_dapo.aligner.engine_generation import build_engine_generator
 
         return build_engine_generator(actor, cfg)
-    trt = actor.cfg.dapo.get("trt_llm") or {}
-    if trt.get("enable", False):
+    if required(actor.cfg, "dapo.trt_llm.enable", "model"):
         generator = TRTLLMGenerator(actor, refit_gather=refit_gather)  # refuses MoE (names the trtllm engine)
         actor.valid_vocab = int(actor.tokenizer.vocab_size)  # the engine bans the ids it pads the vocabulary with
         return generator

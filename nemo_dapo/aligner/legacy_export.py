@@ -13,6 +13,8 @@ from contextlib import contextmanager
 
 import torch
 
+from nemo_dapo.aligner.config_validate import nemo_model_key
+
 
 class TPPaddedVocab:
     """The tokenizer as NeMo's exporter sees it: ``vocab_size`` V rounded up to a multiple of the engine's TP.
@@ -97,8 +99,8 @@ def engine_config_overrides(overrides: dict):
 
 def attention_bias_overrides(cfg, model_type: str) -> dict:
     """Engine-config overrides so that the engine keeps the model's attention biases (``model.qkv_bias``: Qwen2's
-    QKV bias; ``model.bias``: every linear layer's)."""
-    qkv, linear = bool(cfg.get("qkv_bias", False)), bool(cfg.get("bias", False))
+    QKV bias; ``model.bias``: every linear layer's; absent, NeMo's defaults: no QKV bias, linear biases)."""
+    qkv, linear = bool(nemo_model_key(cfg, "qkv_bias")), bool(nemo_model_key(cfg, "bias"))
     if not (qkv or linear):
         return {}
     if model_type != "llama":

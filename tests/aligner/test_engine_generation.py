@@ -34,6 +34,23 @@ def test_engines_that_span_nodes_are_refused():
         EngineLayout(world=16, gpus_per_node=8, engine_gpus=3)
 
 
+def test_server_settings_are_the_yaml_values_and_a_missing_key_is_named():
+    from omegaconf import OmegaConf
+
+    from nemo_dapo.aligner.config_validate import ConfigError, load_config
+    from nemo_dapo.aligner.engine_generation import SERVER_KEYS, server_settings
+
+    cfg = load_config(None, ["trainer.dapo.engine_server.bucket_mb=64"])
+    srv = server_settings(cfg)
+    yaml_srv = OmegaConf.load(ROOT / "conf/gpt_dapo_actor.yaml").trainer.dapo.engine_server
+    assert {k: srv[k] for k in SERVER_KEYS if k != "bucket_mb"} == {k: yaml_srv[k] for k in SERVER_KEYS
+                                                                     if k != "bucket_mb"}
+    assert srv["bucket_mb"] == 64 and srv["gpus_per_node"] == cfg.trainer.devices
+    del cfg.trainer.dapo.engine_server["sleep_level"]
+    with pytest.raises(ConfigError, match=r"trainer\.dapo\.engine_server\.sleep_level is missing"):
+        server_settings(cfg)
+
+
 def test_owners_of_model_parallel_groups():
     lay = EngineLayout(world=16, gpus_per_node=8, engine_gpus=2)
     # TP8 groups of contiguous ranks: four engines each, owners every second rank

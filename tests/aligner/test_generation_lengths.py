@@ -6,14 +6,13 @@ from nemo_dapo.aligner.generation import check_generation_lengths
 
 
 def _cfg(seq, gen, max_in=None):
-    trt = {} if max_in is None else {"max_input_len": max_in}
     return OmegaConf.create({"encoder_seq_length": seq, "dapo": {"length_params": {"max_length": gen},
-                                                                 "trt_llm": trt}})
+                                                                 "trt_llm": {"max_input_len": max_in}}})
 
 
 def test_budget_that_fits_passes():
     check_generation_lengths(_cfg(22528, 20480, 2048))
-    check_generation_lengths(_cfg(4096, 1024))  # max_input_len defaults to what is left
+    check_generation_lengths(_cfg(4096, 1024))  # max_input_len null: what is left
 
 
 @pytest.mark.parametrize("seq,gen,max_in", [(20480, 20480, 2048), (4096, 4096, None), (100, 60, 41)])
@@ -28,3 +27,9 @@ def test_budget_that_does_not_fit_names_the_keys(seq, gen, max_in):
 def test_missing_generation_cap_is_reported():
     with pytest.raises(ValueError, match="length_params.max_length"):
         check_generation_lengths(OmegaConf.create({"encoder_seq_length": 64, "dapo": {}}))
+
+
+def test_missing_prompt_budget_key_names_the_key_and_the_yaml():
+    cfg = OmegaConf.create({"encoder_seq_length": 64, "dapo": {"length_params": {"max_length": 8}, "trt_llm": {}}})
+    with pytest.raises(ValueError, match=r"model\.dapo\.trt_llm\.max_input_len is missing.*gpt_dapo_actor\.yaml"):
+        check_generation_lengths(cfg)

@@ -215,12 +215,20 @@ class FakeGPTGenerateTRTLLM:
 
 
 class FakeActor:
+    """Every key the generators read strictly, with conf/gpt_dapo_actor.yaml's values except: a dense model without
+    biases (bias/qkv_bias: a checkpoint's keys), sizes for the fakes, no end strings, and reshard False (the YAML's
+    True needs megatron's parallel state; the reshard tests pass it)."""
+
     def __init__(self, tokenizer=TOK, model=None, **trt):
         model = dict(model or {})
-        self.cfg = OmegaConf.create(dict({"encoder_seq_length": 32, "seed": 1, "hidden_size": 8, "dapo": {
-            "length_params": {"max_length": 6}, "sampling_params": {"temperature": 1.0, "top_p": 1.0,
-                                                                    "end_strings": []},
-            "rollout_micro_batch_size": 4, "trt_llm": dict({"enable": True}, **trt)}}, **model))
+        trt_llm = dict({"enable": True, "reshard": False, "max_input_len": 26, "seed": 1, "model_type": "llama",
+                        "unload_engine_train": False, "model_dir": "/tmp/trt_llm_model"}, **trt)
+        self.cfg = OmegaConf.create(dict({"encoder_seq_length": 32, "seed": 1, "hidden_size": 8, "bias": False,
+                                          "qkv_bias": False, "dapo": {
+            "length_params": {"max_length": 6},
+            "sampling_params": {"use_greedy": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
+                                "repetition_penalty": 1.0, "end_strings": []},
+            "rollout_micro_batch_size": 4, "trt_llm": trt_llm}}, **model))
         self.tokenizer, self.model, self.training = tokenizer, SimpleNamespace(name="mcore model"), False
         self._sampling_params = {"end_strings": []}
         self.calls = []
@@ -436,6 +444,35 @@ def test_unloaded_engine_is_reloaded_and_refit_by_the_next_call():
     stale._stale = False
     with pytest.raises(AttributeError, match="NoneType"):
         stale.generate(ids, mask, max_new_tokens=4, seed=2)
+
+
+def test_a_config_without_bias_keys_gets_nemo_defaults():
+    # NeMo 2.1 builds linear biases when the model config lacks ``bias`` (megatron_base_model.py:
+    # ``add_bias_linear = self.cfg.get('bias', True)``) and no QKV bias without ``qkv_bias``; the engine must keep
+    # what NeMo built (the old code default bias=False dropped those biases from the engine)
+    from nemo_dapo.aligner.legacy_export import attention_bias_overrides
+
+    assert attention_bias_overrides(OmegaConf.create({}), "llama") == {"attn_bias": True, "mlp_bias": True}
+    assert attention_bias_overrides(OmegaConf.create({"bias": False}), "llama") == {}
+
+
+@pytest.mark.parametrize("drop", ["dapo.trt_llm.enable", "dapo.trt_llm.reshard", "dapo.rollout_micro_batch_size",
+                                  "dapo.sampling_params.end_strings", "dapo.sampling_params.top_k",
+                                  "dapo.trt_llm.model_dir"])
+def test_a_missing_yaml_key_is_an_error_naming_it(drop, monkeypatch):
+    """No code default for a key of conf/gpt_dapo_actor.yaml (the old defaults of enable, reshard, end_strings and
+    rollout_micro_batch_size disagreed with the YAML's)."""
+    from nemo_dapo.aligner.config_validate import ConfigError
+
+    monkeypatch.setattr(compat, "trtllm_generator_class", lambda: lambda **kw: pytest.fail(f"built with {kw}"))
+    actor = FakeActor()
+    parent, _, leaf = drop.rpartition(".")
+    del OmegaConf.select(actor.cfg, parent)[leaf]
+    with pytest.raises(ConfigError, match=rf"model\.{drop.replace('.', '[.]')} is missing.*gpt_dapo_actor\.yaml"):
+        if drop.endswith("enable"):
+            build_generator(actor)
+        else:
+            build_trtllm_engine(actor)
 
 
 def test_moe_models_are_refused_with_the_engine_that_can_refit_them():

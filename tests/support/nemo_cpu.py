@@ -233,7 +233,8 @@ def quiet_nemo() -> None:
 DAPO_DEFAULTS = {"eps_low": 0.2, "eps_high": 0.28, "clip_c": 10.0, "agg": "token-mean",
                  "overlong_filter": False, "tis_cap": None, "forward_micro_batch_size": 2, "logprob_chunk_size": 7,
                  "offload_adam_states": False,
-                 "sampling_params": {"use_greedy": False, "temperature": 1.0, "top_p": 1.0, "end_strings": []},
+                 "sampling_params": {"use_greedy": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
+                                     "repetition_penalty": 1.0, "end_strings": []},
                  "length_params": {"max_length": 8}}
 
 

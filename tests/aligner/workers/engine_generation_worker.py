@@ -55,7 +55,8 @@ def main() -> None:
                                        "always_save_nemo": False, "save_nemo_on_train_end": False,
                                        "filename": "dapo-{step}", "model_parallel_size": TP}}))
     dapo = dict(nemo_cpu.DAPO_DEFAULTS, clip_c=3.0, length_params={"max_length": 6},
-                sampling_params={"use_greedy": False, "temperature": 1.0, "top_p": 1.0, "end_strings": []})
+                sampling_params={"use_greedy": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
+                                 "repetition_penalty": 1.0, "end_strings": []})
     _, actor = nemo_cpu.build_actor(TP, 1, mbs=2, gbs=4, tokenizer_dir=os.environ["TOK_DIR"], dapo=dapo,
                                     trainer=ptl_trainer,
                                     optim={"name": "sgd", "lr": 0.05, "momentum": 0.0, "weight_decay": 0.0,
@@ -68,8 +69,9 @@ def main() -> None:
                                                                    collate_fn=lambda items: items), train_ds)
     optimizer, scheduler = extract_optimizer_scheduler_from_ptl_model(actor)
     cfg = OmegaConf.create({"trainer": {"devices": TP, "dapo": {"rollout_engine": "local", "engine_server": {
-        "hf_model_dir": os.environ["HF_DIR"], "tensor_parallel_size": TP, "address": os.environ["ENGINE_ADDRESS"],
-        "address_env": "UNSET_IN_THIS_TEST", "connect_timeout_s": 120.0, "request_timeout_s": 300.0,
+        "hf_model_dir": os.environ["HF_DIR"], "tensor_parallel_size": TP, "pipeline_parallel_size": 1,
+        "address": os.environ["ENGINE_ADDRESS"], "address_env": "UNSET_IN_THIS_TEST", "base_port": 0,
+        "authkey_env": "NEMO_DAPO_ENGINE_AUTHKEY", "connect_timeout_s": 120.0, "request_timeout_s": 300.0,
         "bucket_mb": 1, "dtype": None, "sleep_level": 1}}}})
     generator = build_generator(actor, cfg=cfg)  # connects (rank 0 owns the one engine) and pushes the weights
     assert isinstance(generator, AlignerEngineGenerator)

@@ -140,7 +140,8 @@ def main() -> None:
                                        "filename": "dapo-{step}-{consumed_samples}", "model_parallel_size": TP * PP}})
     exp_manager(ptl_trainer, exp_cfg)
     dapo = dict(nemo_cpu.DAPO_DEFAULTS, clip_c=3.0, length_params={"max_length": 6},
-                sampling_params={"use_greedy": False, "temperature": 1.0, "top_p": 1.0, "end_strings": []})
+                sampling_params={"use_greedy": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
+                                 "repetition_penalty": 1.0, "end_strings": []})
     _, actor = nemo_cpu.build_actor(TP, PP, mbs=2, gbs=4, tokenizer_dir=os.environ["TOK_DIR"], dapo=dapo,
                                     trainer=ptl_trainer,
                                     # SGD: torch AdamW keeps a 0-dim "step" per parameter, which NeMo 2.1's
