@@ -16,6 +16,7 @@ generated tokens, the stop/EOS token included when one ended it; ``logprobs[t]``
 """
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Optional, Protocol, Sequence
 
@@ -152,3 +153,28 @@ def check_weight(name: str, tensor: torch.Tensor, target: Optional[torch.Tensor]
     if not (tensor.dtype.is_floating_point and target.dtype.is_floating_point) and tensor.dtype != target.dtype:
         raise EngineWeightError(f"engine {engine!r}: weight {name!r} has dtype {tensor.dtype}, the engine's is "
                                 f"{target.dtype}", name)
+
+
+def checkpoint_shapes(model_dir: str, engine: str) -> dict:
+    """HF name -> shape of every tensor in the directory's safetensors files (headers only): what an engine's
+    weight update is checked against (``check_weight``)."""
+    from safetensors import safe_open
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise EngineError(f"engine {engine!r}: no *.safetensors in {model_dir!r} (save_pretrained writes them)")
+    shapes = {}
+    for f in files:
+        with safe_open(os.path.join(model_dir, f), framework="pt") as fh:
+            shapes.update((k, tuple(fh.get_slice(k).get_shape())) for k in fh.keys())
+    return shapes
+
+
+def check_usable(name: str, *, closed: bool, broken: Optional[str], updating: bool, asleep: bool,
+                 stepping: bool = False) -> None:
+    """Raise EngineError when an adapter cannot serve the call: closed, broken (by a failed update), or, for a
+    generation step (``stepping``), in the middle of a weight update or asleep."""
+    why = ("closed" if closed else f"unusable: {broken}; restart it" if broken else
+           "in a weight update; call finish_weights()" if stepping and updating else
+           "asleep; call wake()" if stepping and asleep else None)
+    if why:
+        raise EngineError(f"engine {name!r} is {why}")

@@ -39,8 +39,8 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from .base import Completion, EngineError, EngineWeightError, Request, Sample, check_weight
-from .vllm import _checkpoint_shapes
+from .base import (Completion, EngineError, EngineWeightError, Request, Sample, check_usable, check_weight,
+                   checkpoint_shapes)
 
 SEED_STRIDE = 1_000_003
 WORKER_EXTENSION = "tensorrt_llm.llmapi.rlhf_utils.WorkerExtension"
@@ -90,7 +90,7 @@ class TRTLLMEngine:
         if min(prompt_budget, response_budget, max_batch_size, max_num_tokens) < 1:
             raise EngineError(f"engine {name!r}: prompt_budget, response_budget, max_batch_size and max_num_tokens "
                               "must be >= 1")
-        self._shapes = _checkpoint_shapes(self.model_dir)
+        self._shapes = checkpoint_shapes(self.model_dir, name)
         self._eos = [int(e) for e in torch.tensor(self._config.get("eos_token_id") or []).reshape(-1).tolist()]
         if not self._eos:
             raise EngineError(f"engine {name!r}: config.json of {self.model_dir!r} has no eos_token_id; TensorRT-LLM "
@@ -346,8 +346,5 @@ class TRTLLMEngine:
         self._llm = None
 
     def _check_alive(self, stepping: bool = False) -> None:
-        why = ("closed" if self._llm is None else f"unusable: {self._broken}; restart it" if self._broken else
-               "in a weight update; call finish_weights()" if stepping and self._updating else
-               "asleep; call wake()" if stepping and self._asleep else None)
-        if why:
-            raise EngineError(f"engine {self.name!r} is {why}")
+        check_usable(self.name, closed=self._llm is None, broken=self._broken, updating=self._updating,
+                     asleep=self._asleep, stepping=stepping)

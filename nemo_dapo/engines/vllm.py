@@ -25,24 +25,12 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from .base import Completion, EngineError, EngineWeightError, Request, Sample, check_weight
+from .base import (Completion, EngineError, EngineWeightError, Request, Sample, check_usable, check_weight,
+                   checkpoint_shapes)
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "aborted"}
 SEED_STRIDE = 1_000_003
 _QUIET = "vllm.model_executor.model_loader.reload.layerwise"  # warns once per untouched layer on every update
-
-
-def _checkpoint_shapes(model_dir: str) -> dict:
-    """HF name -> shape of every tensor in the directory's safetensors files (headers only)."""
-    from safetensors import safe_open
-    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
-    if not files:
-        raise EngineError(f"engine 'vllm': no *.safetensors in {model_dir!r} (save_pretrained writes them)")
-    shapes = {}
-    for f in files:
-        with safe_open(os.path.join(model_dir, f), framework="pt") as fh:
-            shapes.update((k, tuple(fh.get_slice(k).get_shape())) for k in fh.keys())
-    return shapes
 
 
 def _rpc_reload(worker, phase: str, weights=None):
@@ -79,7 +67,7 @@ class VLLMEngine:
                 self._config = json.load(f)
         except FileNotFoundError:
             raise EngineError(f"engine {name!r}: no config.json in {self.model_dir!r} (never downloads)") from None
-        self._shapes = _checkpoint_shapes(self.model_dir)
+        self._shapes = checkpoint_shapes(self.model_dir, "vllm")
         self._eos = [int(e) for e in torch.tensor(self._config.get("eos_token_id") or []).reshape(-1).tolist()]
         emb, head = "model.embed_tokens.weight", "lm_head.weight"
         tied = self._config.get("tie_word_embeddings") and emb in self._shapes and head not in self._shapes
@@ -244,8 +232,5 @@ class VLLMEngine:
         self._engine = None
 
     def _check_alive(self, stepping: bool = False) -> None:
-        why = ("closed" if self._engine is None else f"unusable: {self._broken}; restart it" if self._broken else
-               "in a weight update; call finish_weights()" if stepping and self._updating else
-               "asleep; call wake()" if stepping and self._asleep else None)
-        if why:
-            raise EngineError(f"engine {self.name!r} is {why}")
+        check_usable(self.name, closed=self._engine is None, broken=self._broken, updating=self._updating,
+                     asleep=self._asleep, stepping=stepping)
