@@ -92,6 +92,14 @@ class WarmupConfig:
     slip_prob: float = MISSING
     format_prob: float = MISSING
     ramble_prob: float = MISSING
+    ramble_passes: int = MISSING
+
+
+@dataclass
+class SkipHistoryConfig:
+    enabled: bool = MISSING
+    skip_prob: float = MISSING
+    max_skips: int = MISSING
 
 
 @dataclass
@@ -107,6 +115,7 @@ class DynamicSamplingConfig:
     prior_weight: float = MISSING
     pass_rate_memory: float = MISSING
     safety: float = MISSING
+    skip_history: SkipHistoryConfig = field(default_factory=SkipHistoryConfig)
 
 
 @dataclass
@@ -238,7 +247,8 @@ ALGORITHM_KEYS = {name: ("reward." if name.startswith("overlong.") else "algorit
                                *(f"dynamic_sampling.{k}" for k in (
                                    "enabled", "max_gen_batches", "on_budget_exhausted", "max_age", "adaptive",
                                    "gen_batch_size", "max_gen_batch_size", "prior_pass_rate", "prior_weight",
-                                   "pass_rate_memory", "safety")),
+                                   "pass_rate_memory", "safety", "skip_history.enabled", "skip_history.skip_prob",
+                                   "skip_history.max_skips")),
                                *(f"overlong.{k}" for k in ("enabled", "l_max", "l_cache", "penalty_factor")))}
 
 
@@ -323,8 +333,8 @@ def _check_numbers(cfg: Config) -> None:
                 "trainer.max_skipped_updates"):
         if _get(cfg, key) < 0:
             raise ConfigError(f"config key '{key}' must be >= 0, got {_get(cfg, key)}")
-    for key in ("warmup.batch_size", "warmup.eval_every", "warmup.probe_size", "data.max_prompt_tokens",
-                "data.tokenizer_rows"):
+    for key in ("warmup.batch_size", "warmup.eval_every", "warmup.probe_size", "warmup.ramble_passes",
+                "data.max_prompt_tokens", "data.tokenizer_rows"):
         if _get(cfg, key) < 1:
             raise ConfigError(f"config key '{key}' must be >= 1, got {_get(cfg, key)}")
     if cfg.warmup.target_low > cfg.warmup.target_high:

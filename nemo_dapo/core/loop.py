@@ -31,6 +31,7 @@ from nemo_dapo.core.dynamic_sampling import BatchFiller, Group
 from nemo_dapo.core.loop_data import PromptSampler, PromptSet, balanced_split, mix_seed
 from nemo_dapo.core.loss import METRIC_REDUCTION
 from nemo_dapo.core.overlong import soft_overlong_penalty
+from nemo_dapo.core.prompt_history import PromptHistory, SkipRule
 from nemo_dapo.core.types import (Generation, Generator, LocalReducer, LossFn, Policy, Reducer, RewardFn,
                                   RolloutBatch)
 
@@ -42,7 +43,8 @@ _POLICY_METRIC_REDUCTION = {**METRIC_REDUCTION, "loss": "sum", "skipped": "max"}
 
 FILLER_FULL_POLICIES = ("abort", "finish")
 COUNTERS = ("rollout_steps", "gen_batches", "optimizer_steps", "consumed_prompts", "consumed_samples",
-            "skipped_updates", "trained_samples", "trained_tokens", "generated_tokens", "aborted_tokens")
+            "skipped_updates", "trained_samples", "trained_tokens", "generated_tokens", "aborted_tokens",
+            "skipped_prompts")
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,11 @@ class LoopSettings:
     # groups. Needs a generator with ``stream`` (engines/generator.py); False = one blocking generate per batch.
     streaming: bool = False
     on_filler_full: str = "abort"
+    # History-based prompt skipping (core/prompt_history.py): the sampler passes over prompts whose recent groups
+    # were uninformative, skip probability 1 - (1 - skip_prob)^streak, at most skip_max times in a row.
+    skip_history: bool = False
+    skip_prob: float = 0.5
+    skip_max: int = 3
 
     def __post_init__(self):
         for name in ("group_size", "mini_batch_size", "max_new_tokens", "ppo_epochs"):
@@ -102,6 +109,9 @@ class DAPOLoop:
         self.policy, self.generator, self.reward_fn, self.loss_fn = policy, generator, reward_fn, loss_fn
         self.prompts, self.filler, self.settings = prompts, filler, settings
         self.sampler = sampler or PromptSampler(len(prompts), seed=settings.seed)
+        if settings.skip_history and self.sampler.history is None:
+            self.sampler.history = PromptHistory(SkipRule(settings.skip_prob, settings.skip_max),
+                                                 seed=mix_seed(settings.seed, 104729))
         self.reducer = reducer or LocalReducer()
         self.counters = dict.fromkeys(COUNTERS, 0)
         if settings.streaming and not callable(getattr(generator, "stream", None)):
@@ -116,7 +126,9 @@ class DAPOLoop:
     def _generate_groups(self, n_prompts: int, timers: dict) -> list:
         """One generation batch: draw prompts, generate, score, hand the groups to the filler; returns them all."""
         s, red = self.settings, self.reducer
+        skipped_before = self.sampler.skipped
         indices, uids = self.sampler.draw(n_prompts)
+        self.counters["skipped_prompts"] += self.sampler.skipped - skipped_before
         self.counters["gen_batches"] += 1
         self.counters["consumed_prompts"] += n_prompts
         self.counters["consumed_samples"] += n_prompts * s.group_size
@@ -134,6 +146,11 @@ class DAPOLoop:
             self.counters["generated_tokens"] += sum(g.payload.num_tokens() for g in groups)
             self.filler.add_groups(groups)
         self.filler.end_gen_batch()
+        if self.sampler.history is not None:
+            # Every rank holds every scored group here, so every rank's history stays the same.
+            index_of = dict(zip(uids, indices))
+            for group in groups:
+                self.sampler.history.record(index_of[group.uid], group.acc.tolist())
         return groups
 
     def _seed(self) -> int:
@@ -317,6 +334,7 @@ class DAPOLoop:
         timers = dict.fromkeys(("gen", "reward", "old_logp", "update"), 0.0)
         generated: list = []
         tokens_before = (self.counters["generated_tokens"], self.counters["aborted_tokens"])
+        skipped_before = self.counters["skipped_prompts"]
         while not self.filler.ready():
             if should_stop is not None and should_stop("generate"):
                 return None
@@ -353,6 +371,11 @@ class DAPOLoop:
             metrics["rollout/trained_tokens"] = float(batch.num_tokens())
         step_s = time.perf_counter() - t_start
         metrics.update(_rollout_metrics(self.counters, tokens_before, timers, t_needed))
+        metrics["rollout/skipped_prompts"] = float(self.counters["skipped_prompts"] - skipped_before)
+        # The cost of a trained group so far: responses generated (kept or not) per group that reached an update.
+        trained_groups = self.counters["trained_samples"] / s.group_size
+        metrics["rollout/responses_per_trained_group"] = (self.counters["consumed_samples"] / trained_groups
+                                                          if trained_groups else 0.0)
         metrics.update({f"timing/{k}_s": timers[k] for k in ("gen", "reward", "old_logp", "update")})
         metrics["timing/step_s"] = step_s
         gen_tokens = metrics.get("response/tokens", 0.0)

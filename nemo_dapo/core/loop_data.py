@@ -2,7 +2,8 @@
 
 * :class:`PromptSet`  tokenized prompts + ground-truth strings; ``collate`` left-pads them (types.py layout).
 * :class:`PromptSampler`  draws prompt indices epoch by epoch from a seeded permutation and gives every draw an
-  explicit group id (uid); its whole state is four integers, so resuming restores the exact position.
+  explicit group id (uid); its whole state is four integers (plus the prompt history when skipping is on), so
+  resuming restores the exact position.
 * :func:`balanced_split`  splits a mini-batch between data-parallel ranks so that each gets about the same number
   of response tokens (the cost of a training pass is proportional to tokens, not to samples).
 """
@@ -51,13 +52,16 @@ class PromptSampler:
 
     Every draw gets a new uid (0, 1, 2, ...), so two draws of the same prompt never share a group id.
     State: seed, epoch, position in the epoch's permutation, next uid (= prompts consumed so far).
+    ``history`` (optional, core/prompt_history.PromptHistory): each permutation entry is first offered to it and
+    passed over when it says skip (the draw goes on to the next entry); its state is part of this state.
     """
 
-    def __init__(self, num_prompts: int, *, seed: int = 0, shuffle: bool = True):
+    def __init__(self, num_prompts: int, *, seed: int = 0, shuffle: bool = True, history=None):
         if num_prompts < 1:
             raise ValueError(f"PromptSampler needs at least one prompt, got num_prompts={num_prompts}")
         self.num_prompts, self.seed, self.shuffle = num_prompts, seed, shuffle
         self.epoch, self.position, self.next_uid = 0, 0, 0
+        self.history = history
         self._perm = self._permutation(0)
 
     def _permutation(self, epoch: int) -> list:
@@ -80,6 +84,13 @@ class PromptSampler:
             if self.position == self.num_prompts:
                 self.epoch, self.position = self.epoch + 1, 0
                 self._perm = self._permutation(self.epoch)
+            if self.history is not None:
+                # Terminates: the history skips a prompt at most max_skips times in a row.
+                index = self._perm[self.position]
+                self.position += 1
+                if not self.history.consider(index):
+                    indices.append(index)
+                continue
             take = min(n - len(indices), self.num_prompts - self.position)
             indices.extend(self._perm[self.position:self.position + take])
             self.position += take
@@ -87,9 +98,17 @@ class PromptSampler:
         self.next_uid += n
         return indices, uids
 
+    @property
+    def skipped(self) -> int:
+        """Permutation entries passed over by the history so far (0 without one)."""
+        return self.history.skipped if self.history is not None else 0
+
     def state_dict(self) -> dict:
-        return dict(num_prompts=self.num_prompts, seed=self.seed, shuffle=self.shuffle, epoch=self.epoch,
-                    position=self.position, next_uid=self.next_uid)
+        state = dict(num_prompts=self.num_prompts, seed=self.seed, shuffle=self.shuffle, epoch=self.epoch,
+                     position=self.position, next_uid=self.next_uid)
+        if self.history is not None:
+            state["history"] = self.history.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if state["num_prompts"] != self.num_prompts:
@@ -98,6 +117,8 @@ class PromptSampler:
         self.seed, self.shuffle = state["seed"], state["shuffle"]
         self.epoch, self.position, self.next_uid = state["epoch"], state["position"], state["next_uid"]
         self._perm = self._permutation(self.epoch)
+        if self.history is not None and state.get("history") is not None:
+            self.history.load_state_dict(state["history"])
 
 
 def _mix(*values: int) -> int:

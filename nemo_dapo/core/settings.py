@@ -43,6 +43,16 @@ class DynamicSamplingSettings:
 
 
 @dataclass(frozen=True)
+class SkipHistorySettings:
+    """History-based prompt skipping before generation (core/prompt_history.py; keys under
+    ``dynamic_sampling.skip_history``): skip a prompt with probability 1 - (1 - skip_prob)^streak after ``streak``
+    uninformative groups in a row, but never more than ``max_skips`` times in a row."""
+    enabled: bool
+    skip_prob: float
+    max_skips: int
+
+
+@dataclass(frozen=True)
 class OverlongSettings:
     """Soft overlong punishment: 0 up to L_max - L_cache, ramping to -penalty_factor at L_max (None = the cap)."""
     enabled: bool
@@ -74,6 +84,7 @@ class AlgorithmSettings:
     adv_eps: float
     scale_by_std: bool
     dynamic_sampling: DynamicSamplingSettings
+    skip_history: SkipHistorySettings
     overlong: OverlongSettings
 
     def __post_init__(self):
@@ -82,6 +93,7 @@ class AlgorithmSettings:
 
 # sub-blocks: (class, key prefix in the flat view); the loss's keys carry none
 _NESTED = {"loss": (LossSettings, ""), "dynamic_sampling": (DynamicSamplingSettings, "dynamic_sampling."),
+           "skip_history": (SkipHistorySettings, "dynamic_sampling.skip_history."),
            "overlong": (OverlongSettings, "overlong.")}
 
 
@@ -154,7 +166,7 @@ def problems(values: Mapping[str, Any], max_new_tokens: Optional[int] = None) ->
           "must be > 0, or null to disable truncated importance sampling")
     check("adv_eps", lambda v: _is_num(v) and v > 0, "is out of range: it must be > 0 (a small epsilon, 1e-6)")
     for name in ("overlong_filter", "scale_by_std", "dynamic_sampling.enabled", "dynamic_sampling.adaptive",
-                 "overlong.enabled"):
+                 "dynamic_sampling.skip_history.enabled", "overlong.enabled"):
         check(name, lambda v: isinstance(v, bool), "must be true or false")
     ds = "dynamic_sampling."
     check(ds + "max_gen_batches", lambda v: _is_int(v) and v >= 1, "must be an integer >= 1 (reference: 10)")
@@ -168,6 +180,13 @@ def problems(values: Mapping[str, Any], max_new_tokens: Optional[int] = None) ->
     check(ds + "pass_rate_memory", lambda v: _is_num(v) and 0 <= v < 1, "is out of range: it must be in [0, 1)")
     check(ds + "safety", lambda v: _is_num(v) and v >= 1,
           "is out of range: it must be >= 1 (the over-draw factor on the estimated need)")
+    sh = ds + "skip_history."
+    check(sh + "skip_prob", lambda v: _is_num(v) and 0 <= v < 1,
+          "is out of range: it must be in [0, 1) (the skip probability after one uninformative group; 0 "
+          "never skips)")
+    check(sh + "max_skips", lambda v: _is_int(v) and v >= 1,
+          "must be an integer >= 1: the skips in a row after which a prompt is generated again (keeps the "
+          "estimate honest)")
     ov = "overlong."
     check(ov + "penalty_factor", lambda v: _is_num(v) and v >= 0, "is out of range: it must be >= 0")
     check(ov + "l_max", lambda v: v is None or (_is_int(v) and v >= 1), "must be an integer >= 1 or null")
@@ -208,14 +227,15 @@ def build_algorithm(a: AlgorithmSettings, *, train_batch_size: int, mini_batch_s
     from nemo_dapo.core.loop import LoopSettings
 
     _raise(problems(flatten(a), max_new_tokens), "AlgorithmSettings")
-    ov, ds = a.overlong, a.dynamic_sampling
+    ov, ds, sh = a.overlong, a.dynamic_sampling, a.skip_history
     settings = LoopSettings(group_size=a.group_size, mini_batch_size=int(mini_batch_size),
                             max_new_tokens=int(max_new_tokens), ppo_epochs=int(ppo_epochs),
                             temperature=float(temperature), top_p=float(top_p), overlong_shaping=ov.enabled,
                             l_cache=ov.l_cache, l_max=ov.l_max, overlong_penalty_factor=float(ov.penalty_factor),
                             adv_eps=float(a.adv_eps), scale_by_std=a.scale_by_std,
                             shuffle_minibatches=bool(shuffle_minibatches), seed=int(seed), streaming=bool(streaming),
-                            on_filler_full=on_filler_full)
+                            on_filler_full=on_filler_full, skip_history=sh.enabled,
+                            skip_prob=float(sh.skip_prob), skip_max=int(sh.max_skips))
     filler = BatchFiller(int(train_batch_size), enabled=ds.enabled, max_gen_batches=ds.max_gen_batches,
                          on_budget_exhausted=ds.on_budget_exhausted, max_age=ds.max_age,
                          gen_batch_size=ds.gen_batch_size, adaptive=ds.adaptive,

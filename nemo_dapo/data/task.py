@@ -160,16 +160,22 @@ class Sloppiness:
     answer is wrong: careless arithmetic). format_prob: the final line misses the verifier's format (``Answer: 14.``
     or ``The answer is 14.``; the DAPO verifier scores both wrong). ramble_prob: the steps are written out a second
     time under ``Check:`` before the answer, doubling the length (long chains then run into the generation cap).
+    ramble_passes: a rambling solution repeats its steps under ``Check:`` 1..ramble_passes times (uniform), so its
+    length is 2x..(1 + ramble_passes)x the clean one; 1 (one pass, no extra random draw) is the default job's.
     """
 
     slip_prob: float = 0.0
     format_prob: float = 0.0
     ramble_prob: float = 0.0
+    ramble_passes: int = 1
 
     def __post_init__(self):
         for name in ("slip_prob", "format_prob", "ramble_prob"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"Sloppiness.{name}={getattr(self, name)} must be a probability in [0, 1]")
+        if isinstance(self.ramble_passes, bool) or not isinstance(self.ramble_passes, int) or self.ramble_passes < 1:
+            raise ValueError(f"Sloppiness.ramble_passes={self.ramble_passes!r} must be an integer >= 1 (1 = one "
+                             "'Check:' pass)")
 
 
 def sloppy_solution(problem: str, rng: random.Random, sloppiness: Sloppiness, style: str = "steps") -> str:
@@ -178,7 +184,9 @@ def sloppy_solution(problem: str, rng: random.Random, sloppiness: Sloppiness, st
     lines, value = worked_lines(problem, style,
                                 corrupt=lambda v: slip(v) if rng.random() < sloppiness.slip_prob else v)
     if rng.random() < sloppiness.ramble_prob:
-        lines = lines + ["Check: " + lines[0]] + lines[1:]
+        # Only draw the pass count when there is a choice: one pass keeps the default job's random stream.
+        passes = rng.randint(1, sloppiness.ramble_passes) if sloppiness.ramble_passes > 1 else 1
+        lines = lines + (["Check: " + lines[0]] + lines[1:]) * passes
     r = rng.random()
     if r < sloppiness.format_prob / 2:
         last = f"{format_answer_line(value)}."

@@ -57,6 +57,7 @@ class WarmupConfig:
     slip_prob: float = 0.08
     format_prob: float = 0.3
     ramble_prob: float = 0.15
+    ramble_passes: int = 1  # a rambling solution has 1..ramble_passes "Check:" passes
     seed: int = 0
 
 
@@ -109,7 +110,7 @@ def sample_accuracy(model, tokenizer, rows: list, *, temperature: float, max_new
 def sft_batches(task: ArithmeticTask, tokenizer, cfg: WarmupConfig) -> Iterator[RolloutBatch]:
     """Endless batches of sloppy worked solutions to train-split problems (deterministic in ``cfg.seed``)."""
     problems = task.iter_problems("train", seed=cfg.seed)
-    sloppiness = Sloppiness(cfg.slip_prob, cfg.format_prob, cfg.ramble_prob)
+    sloppiness = Sloppiness(cfg.slip_prob, cfg.format_prob, cfg.ramble_prob, cfg.ramble_passes)
     rng = random.Random(f"{cfg.seed}:sloppy")
     while True:
         batch = [next(problems) for _ in range(cfg.batch_size)]

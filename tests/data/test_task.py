@@ -167,3 +167,32 @@ def test_each_fault_makes_the_verifier_say_wrong_or_lengthens():
     assert len(rambling.splitlines()) == 2 * 3 + 1 and rambling.splitlines()[3] == "Check: 12+7=19"
     with pytest.raises(ValueError, match="slip_prob"):
         Sloppiness(slip_prob=1.5)
+
+
+def test_ramble_passes_repeat_the_steps_one_to_n_times():
+    rng = random.Random(1)
+    problem, truth = "12+7-5+30", "44"
+    counts = set()
+    for _ in range(40):
+        text = sloppy_solution(problem, rng, Sloppiness(ramble_prob=1.0, ramble_passes=3))
+        passes = text.count("Check: ")
+        counts.add(passes)
+        assert len(text.splitlines()) == 3 * (1 + passes) + 1 and verify(text, truth).acc
+    assert counts == {1, 2, 3}
+    with pytest.raises(ValueError, match="ramble_passes"):
+        Sloppiness(ramble_passes=0)
+
+
+def test_one_ramble_pass_draws_no_extra_random_number():
+    # The default job's warm-up data must not change: with one pass the rng is consumed as before (one draw per
+    # worked line for the slip, one for rambling, one for the format).
+    problem = "12+7-5+30"
+    rng, reference = random.Random(4), random.Random(4)
+    sloppy_solution(problem, rng, Sloppiness(ramble_prob=1.0, ramble_passes=1))
+    for _ in range(3 + 2):
+        reference.random()
+    assert rng.getstate() == reference.getstate()
+    sloppy_solution(problem, rng, Sloppiness(ramble_prob=1.0, ramble_passes=2))
+    for _ in range(3 + 2):
+        reference.random()
+    assert rng.getstate() != reference.getstate()  # two passes draw the count: the check can fail
