@@ -3,6 +3,7 @@
     nemo-dapo train [--config-name RECIPE] [key=value ...]     train (default recipe: tiny_cpu), resume automatically
     nemo-dapo eval --model DIR --data FILE [--format F]        avg@k / pass@k / maj@k of a local model on a data set
     nemo-dapo plot RUN_DIR [RUN_DIR ...]                       PNG curves; with several runs also a comparison table
+    nemo-dapo ablate [--rows ROW,...] [--seeds N] [key=value]  the paper's progressive table at toy scale (resumable)
 
 Each subcommand is one entry of ``SUBCOMMANDS``: (name, help, add_arguments(parser), run(args) -> exit code).
 Add a subcommand by appending an entry; nothing else needs to change.
@@ -26,10 +27,12 @@ EXIT_ENGINE = 4  # the rollout engine server failed (checkpoint saved)
 EXIT_BUSY = 5  # another `nemo-dapo train` holds the run directory (local/run_dir.py)
 EXIT_UNWRITABLE = 6  # the run directory or an output cannot be written (disk full, read-only)
 EXIT_DIVERGED = 7  # training diverged (skipped updates in a row, entropy at the uniform limit); checkpoint saved
+EXIT_RUNS_FAILED = 8  # ablate: some runs failed (each named with its exit code and log); the others finished
 EXIT_INTERRUPTED = 130  # Ctrl-C; train: 128 + signal (130 SIGINT, 143 SIGTERM) after saving a checkpoint
 EXIT_CODES = {EXIT_OK: "success", EXIT_INTERNAL: "internal error (bug)", EXIT_BAD_INPUT: "bad input",
               EXIT_BUDGET: "dynamic-sampling budget exhausted", EXIT_ENGINE: "rollout engine error",
               EXIT_BUSY: "run directory busy", EXIT_UNWRITABLE: "cannot write", EXIT_DIVERGED: "training diverged",
+              EXIT_RUNS_FAILED: "some ablation runs failed",
               EXIT_INTERRUPTED: "interrupted (SIGINT)", 143: "stopped by SIGTERM"}
 _NO_SPACE = (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
 
@@ -110,14 +113,20 @@ def _eval(args) -> int:
 
 # ---- plot ----------------------------------------------------------------------------------------------------------
 def _plot_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories written by `nemo-dapo train`")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories written by `nemo-dapo train` (or "
+                                                                  "one directory of `nemo-dapo ablate`)")
     p.add_argument("--out", default=None, help="output directory (default: RUN_DIR/plots; with several runs: "
                                                "the first RUN_DIR/compare)")
 
 
 def _plot(args) -> int:
     from nemo_dapo.plots import compare_runs, plot_run
+    from nemo_dapo.local.ablate_report import is_ablation_dir, redraw
 
+    if len(args.run_dirs) == 1 and is_ablation_dir(args.run_dirs[0]):  # OUT/ablation.json: the ablation's report
+        for path in redraw(args.run_dirs[0]):
+            print(path)
+        return 0
     for run_dir in args.run_dirs:
         for path in plot_run(run_dir, args.out if len(args.run_dirs) == 1 else None):
             print(path)
@@ -129,10 +138,36 @@ def _plot(args) -> int:
     return 0
 
 
+# ---- ablate --------------------------------------------------------------------------------------------------------
+def _ablate_arguments(p: argparse.ArgumentParser) -> None:
+    from nemo_dapo.local.ablate import EXTRA, LEAVE_ONE_OUT, PROGRESSIVE
+
+    p.add_argument("--config-name", "-cn", default="tiny_cpu_long", help="base recipe (default: tiny_cpu_long)")
+    p.add_argument("--config-path", "-cp", default=None, help="directory to look the recipe up in (default: conf/)")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per row: seed=1..N (default 3)")
+    p.add_argument("--budget", type=int, default=None,
+                   help="generated responses per run (trainer.max_samples; default: the base recipe's)")
+    p.add_argument("--rows", default=None, help=f"comma-separated rows (default: {','.join(PROGRESSIVE)}); also "
+                                                f"{', '.join(LEAVE_ONE_OUT + EXTRA)}")
+    p.add_argument("--leave-one-out", action="store_true", help="also run DAPO minus each technique")
+    p.add_argument("--jobs", type=int, default=2, help="runs side by side, one core each (default 2)")
+    p.add_argument("--out", default=None, help="output directory (default: runs/ablate_<config-name>)")
+    p.add_argument("--progress-every", type=float, default=30.0, help="seconds between progress lines")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="overrides of the base recipe for every run (not of the keys the rows set)")
+
+
+def _ablate(args) -> int:
+    from nemo_dapo.local.ablate import ablate
+
+    return ablate(args)
+
+
 SUBCOMMANDS = [
     ("train", "train a policy with DAPO (default recipe: tiny_cpu)", _train_arguments, _train),
     ("eval", "avg@k / pass@k / maj@k of a local model on a data set", _eval_arguments, _eval),
     ("plot", "PNG curves of run directories (and a comparison table for several)", _plot_arguments, _plot),
+    ("ablate", "the DAPO paper's ablation table: rows x seeds of train runs, one report", _ablate_arguments, _ablate),
 ]
 # The cluster-side subcommands; both modules import neither NeMo nor torch.
 from nemo_dapo.aligner import plan as _plan, registry as _registry  # noqa: E402

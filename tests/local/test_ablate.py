@@ -1,0 +1,212 @@
+"""`nemo-dapo ablate`: the rows are the paper's Table 1 settings, a small ablation runs end to end, a killed or
+partly failed ablation resumes without rerunning finished runs, and bad input is refused with the fix named."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from nemo_dapo.cli import EXIT_RUNS_FAILED, main
+from nemo_dapo.config import load_config
+from nemo_dapo.local import ablate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BASE = "tiny_cpu_long"  # the command's default base recipe
+# Very small sizes: a 30-update warm-up, 16 held-out problems, 4 groups of 8 per rollout step.
+TINY = ["warmup.max_steps=30", "warmup.min_steps=10", "warmup.eval_every=10", "warmup.probe_size=16",
+        "data.train_size=200", "data.heldout_size=16", "trainer.val_every=2", "trainer.val_problems=16",
+        "eval.n_samples=2", "trainer.train_batch_size=4", "trainer.mini_batch_size=16", "trainer.tensorboard=false"]
+
+# Table 1 of the paper, written out by hand: (eps_high, agg, overlong_filter, soft overlong punishment, dynamic
+# sampling); every row has eps_low 0.2 and no dual clip.
+OFF = {"eps_high": 0.2, "agg": "seq-mean-token-mean", "overlong_filter": False, "soft": False, "ds": False}
+ON = {"eps_high": 0.28, "agg": "token-mean", "overlong_filter": True, "soft": True, "ds": True}
+PAPER = {
+    "grpo": dict(OFF),
+    "+overlong_filter": {**OFF, "overlong_filter": True},
+    "+clip_higher": {**OFF, "overlong_filter": True, "eps_high": 0.28},
+    "+soft_overlong": {**OFF, "overlong_filter": True, "eps_high": 0.28, "soft": True},
+    "+token_level": {**ON, "ds": False},
+    "dapo": dict(ON),
+    "dapo-overlong_filter": {**ON, "overlong_filter": False},
+    "dapo-clip_higher": {**ON, "eps_high": 0.2},
+    "dapo-soft_overlong": {**ON, "soft": False},
+    "dapo-token_level": {**ON, "agg": "seq-mean-token-mean"},
+    "dapo-dynamic_sampling": {**ON, "ds": False},
+}
+
+
+def _techniques(cfg) -> dict:
+    a = cfg.algorithm
+    return {"eps_high": a.eps_high, "agg": a.agg, "overlong_filter": a.overlong_filter,
+            "soft": cfg.reward.overlong.enabled, "ds": a.dynamic_sampling.enabled}
+
+
+# ---- (a) the rows are the paper's settings --------------------------------------------------------------------------
+def test_progressive_rows_follow_table_1_in_order():
+    assert ablate.PROGRESSIVE == ["grpo", "+overlong_filter", "+clip_higher", "+soft_overlong", "+token_level", "dapo"]
+    assert set(ablate.LEAVE_ONE_OUT) | set(ablate.PROGRESSIVE) == set(PAPER)
+
+
+@pytest.mark.parametrize("base", [BASE, "tiny_cpu"])
+@pytest.mark.parametrize("row", sorted(PAPER))
+def test_each_row_resolves_to_the_paper_setting(row, base):
+    cfg = load_config(base, ablate.row_overrides(row))
+    assert _techniques(cfg) == PAPER[row]
+    assert cfg.algorithm.eps_low == 0.2 and cfg.algorithm.clip_c is None  # the base recipes have clip_c = 10
+    assert cfg.algorithm.dynamic_sampling.skip_history.enabled is False
+
+
+def test_skip_row_is_dapo_with_history_skipping():
+    cfg = load_config(BASE, ablate.row_overrides("dapo+skip"))
+    assert _techniques(cfg) == PAPER["dapo"] and cfg.algorithm.dynamic_sampling.skip_history.enabled is True
+
+
+def test_grpo_row_equals_the_repos_naive_grpo_recipe():
+    # tiny_cpu_grpo is the README's baseline, written independently of the row table.
+    row, recipe = load_config("tiny_cpu", ablate.row_overrides("grpo")), load_config("tiny_cpu_grpo")
+    assert row.algorithm == recipe.algorithm and row.reward == recipe.reward
+
+
+# ---- (b) a 2-row x 1-seed ablation end to end -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def warm_base(tmp_path_factory):
+    """A warmed OUT/base_model per base recipe, copied into each test's OUT (the ablation reuses a cached one)."""
+    made = {}
+
+    def copy_into(out: str, config_name: str) -> None:
+        if config_name not in made:
+            cfg = load_config(config_name, TINY + [f"run_dir={tmp_path_factory.mktemp('base')}", "rollout.processes=1"])
+            made[config_name] = ablate.warm_base(cfg)
+        shutil.copytree(made[config_name], os.path.join(out, "base_model"))
+
+    return copy_into
+
+
+def _argv(out, *extra, config_name=BASE, budget=128):
+    return ["ablate", "--config-name", config_name, "--seeds", "1", "--budget", str(budget), "--out", str(out),
+            "--progress-every", "2", *extra, *TINY]
+
+
+def test_two_rows_one_seed_end_to_end(tmp_path, capsys):
+    out = tmp_path / "ab"
+    t0 = time.time()
+    assert main(_argv(out, "--rows", "grpo,dapo")) == 0  # warms its own base model
+    wall = time.time() - t0
+    printed = capsys.readouterr().out
+    for name in ("ablation.md", "ablation.png", "ablation.json"):
+        assert (out / name).stat().st_size > 0
+    table = [line for line in (out / "ablation.md").read_text().splitlines() if line.startswith("| ")]
+    assert [line.split("|")[1].strip() for line in table[1:]] == ["grpo", "dapo"]
+    assert "runs 2/2 done" in printed and "ETA" in printed
+    report = json.loads((out / "ablation.json").read_text())
+    assert [r["status"] for r in report["runs"]] == ["finished", "finished"]
+    assert all(r["ended_by"] == "budget" and r["consumed_samples"] >= 128 for r in report["runs"])
+    dapo = report["table"][1]
+    assert dapo["pass_rate"] is not None and 0 <= dapo["pass_rate"] <= 1 and report["table"][0]["pass_rate"] is None
+    for row in ("grpo", "dapo"):  # every run started from the one cached base model
+        cfg_text = (out / row / "seed1" / "config.yaml").read_text()
+        assert f"path: {out / 'base_model'}" in cfg_text and "max_samples: 128" in cfg_text
+        assert "held-out accuracy" in (out / row / "seed1" / "train.log").read_text()
+    os.unlink(out / "ablation.png")
+    assert main(["plot", str(out)]) == 0  # redraws from the run directories
+    assert (out / "ablation.png").is_file()
+    print(f"\nablate smoke run (2 rows x 1 seed, warm-up included): {wall:.1f} s")
+
+
+# ---- (c) resume ----------------------------------------------------------------------------------------------------
+def _mtime(out, row):
+    return os.stat(os.path.join(out, row, "seed1", "summary.json")).st_mtime_ns
+
+
+def test_failed_run_is_reported_others_go_on_and_a_rerun_completes_it(tmp_path, capsys, warm_base):
+    from nemo_dapo.local.run_dir import RunDirLock
+
+    out = tmp_path / "ab"
+    warm_base(str(out), "tiny_cpu")
+    busy = out / "grpo" / "seed1"
+    busy.mkdir(parents=True)
+    with RunDirLock(str(busy)):  # another process holds this run directory: its train exits 5
+        rc = main(_argv(out, "--rows", "grpo,dapo", config_name="tiny_cpu"))
+    err = capsys.readouterr().err
+    assert rc == EXIT_RUNS_FAILED
+    assert f"run grpo/seed1 failed with exit code 5; log {busy / 'train.log'}" in err
+    assert (out / "dapo" / "seed1" / "summary.json").is_file() and not (busy / "summary.json").exists()
+    assert [r["status"] for r in json.loads((out / "ablation.json").read_text())["runs"]] == ["failed", "finished"]
+    before = _mtime(out, "dapo")
+    assert main(_argv(out, "--rows", "grpo,dapo", config_name="tiny_cpu")) == 0
+    assert "1 already finished, 1 to run" in capsys.readouterr().out
+    assert _mtime(out, "dapo") == before and (busy / "summary.json").is_file()
+
+
+def test_killed_ablation_resumes_the_killed_run_and_skips_finished_ones(tmp_path, capsys, warm_base):
+    out = tmp_path / "ab"
+    warm_base(str(out), "tiny_cpu")
+    argv = _argv(out, "--rows", "grpo,dapo", "--jobs", "1", "trainer.save_every=1", config_name="tiny_cpu",
+                 budget=512)
+    proc = subprocess.Popen([sys.executable, "-m", "nemo_dapo.cli", *argv], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    ckpts, deadline = out / "dapo" / "seed1" / "checkpoints", time.time() + 120
+    while not (ckpts.is_dir() and any(p.suffix == ".pt" for p in ckpts.iterdir())):  # dapo runs after grpo
+        assert proc.poll() is None and time.time() < deadline, "the ablation ended before the second run saved"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    assert not (out / "dapo" / "seed1" / "summary.json").exists()  # stopped mid-way, with its checkpoint
+    before = _mtime(out, "grpo")
+    assert main(argv) == 0
+    assert "1 already finished, 1 to run" in capsys.readouterr().out
+    assert _mtime(out, "grpo") == before
+    assert "resumed from" in (out / "dapo" / "seed1" / "train.log").read_text()
+    assert "| dapo |" in (out / "ablation.md").read_text()
+
+
+# ---- (d) bad input -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("extra, fragment", [
+    (["--rows", "grpo,clip"], "unknown row 'clip'"),
+    (["--rows", "grpo,grpo"], "names a row twice"),
+    (["--seeds", "0"], "--seeds 0"),
+    (["--jobs", "0"], "--jobs 0"),
+    (["--budget", "0"], "--budget 0"),
+    (["algorithm.eps_high=0.3"], "algorithm.eps_high"),
+    (["algorithm.dynamic_sampling.enabled=false"], "algorithm.dynamic_sampling.enabled"),
+    (["reward.overlong={enabled: false}"], "reward.overlong.enabled"),
+    (["trainer.max_samples=10"], "use --budget"),
+    (["seed=3"], "use --seeds"),
+])
+def test_bad_input_exits_2_naming_the_problem(tmp_path, capsys, extra, fragment):
+    assert main(_argv(tmp_path / "ab", *extra, config_name="tiny_cpu")) == 2
+    assert fragment in capsys.readouterr().err
+    assert not (tmp_path / "ab").exists()  # refused before anything was written
+
+
+def test_skip_row_needs_the_key(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(ablate, "SKIP_KEY", "algorithm.dynamic_sampling.no_such_option.enabled")
+    assert main(_argv(tmp_path / "ab", "--rows", "dapo,dapo+skip", config_name="tiny_cpu")) == 2
+    assert "--rows dapo+skip needs the config key algorithm.dynamic_sampling.no_such_option" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("change, fragment", [({"budget": 999}, "budget: 999 -> 128"),
+                                              ({"row_table": {"grpo": ["algorithm.eps_high=0.3"]}}, "row grpo")])
+def test_changed_plan_is_refused(tmp_path, capsys, change, fragment):
+    from nemo_dapo.local.ablate_report import write_json
+
+    out = tmp_path / "ab"
+    argv = _argv(out, "--rows", "grpo", config_name="tiny_cpu")
+    plan = ablate.plan_runs(ablate_args(argv), str(out))[2]
+    out.mkdir()
+    write_json(str(out), {"plan": {**plan, **change}})
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "--out NEW_DIR" in err
+    assert not (out / "base_model").exists()
+
+
+def ablate_args(argv):
+    from nemo_dapo.cli import build_parser
+
+    return build_parser().parse_args(argv)
