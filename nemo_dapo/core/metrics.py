@@ -1,4 +1,5 @@
-"""Evaluation and rollout metrics: avg@k, pass@k, maj@k, response lengths, entropy, token probability.
+"""Evaluation and rollout metrics: avg@k, pass@k, maj@k, response lengths, entropy, token probability, and the
+one way loss metrics combine over micro-batches and ranks (``combine_metrics``, ``reduce_over_ranks``).
 
 Repeated-evaluation inputs are per problem (P problems, n_i samples each; n_i may differ between problems):
   * ``acc``: ``Sequence[Sequence[bool | 0/1]]`` or a tensor [P, n] (bool, or float/int holding 0/1).
@@ -17,6 +18,8 @@ from collections import Counter
 from typing import Hashable, Optional, Sequence, Union
 
 import torch
+
+from nemo_dapo.core.loss import METRIC_REDUCTION
 
 PerProblem = Union[torch.Tensor, Sequence[Sequence]]
 
@@ -171,3 +174,54 @@ def mean_token_prob(logp: torch.Tensor, mask: torch.Tensor) -> float:
     """Token-mean probability ``exp(logp)`` of the sampled tokens; ``logp`` [B, T] log-probs (padding ignored)."""
     total, count = masked_sum_count(logp.detach().double().exp(), mask)
     return (total / count).item()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loss metrics over micro-batches and ranks
+# ---------------------------------------------------------------------------------------------------------------
+
+_COMBINE = {"sum": torch.sum, "min": torch.amin, "max": torch.amax}
+
+
+def _scalar(v) -> torch.Tensor:
+    """A number or 0-dim tensor (any device) -> a 0-dim float64 CPU tensor."""
+    if isinstance(v, torch.Tensor):
+        return v.detach().to("cpu", torch.float64).reshape(())
+    return torch.tensor(float(v), dtype=torch.float64)
+
+
+def combine_metrics(per_microbatch: Sequence[dict], table: Optional[dict] = None) -> dict:
+    """Metric dicts of one rank's micro-batches (values: numbers or 0-dim tensors) -> floats, each key combined as
+    ``table`` (default: core.loss.METRIC_REDUCTION) says. A key a micro-batch lacks is combined over the others.
+
+    A key the table does not name is an error: guessing sum or mean would log a number DP or M times off."""
+    table = METRIC_REDUCTION if table is None else table
+    out = {}
+    for k in sorted({k for m in per_microbatch for k in m}):
+        if k not in table:
+            raise KeyError(f"metric {k!r} has no reduction: add it to core.loss.METRIC_REDUCTION ('sum' for a "
+                           f"share of the mini-batch mean, 'min' / 'max' for extremes)")
+        vals = torch.stack([_scalar(m[k]) for m in per_microbatch if k in m])
+        out[k] = float(_COMBINE[table[k]](vals))
+    return out
+
+
+def reduce_over_ranks(metrics: dict, reducer, table: Optional[dict] = None) -> dict:
+    """Floats of one rank -> the same on every rank: keys the table names (by their last ``/`` part) are reduced
+    over ``reducer`` (core.types.Reducer) as it says; the others (grad_norm, lr: already global) pass unchanged.
+    Non-numeric values are dropped."""
+    table = METRIC_REDUCTION if table is None else table
+    out = {}
+    for k, v in metrics.items():
+        if not isinstance(v, (torch.Tensor, int, float)):
+            continue
+        how = table.get(k.split("/")[-1]) if reducer.world_size > 1 else None
+        x = _scalar(v)
+        if how == "sum":
+            x = reducer.sum(x)
+        elif how == "max":
+            x = reducer.max(x)
+        elif how == "min":
+            x = -reducer.max(-x)
+        out[k] = float(x)
+    return out

@@ -34,11 +34,11 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from nemo_dapo.core.loss import METRIC_REDUCTION
+from nemo_dapo.core.metrics import combine_metrics
 from nemo_dapo.core.types import RolloutBatch
 from nemo_dapo.megatron.convert import hf_arch
 from nemo_dapo.megatron.model import unwrap
-from nemo_dapo.megatron.reduction import megatron_loss_scale, scale_for_schedule
+from nemo_dapo.megatron.reduction import agreed_microbatches, megatron_loss_scale, scale_for_schedule
 from nemo_dapo.megatron.refit_hf import hf_weight_buckets, layer_spec_name
 from nemo_dapo.megatron.vocab_parallel import vocab_parallel_logprobs_entropy
 
@@ -144,16 +144,6 @@ def hidden_logprobs_entropy(model, hidden: torch.Tensor, targets: torch.Tensor, 
                                            valid_vocab=valid_vocab)
 
 
-def _combine(stored: list) -> dict:
-    """Per-micro-batch metric dicts -> this rank's share, combined as core.loss.METRIC_REDUCTION says."""
-    out = {}
-    for k in sorted({k for m in stored for k in m}):
-        vals = torch.stack([torch.as_tensor(m[k], dtype=torch.float32).reshape(()) for m in stored if k in m])
-        how = METRIC_REDUCTION.get(k, "sum")
-        out[k] = float(vals.min() if how == "min" else vals.max() if how == "max" else vals.sum())
-    return out
-
-
 class MegatronPolicy:
     """The trainable megatron-core model behind the ``Policy`` protocol.
 
@@ -204,11 +194,7 @@ class MegatronPolicy:
         micro-batches of ``micro_batch_size`` rows, the last ones completed with blank rows."""
         rows = len(batch) if batch is not None else 0
         mbs = self.micro_batch_size
-        n = torch.tensor(max(1, math.ceil(rows / mbs)), device=self.device)  # NCCL reduces device tensors only
-        dp_group = parallel_state.get_data_parallel_group()
-        if dist.get_world_size(dp_group) > 1:
-            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=dp_group)
-        n = int(n)
+        n = agreed_microbatches(math.ceil(rows / mbs))
         if rows == 0:
             padded = blank_rows(None, n * mbs)
         elif n * mbs > rows:
@@ -293,7 +279,7 @@ class MegatronPolicy:
             return scale_for_schedule(loss, metrics, scale)
 
         stored = self._run(micro, seq_len, loss_func, forward_only=False)
-        metrics = self._from_last_stage(_combine(stored) if parallel_state.is_pipeline_last_stage() else None)
+        metrics = self._from_last_stage(combine_metrics(stored) if parallel_state.is_pipeline_last_stage() else None)
         local_loss = metrics.pop("loss")
         flags = torch.tensor([local_loss, 0.0 if math.isfinite(local_loss) else 1.0], dtype=torch.float64,
                              device=self.device)

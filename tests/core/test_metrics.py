@@ -122,3 +122,50 @@ def test_masked_entropy_and_token_prob_match_a_loop():
     assert math.isnan(masked_entropy(ent, torch.zeros_like(mask)))
     with pytest.raises(ValueError, match="same"):
         masked_entropy(ent, mask[:, :4])
+
+
+def test_combine_metrics_one_rule_and_unknown_keys_refused():
+    from nemo_dapo.core.metrics import combine_metrics
+
+    per_mb = [{"loss": torch.tensor(0.5), "ratio_min": 0.9, "ratio_max": 1.1},
+              {"loss": 0.25, "ratio_min": torch.tensor(float("inf")), "ratio_max": 1.3}]
+    out = combine_metrics(per_mb)
+    assert out == {"loss": 0.75, "ratio_min": 0.9, "ratio_max": 1.3}
+    with pytest.raises(KeyError, match="'grad_norm' has no reduction.*METRIC_REDUCTION"):
+        combine_metrics([{"grad_norm": 1.0}])
+    assert combine_metrics([]) == {}
+
+
+class _TwoRanks:
+    """A reducer whose other rank holds ``other`` for every value: sum adds it, max takes the larger."""
+
+    rank, world_size = 0, 2
+
+    def __init__(self, other):
+        self.other = other
+
+    def sum(self, x):
+        return x + self.other
+
+    def max(self, x):
+        return torch.maximum(x, torch.as_tensor(self.other, dtype=x.dtype) * torch.sign(x))
+
+
+def test_reduce_over_ranks_reduces_only_the_loss_metrics():
+    from nemo_dapo.core.metrics import reduce_over_ranks
+
+    out = reduce_over_ranks({"actor/loss": 1.0, "clip_frac_high": 0.25, "grad_norm": 3.0, "note": "x"},
+                            _TwoRanks(2.0))
+    assert out == {"actor/loss": 3.0, "clip_frac_high": 2.25, "grad_norm": 3.0}
+
+
+def test_length_stats_empty_is_nan_on_every_path():
+    from nemo_dapo.core.loop_eval import EvalResult
+
+    empty = EvalResult(acc=torch.zeros(0, 4), lengths=torch.zeros(0, 4, dtype=torch.long),
+                       truncated=torch.zeros(0, 4, dtype=torch.bool), preds=[])
+    s = empty.summary()
+    assert math.isnan(s["val/length_mean"]) and math.isnan(s["val/clip_ratio"])
+    full = EvalResult(acc=torch.ones(1, 2), lengths=torch.tensor([[3, 5]]),
+                      truncated=torch.tensor([[False, True]]), preds=[["a", "b"]])
+    assert full.summary()["val/length_mean"] == 4.0 and full.summary()["val/clip_ratio"] == 0.5

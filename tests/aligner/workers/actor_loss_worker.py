@@ -27,9 +27,10 @@ from megatron.core.pipeline_parallel.schedules import get_forward_backward_func 
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region  # noqa: E402
 
 from nemo_aligner.utils.distributed import broadcast_tensor_within_pp  # noqa: E402
-from nemo_dapo.aligner.actor import make_loss_fn, pack_rollout, unpack_response  # noqa: E402
+from nemo_dapo.aligner.layout import pack_rollout, unpack_response  # noqa: E402
+from nemo_dapo.core.loss import make_loss_fn  # noqa: E402
 from nemo_dapo.aligner.generation import MegatronSampler  # noqa: E402
-from nemo_dapo.aligner.reducer import DataParallelReducer  # noqa: E402
+from nemo_dapo.megatron.reduction import DPReducer  # noqa: E402
 from nemo_dapo.aligner.trainer import ActorPolicy  # noqa: E402
 from nemo_dapo.core.loop import DAPOLoop  # noqa: E402
 from nemo_dapo.core.loss import dapo_policy_loss, truncated_is_weights  # noqa: E402
@@ -171,7 +172,7 @@ def logged_metrics(batch: RolloutBatch, loss_fn) -> dict:
     params = [p for p in actor.parameters() if p.requires_grad]
     # no clipping: NeMo's clip needs the optimizer PTL sets up, and the logged metrics do not depend on it
     policy = ActorPolicy(actor, torch.optim.SGD(params, lr=0.0), _NoSchedule(), gradient_clip_val=None)
-    reducer = DataParallelReducer()
+    reducer = DPReducer()
     num_tokens = float(reducer.sum(loss_fn.normalizer(batch.select(share_of(batch)))))
     out = policy.train_step(batch.select(share_of(batch)), num_tokens=num_tokens, loss_fn=loss_fn)
     return DAPOLoop._reduce_policy_metrics(type("LoopView", (), {"reducer": reducer})(), out)
