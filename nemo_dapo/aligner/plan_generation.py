@@ -182,11 +182,6 @@ def generation_times(lengths: ResponseLengths, *, requests: float, group_size: i
             "needed": needed, "inflight_parts": parts}
 
 
-def expected_batch_length(batch: int, *, l_max: int, mean_response: float, truncated_fraction: float) -> float:
-    """Decode steps of one static batch: E[longest of ``batch`` responses] under ``ResponseLengths``."""
-    return ResponseLengths(l_max, mean_response, truncated_fraction).max_moment(batch)
-
-
 # Which model the selected ``trainer.dapo.rollout_engine`` runs (engine names of the engine-server issue).
 ENGINE_MODEL = {"legacy": "static", "trtllm": "inflight", "vllm": "inflight"}
 MODEL_LABELS = {"static": "static batches", "inflight": "in-flight batching", "streaming": "streaming + early stop"}

@@ -41,8 +41,7 @@ from nemo_dapo.aligner.compat import pack_state, unpack_state
 from nemo_dapo.aligner.config_validate import ALGORITHM_KEYS, required
 from nemo_dapo.megatron.reduction import DPReducer
 from nemo_dapo.aligner.reward_client import ClientReward
-from nemo_dapo.core.dynamic_sampling import BatchFiller
-from nemo_dapo.core.loop import DAPOLoop, LoopSettings
+from nemo_dapo.core.loop import DAPOLoop
 from nemo_dapo.core.loop_data import PromptSampler, PromptSet
 from nemo_dapo.core.loop_eval import evaluate
 from nemo_dapo.core.settings import AlgorithmSettings, build_algorithm as core_build_algorithm, from_values
@@ -161,14 +160,6 @@ def build_algorithm(cfg: DictConfig, model_cfg: DictConfig) -> tuple:
         seed=int(required(cfg, "seed", "trainer.dapo")),
         # the aligner path generates one blocking batch at a time (no streaming dynamic sampling yet)
         streaming=False, on_filler_full="abort")
-
-
-def loop_settings(cfg: DictConfig, model_cfg: DictConfig) -> LoopSettings:
-    return build_algorithm(cfg, model_cfg)[0]
-
-
-def batch_filler(cfg: DictConfig, model_cfg: DictConfig) -> BatchFiller:
-    return build_algorithm(cfg, model_cfg)[1]
 
 
 def training_steps(num_prompts: int, prompts_per_step: int, max_epochs, max_steps) -> tuple:

@@ -1,4 +1,4 @@
-"""Evaluation and rollout metrics: avg@k, pass@k, maj@k, response lengths, entropy, token probability, and the
+"""Evaluation and rollout metrics: avg@k, pass@k, maj@k, response lengths, masked token sums, and the
 one way loss metrics combine over micro-batches and ranks (``combine_metrics``, ``reduce_over_ranks``).
 
 Repeated-evaluation inputs are per problem (P problems, n_i samples each; n_i may differ between problems):
@@ -8,8 +8,8 @@ Repeated-evaluation inputs are per problem (P problems, n_i samples each; n_i ma
 ``group_by_problem`` turns flat per-sample lists (e.g. the 960 rows of AIME-2024 x32) into this form.
 
 Token-level inputs are [B, T] tensors with a [B, T] mask (1 on response tokens, 0 on padding); means are over valid
-tokens of the whole batch (token-mean). Across data-parallel ranks, reduce ``masked_sum_count`` instead of the
-means. Empty selections give NaN rather than a made-up 0.
+tokens of the whole batch (token-mean): ``masked_sum_count`` gives sum and count, to be reduced across
+data-parallel ranks before dividing. Empty selections give NaN rather than a made-up 0.
 """
 from __future__ import annotations
 
@@ -162,18 +162,6 @@ def masked_sum_count(x: torch.Tensor, mask: torch.Tensor) -> tuple:
         raise ValueError(f"values {tuple(x.shape)} and mask {tuple(mask.shape)} must have the same [B, T] shape")
     keep = mask.bool()
     return torch.where(keep, x.detach().to(torch.float64), 0.0).sum(), keep.sum().to(torch.float64)
-
-
-def masked_entropy(entropy: torch.Tensor, mask: torch.Tensor) -> float:
-    """Token-mean policy entropy over valid tokens; ``entropy`` [B, T] in nats per token."""
-    total, count = masked_sum_count(entropy, mask)
-    return (total / count).item()
-
-
-def mean_token_prob(logp: torch.Tensor, mask: torch.Tensor) -> float:
-    """Token-mean probability ``exp(logp)`` of the sampled tokens; ``logp`` [B, T] log-probs (padding ignored)."""
-    total, count = masked_sum_count(logp.detach().double().exp(), mask)
-    return (total / count).item()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from nemo_dapo.core.metrics import combine_metrics
+from nemo_dapo.core.packing import pack_rows, response_positions
 from nemo_dapo.core.types import RolloutBatch
 from nemo_dapo.megatron.convert import hf_arch
 from nemo_dapo.megatron.model import unwrap
@@ -87,11 +88,8 @@ def pack_left_aligned(mb: RolloutBatch, seq_len: int) -> dict:
                          "predicted from (prepend a BOS token)")
     if int(plen.max()) + r > seq_len:
         raise ValueError(f"seq_len={seq_len} is shorter than the longest packed row ({int(plen.max()) + r})")
-    src = torch.cat([mb.prompt_ids, mb.response_ids], dim=1)
-    col = torch.arange(seq_len, device=src.device)[None, :] + (p - plen)[:, None]
-    tokens = src.gather(1, col.clamp(max=p + r - 1))
-    tokens = torch.where(col < p + r, tokens, torch.full_like(tokens, mb.pad_id))
-    pred_pos = (plen[:, None] - 1 + torch.arange(r, device=src.device)[None, :]).clamp(min=0)
+    tokens = pack_rows(mb.prompt_ids, plen, mb.response_ids, mb.pad_id, seq_len)
+    pred_pos = response_positions(plen, r, -1).clamp(min=0)
     targets = torch.where(mask, mb.response_ids, torch.zeros_like(mb.response_ids))
     return dict(tokens=tokens, pred_pos=pred_pos, targets=targets, mask=mask)
 

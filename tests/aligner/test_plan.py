@@ -128,9 +128,9 @@ def test_training_flops_match_the_design_notes():
 
 def test_static_batch_length_and_step_time():
     # E[longest of 32]: no truncation -> ~3x the mean (the guess this model replaced); all truncated -> the cap
-    assert G.expected_batch_length(32, l_max=20480, mean_response=6000, truncated_fraction=0.0) == \
+    assert G.ResponseLengths(20480, 6000, 0.0).max_moment(32) == \
         pytest.approx(17969, abs=2)
-    assert G.expected_batch_length(32, l_max=20480, mean_response=20480, truncated_fraction=1.0) == \
+    assert G.ResponseLengths(20480, 20480, 1.0).max_moment(32) == \
         pytest.approx(20480)
     kw = dict(gen_tp=8, gen_pp=1, context=10000, efficiency=0.75)
     small = P.decode_step_seconds(QWEN25_32B, P.GPUS["h100"], batch=1, floor_s=0.01, **kw)

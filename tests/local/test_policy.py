@@ -5,7 +5,8 @@ import torch
 
 from nemo_dapo.core.loss import make_loss_fn
 from nemo_dapo.core.types import Policy
-from nemo_dapo.local.policy import LocalPolicy, reference_logprobs
+from nemo_dapo.local.policy import LocalPolicy
+from tests.support.reference import reference_logprobs
 from tests.local.tiny_models import random_batch, tiny_model
 
 

@@ -32,7 +32,8 @@ from nemo_dapo.core.loss import make_loss_fn  # noqa: E402
 from nemo_dapo.aligner.generation import MegatronSampler  # noqa: E402
 from nemo_dapo.megatron.reduction import DPReducer  # noqa: E402
 from nemo_dapo.aligner.trainer import ActorPolicy  # noqa: E402
-from nemo_dapo.core.loop import DAPOLoop  # noqa: E402
+from nemo_dapo.core.loop import _POLICY_METRIC_REDUCTION  # noqa: E402
+from nemo_dapo.core.metrics import reduce_over_ranks  # noqa: E402
 from nemo_dapo.core.loss import dapo_policy_loss, truncated_is_weights  # noqa: E402
 from nemo_dapo.core.types import RolloutBatch  # noqa: E402
 
@@ -168,14 +169,14 @@ class _NoSchedule:
 
 def logged_metrics(batch: RolloutBatch, loss_fn) -> dict:
     """What the trainer logs for one update of ``batch``: ActorPolicy.train_step on this rank's share (an lr=0
-    optimizer keeps the weights), then the step loop's combination over DP (DAPOLoop._reduce_policy_metrics)."""
+    optimizer keeps the weights), then the step loop's combination over DP (core.metrics.reduce_over_ranks with the loop's table)."""
     params = [p for p in actor.parameters() if p.requires_grad]
     # no clipping: NeMo's clip needs the optimizer PTL sets up, and the logged metrics do not depend on it
     policy = ActorPolicy(actor, torch.optim.SGD(params, lr=0.0), _NoSchedule(), gradient_clip_val=None)
     reducer = DPReducer()
     num_tokens = float(reducer.sum(loss_fn.normalizer(batch.select(share_of(batch)))))
     out = policy.train_step(batch.select(share_of(batch)), num_tokens=num_tokens, loss_fn=loss_fn)
-    return DAPOLoop._reduce_policy_metrics(type("LoopView", (), {"reducer": reducer})(), out)
+    return reduce_over_ranks(out, reducer, _POLICY_METRIC_REDUCTION)
 
 
 METRIC_KEYS = ("clip_frac_low", "clip_frac_high", "dual_clip_frac", "num_tokens", "entropy", "approx_kl")
