@@ -33,8 +33,8 @@ from omegaconf import DictConfig, OmegaConf
 from nemo_aligner.utils.distributed import broadcast_tensor_within_pp
 from nemo_aligner.utils.train_utils import set_sync_funcs
 from nemo_dapo.aligner.compat import CHECKPOINT_KEY, actor_base
-from nemo_dapo.aligner.layout import as_rollout, pad_rows
-from nemo_dapo.aligner.config_validate import nemo_model_key, required
+from nemo_dapo.cluster.layout import as_rollout, pad_rows
+from nemo_dapo.cluster.config_validate import nemo_model_key, required
 from nemo_dapo.core.metrics import combine_metrics, reduce_over_ranks
 from nemo_dapo.core.settings import LOSS_FIELDS, LossSettings, build_loss
 from nemo_dapo.core.microbatch import plan_microbatches

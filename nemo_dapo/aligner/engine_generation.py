@@ -33,7 +33,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from nemo_dapo.aligner.config_validate import required
+from nemo_dapo.cluster.config_validate import required
 from nemo_dapo.core.collective import collective_device
 from nemo_dapo.core.loop_data import mix_seed
 from nemo_dapo.core.types import Generation

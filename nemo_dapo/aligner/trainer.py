@@ -36,9 +36,9 @@ from omegaconf import DictConfig
 
 from nemo_aligner.utils.distributed import ScopedTimer
 from nemo_aligner.utils.train_utils import clip_gradients, set_eval, set_train
-from nemo_dapo.aligner.layout import pack_rollout, prompt_lengths_of, unpack_response
+from nemo_dapo.cluster.layout import pack_rollout, prompt_lengths_of, unpack_response
 from nemo_dapo.aligner.compat import pack_state, unpack_state
-from nemo_dapo.aligner.config_validate import ALGORITHM_KEYS, required
+from nemo_dapo.cluster.config_validate import ALGORITHM_KEYS, required
 from nemo_dapo.megatron.reduction import DPReducer
 from nemo_dapo.aligner.reward_client import ClientReward
 from nemo_dapo.core.loop import DAPOLoop

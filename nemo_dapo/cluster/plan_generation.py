@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
 if TYPE_CHECKING:  # plan.py imports this module; the shapes are only read through their attributes
-    from nemo_dapo.aligner.plan import Arch, Gpu
+    from nemo_dapo.cluster.plan import Arch, Gpu
 
 SHAPE_LIMIT = 500.0  # |a| bound of the exponential's shape (keeps e^a finite): means 0.2 % .. 99.8 % of l_max
 QUADRATURE_POINTS = 4096

@@ -9,7 +9,7 @@ pytestmark = [needs_nemo, pytest.mark.nemo]
 
 def _cfgs(**trainer_over):
     """(trainer.dapo, model) of conf/gpt_dapo_actor.yaml at the paper's lengths, with ``trainer_over`` merged in."""
-    from nemo_dapo.aligner.config_validate import load_config
+    from nemo_dapo.cluster.config_validate import load_config
 
     cfg = load_config(None, ["model.dapo.length_params.max_length=20480", "model.encoder_seq_length=22528",
                              "trainer.dapo.overlong.l_cache=4096", "trainer.dapo.seed=3",
@@ -54,7 +54,7 @@ def test_batch_filler_takes_every_dynamic_sampling_key():
                                  "trainer.dapo.overlong.l_cache", "model.dapo.eps_high", "model.dapo.tis_cap",
                                  "trainer.dapo.shuffle_minibatches", "trainer.dapo.seed"])
 def test_a_missing_key_is_an_error_naming_it(key):
-    from nemo_dapo.aligner.config_validate import ConfigError
+    from nemo_dapo.cluster.config_validate import ConfigError
     from nemo_dapo.aligner.trainer import build_algorithm
 
     trainer, model = _cfgs()
@@ -77,7 +77,7 @@ def test_the_actor_loss_reads_model_dapo_strictly():
 import tests.support.trtllm_stub
 from omegaconf import OmegaConf
 from nemo_dapo.aligner.actor import loss_fn_from_cfg
-from nemo_dapo.aligner.config_validate import ConfigError, load_config
+from nemo_dapo.cluster.config_validate import ConfigError, load_config
 model = load_config(None, ["model.dapo.clip_c=3.0"]).model
 loss = loss_fn_from_cfg(model)
 print("LOSS", loss.eps_low, loss.eps_high, loss.clip_c, loss.agg, loss.max_len)
