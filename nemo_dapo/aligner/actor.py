@@ -39,7 +39,7 @@ from nemo_dapo.core.metrics import combine_metrics, reduce_over_ranks
 from nemo_dapo.core.settings import LOSS_FIELDS, LossSettings, build_loss
 from nemo_dapo.core.microbatch import plan_microbatches
 from nemo_dapo.megatron.policy import hidden_logprobs_entropy, hidden_states_only
-from nemo_dapo.megatron.reduction import DPReducer, agreed_microbatches, megatron_loss_scale
+from nemo_dapo.megatron.reduction import DPReducer, agreed_microbatches, from_last_pipeline_stage, megatron_loss_scale
 from nemo_dapo.megatron.vocab_parallel import vocab_parallel_logits_logprobs_entropy
 
 MegatronGPTActorModel = actor_base()
@@ -300,12 +300,7 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
             out = combine_metrics(per_mb)
             if reduce_over_dp:
                 out = reduce_over_ranks(out, DPReducer(mcore_ps.get_data_parallel_group()))
-        if mcore_ps.get_pipeline_model_parallel_world_size() == 1:
-            return out
-        box = [out]
-        dist.broadcast_object_list(box, src=mcore_ps.get_pipeline_model_parallel_last_rank(),
-                                   group=mcore_ps.get_pipeline_model_parallel_group())
-        return box[0]
+        return from_last_pipeline_stage(out)
 
     # ---- old log-probs -------------------------------------------------------------------------------------------
     def _logprob_entropy_func(self):

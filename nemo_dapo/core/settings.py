@@ -6,7 +6,7 @@ Each path reads its YAML strictly into a flat ``{field: value}`` dict whose fiel
 the nested blocks: ``dynamic_sampling.max_age``, ``overlong.l_cache``), and then:
 
   * :func:`problems` lists what cannot train, as ``(field, message)`` pairs; each validator prefixes its own key
-    (the CLI's ``nemo_dapo/local/config.py``, the NeMo-free ``cluster/config_validate.py``), so the rules live once, here;
+    (the CLI's ``local/config.py``, the NeMo-free ``cluster/config_validate.py``), so the rules live once, here;
   * :func:`from_values` builds :class:`AlgorithmSettings` (every field required: the defaults live in the YAML);
   * :func:`build_algorithm` returns ``(LoopSettings, BatchFiller, DAPOLossFn)``.
 

@@ -39,7 +39,8 @@ from nemo_dapo.core.packing import pack_rows, response_positions
 from nemo_dapo.core.types import RolloutBatch
 from nemo_dapo.megatron.convert import hf_arch
 from nemo_dapo.megatron.model import unwrap
-from nemo_dapo.megatron.reduction import agreed_microbatches, megatron_loss_scale, scale_for_schedule
+from nemo_dapo.megatron.reduction import (agreed_microbatches, from_last_pipeline_stage, megatron_loss_scale,
+                                          scale_for_schedule)
 from nemo_dapo.megatron.refit_hf import hf_weight_buckets, layer_spec_name
 from nemo_dapo.megatron.vocab_parallel import vocab_parallel_logprobs_entropy
 
@@ -232,15 +233,6 @@ class MegatronPolicy:
                                            model=[self.model], num_microbatches=len(micro), seq_length=seq_len,
                                            micro_batch_size=self.micro_batch_size, forward_only=forward_only)
 
-    def _from_last_stage(self, obj):
-        """Broadcast a small picklable object (the metrics) from the last pipeline stage to the other stages."""
-        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                                   group=parallel_state.get_pipeline_model_parallel_group())
-        return box[0]
-
     @torch.no_grad()
     def logprobs(self, batch: Optional[RolloutBatch]) -> tuple:
         """(log-prob [B, R], entropy [B, R]) fp32 of the response tokens, 0 on padding, on every rank."""
@@ -277,7 +269,7 @@ class MegatronPolicy:
             return scale_for_schedule(loss, metrics, scale)
 
         stored = self._run(micro, seq_len, loss_func, forward_only=False)
-        metrics = self._from_last_stage(combine_metrics(stored) if parallel_state.is_pipeline_last_stage() else None)
+        metrics = from_last_pipeline_stage(combine_metrics(stored) if parallel_state.is_pipeline_last_stage() else None)
         local_loss = metrics.pop("loss")
         flags = torch.tensor([local_loss, 0.0 if math.isfinite(local_loss) else 1.0], dtype=torch.float64,
                              device=self.device)

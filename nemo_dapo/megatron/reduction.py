@@ -103,6 +103,18 @@ def agreed_microbatches(n_local: int, group: Optional[dist.ProcessGroup] = None)
     return int(n)
 
 
+def from_last_pipeline_stage(obj: Any) -> Any:
+    """A small picklable object (the metrics) of this rank's last pipeline stage, on every stage of this rank's own
+    pipeline (megatron's last stage computes the loss; the others hold None). Identity without pipelining."""
+    if not parallel_state.model_parallel_is_initialized() or \
+            parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                               group=parallel_state.get_pipeline_model_parallel_group())
+    return box[0]
+
+
 def global_token_count(local_masks: Iterable[torch.Tensor], group: Optional[dist.ProcessGroup] = None) -> int:
     """N: valid tokens of all this rank's micro-batch masks, summed over ``group`` (default: megatron's DP x CP
     group; with CP every rank passes the masks of its own sequence shard, so the sum counts each token once).

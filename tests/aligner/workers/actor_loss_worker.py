@@ -169,7 +169,8 @@ class _NoSchedule:
 
 def logged_metrics(batch: RolloutBatch, loss_fn) -> dict:
     """What the trainer logs for one update of ``batch``: ActorPolicy.train_step on this rank's share (an lr=0
-    optimizer keeps the weights), then the step loop's combination over DP (core.metrics.reduce_over_ranks with the loop's table)."""
+    optimizer keeps the weights), then the step loop's combination over DP (core.metrics.reduce_over_ranks with
+    the loop's table)."""
     params = [p for p in actor.parameters() if p.requires_grad]
     # no clipping: NeMo's clip needs the optimizer PTL sets up, and the logged metrics do not depend on it
     policy = ActorPolicy(actor, torch.optim.SGD(params, lr=0.0), _NoSchedule(), gradient_clip_val=None)
