@@ -303,3 +303,15 @@ def fused_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: 
                                         temperature=temperature, shard=shard)
     zeros = logp.new_zeros(t.shape[0])
     return zeros.index_copy(0, idx, logp).view(lead), zeros.index_copy(0, idx, ent).view(lead)
+
+
+def reference_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
+                               temperature: float = 1.0,
+                               valid_vocab: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The obvious version: materialises the full logits. hidden [..., H], weight [V, H], target [...] ->
+    fp32 (logp [...], entropy [...]). ``valid_vocab``: only the first rows of ``weight`` form the vocabulary."""
+    if valid_vocab is not None:
+        weight = weight[:valid_vocab]
+    logp_all = torch.log_softmax((hidden @ weight.t()).to(_math_dtype(hidden.dtype)) / temperature, dim=-1)
+    logp = logp_all.gather(-1, target.long().unsqueeze(-1)).squeeze(-1)
+    return logp, -(logp_all.exp() * logp_all).sum(-1)

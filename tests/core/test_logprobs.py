@@ -6,8 +6,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nemo_dapo.core.logprobs import (VocabShard, fused_logprobs_entropy, linear_logprobs_entropy,
-                                     logits_logprobs_entropy)
-from tests.support.reference import reference_logprobs_entropy
+                                     logits_logprobs_entropy, reference_logprobs_entropy)
 
 
 def make_inputs(n, h=16, v=50, dtype=torch.float32, seed=0, scale=1.0):

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from nemo_dapo.core import logprobs as lp_mod
-from nemo_dapo.core.logprobs import fused_logprobs_entropy, linear_logprobs_entropy, logits_logprobs_entropy
-from tests.support.reference import reference_logprobs_entropy
+from nemo_dapo.core.logprobs import (fused_logprobs_entropy, linear_logprobs_entropy, logits_logprobs_entropy,
+                                     reference_logprobs_entropy)
 from nemo_dapo.core.loss import AGG_MODES, dapo_policy_loss, make_loss_fn
 from nemo_dapo.core.types import RolloutBatch
 from tests.core.test_loss import reduce_metrics, split_loss  # the CPU tests' obvious reference, reused on CUDA

@@ -39,7 +39,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config  # noqa: E402
 
-from tests.support.reference import reference_logprobs_entropy  # noqa: E402
+from nemo_dapo.core.logprobs import reference_logprobs_entropy  # noqa: E402
 from nemo_dapo.core.loss import dapo_policy_loss, make_loss_fn  # noqa: E402
 from nemo_dapo.megatron.convert import gpt_model_kwargs_from_hf, hf_to_megatron  # noqa: E402
 from nemo_dapo.megatron.convert_build import (gpt_model_from_hf, layer_spec_from_hf,  # noqa: E402

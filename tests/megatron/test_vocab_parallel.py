@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.reference import reference_logprobs_entropy
+from nemo_dapo.core.logprobs import reference_logprobs_entropy
 from nemo_dapo.megatron.vocab_parallel import tp_vocab_shard, vocab_parallel_logits_logprobs_entropy
 from tests.support.dist import run_torchrun
 

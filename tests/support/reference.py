@@ -1,27 +1,14 @@
-"""Slow, obvious reference implementations the tests compare the product's fused paths against (full logits, then
-log_softmax). Test support only: no product code calls them."""
+"""The slow, obvious log-probs of a transformers model (full logits, then log_softmax) that the tests compare the
+local policy's and the engines' fused paths against. Test support only: no product code calls it (the hidden-state
+reference, core.logprobs.reference_logprobs_entropy, stays in the product: benchmarks/fused_logprobs.py measures
+against it)."""
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 
-from nemo_dapo.core.logprobs import _math_dtype
 from nemo_dapo.core.types import RolloutBatch
 from nemo_dapo.local.model import position_ids_from_mask
 from nemo_dapo.local.policy import _sequence
-
-
-def reference_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *,
-                               temperature: float = 1.0,
-                               valid_vocab: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The obvious version: materialises the full logits. hidden [..., H], weight [V, H], target [...] ->
-    fp32 (logp [...], entropy [...]). ``valid_vocab``: only the first rows of ``weight`` form the vocabulary."""
-    if valid_vocab is not None:
-        weight = weight[:valid_vocab]
-    logp_all = torch.log_softmax((hidden @ weight.t()).to(_math_dtype(hidden.dtype)) / temperature, dim=-1)
-    logp = logp_all.gather(-1, target.long().unsqueeze(-1)).squeeze(-1)
-    return logp, -(logp_all.exp() * logp_all).sum(-1)
 
 
 def reference_logprobs(model, batch: RolloutBatch) -> tuple:
