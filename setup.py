@@ -38,6 +38,6 @@ setup(
     },
     entry_points={
         "console_scripts": ["nemo-dapo=nemo_dapo.cli:main"],
-        "nemo_aligner.algorithms": ["dapo=nemo_dapo.aligner.registry:DAPO_ALGORITHM"],
+        "nemo_aligner.algorithms": ["dapo=nemo_dapo.cluster.registry:DAPO_ALGORITHM"],
     },
 )

@@ -143,7 +143,7 @@ def memory_part(a):
 
 def draw_lengths(n, rng, *, l_max=20480, mean=6000.0, truncated=0.05, prompt=(100, 600)):
     """Row lengths (prompt + response): responses by inverse CDF of plan_generation.ResponseLengths."""
-    from nemo_dapo.aligner.plan_generation import ResponseLengths
+    from nemo_dapo.cluster.plan_generation import ResponseLengths
     shape = ResponseLengths(l_max, mean, truncated).shape
     out = []
     for _ in range(n):

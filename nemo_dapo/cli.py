@@ -39,7 +39,7 @@ _NO_SPACE = (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
 
 # ---- train ---------------------------------------------------------------------------------------------------------
 def _train_arguments(p: argparse.ArgumentParser) -> None:
-    from nemo_dapo.config import DEFAULT_CONFIG
+    from nemo_dapo.local.config import DEFAULT_CONFIG
 
     p.add_argument("--config-name", "-cn", default=DEFAULT_CONFIG,
                    help=f"recipe name in conf/recipes or conf/, or a YAML path (default: {DEFAULT_CONFIG})")
@@ -53,7 +53,7 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _train(args) -> int:
-    from nemo_dapo.config import check_trainable, config_to_yaml, load_config
+    from nemo_dapo.local.config import check_trainable, config_to_yaml, load_config
 
     cfg = load_config(args.config_name, args.overrides, args.config_path)
     if args.print_config:
@@ -94,7 +94,7 @@ def _eval_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _eval(args) -> int:
-    from nemo_dapo.config import ArgumentError
+    from nemo_dapo.local.config import ArgumentError
     from nemo_dapo.local.run_eval import evaluate_model
 
     if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
@@ -120,8 +120,8 @@ def _plot_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _plot(args) -> int:
-    from nemo_dapo.plots import compare_runs, plot_run
     from nemo_dapo.local.ablate_report import is_ablation_dir, redraw
+    from nemo_dapo.local.plots import compare_runs, plot_run
 
     if len(args.run_dirs) == 1 and is_ablation_dir(args.run_dirs[0]):  # OUT/ablation.json: the ablation's report
         for path in redraw(args.run_dirs[0]):
@@ -170,7 +170,7 @@ SUBCOMMANDS = [
     ("ablate", "the DAPO paper's ablation table: rows x seeds of train runs, one report", _ablate_arguments, _ablate),
 ]
 # The cluster-side subcommands; both modules import neither NeMo nor torch.
-from nemo_dapo.aligner import plan as _plan, registry as _registry  # noqa: E402
+from nemo_dapo.cluster import plan as _plan, registry as _registry  # noqa: E402
 
 SUBCOMMANDS += [_plan.CLI, _registry.CLI]
 
@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _exit_code_and_message(command: str, e: BaseException) -> Optional[tuple]:
     """(exit code, one-line message) for an anticipated error; None for anything else (a bug: traceback)."""
-    from nemo_dapo.config import ConfigError
+    from nemo_dapo.local.config import ConfigError
     from nemo_dapo.core.checkpoint import CheckpointError
     from nemo_dapo.core.dynamic_sampling import BudgetExhausted
     from nemo_dapo.core.health import TrainingDiverged

@@ -11,12 +11,15 @@ HEAVY = ("nemo", "nemo_aligner", "megatron", "tensorrt_llm", "tensorrt", "apex",
 # module -> top-level packages it must not load
 FORBIDDEN = {
     "nemo_dapo.core": HEAVY + ("numpy", "transformers", "tokenizers", "nemo_dapo.local", "nemo_dapo.data",
-                               "nemo_dapo.megatron", "nemo_dapo.aligner"),
+                               "nemo_dapo.megatron", "nemo_dapo.aligner", "nemo_dapo.cluster"),
     "nemo_dapo.data": HEAVY + ("nemo_dapo.local", "nemo_dapo.megatron", "nemo_dapo.aligner"),
     "nemo_dapo.local": HEAVY + ("nemo_dapo.megatron", "nemo_dapo.aligner"),
     # The engine server runs in an engine's own environment: torch + stdlib + the engine (imported lazily).
     "nemo_dapo.engines": HEAVY + ("nemo_dapo.megatron", "nemo_dapo.aligner", "vllm"),
     "nemo_dapo.megatron": tuple(m for m in HEAVY if m != "megatron") + ("nemo_dapo.local", "nemo_dapo.aligner"),
+    # The cluster path's tooling runs on a login node and in the launch script: omegaconf, never the NeMo runtime.
+    "nemo_dapo.cluster": tuple(m for m in HEAVY if m not in ("omegaconf", "hydra"))
+    + ("nemo_dapo.local", "nemo_dapo.megatron", "nemo_dapo.aligner"),
 }
 
 # Whatever a bare `import torch` loads (numpy, when installed) is the floor every layer stands on; the probe reports

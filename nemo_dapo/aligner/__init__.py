@@ -18,7 +18,6 @@ _EXPORTS = {
     "ClientReward": "nemo_dapo.aligner.reward_client",
     "DAPOPromptDataset": "nemo_dapo.aligner.dataset",
     "collate": "nemo_dapo.aligner.dataset",
-    "DataParallelReducer": "nemo_dapo.aligner.reducer",
 }
 
 __all__ = sorted(_EXPORTS)

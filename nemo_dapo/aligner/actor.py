@@ -33,27 +33,16 @@ from omegaconf import DictConfig, OmegaConf
 from nemo_aligner.utils.distributed import broadcast_tensor_within_pp
 from nemo_aligner.utils.train_utils import set_sync_funcs
 from nemo_dapo.aligner.compat import CHECKPOINT_KEY, actor_base
-from nemo_dapo.aligner.layout import (  # noqa: F401  (re-exported: the actor's batch layout)
-    as_rollout,
-    pack_rollout,
-    pack_tokens,
-    pad_rows,
-    prompt_lengths_of,
-    to_shifted,
-    unpack_response,
-)
-from nemo_dapo.aligner.config_validate import nemo_model_key, required
-from nemo_dapo.core.loss import METRIC_REDUCTION, make_loss_fn  # noqa: F401  (make_loss_fn: re-exported for tests)
+from nemo_dapo.cluster.layout import as_rollout, pad_rows
+from nemo_dapo.cluster.config_validate import nemo_model_key, required
+from nemo_dapo.core.metrics import combine_metrics, reduce_over_ranks
 from nemo_dapo.core.settings import LOSS_FIELDS, LossSettings, build_loss
 from nemo_dapo.core.microbatch import plan_microbatches
 from nemo_dapo.megatron.policy import hidden_logprobs_entropy, hidden_states_only
-from nemo_dapo.megatron.reduction import megatron_loss_scale
+from nemo_dapo.megatron.reduction import DPReducer, agreed_microbatches, from_last_pipeline_stage, megatron_loss_scale
 from nemo_dapo.megatron.vocab_parallel import vocab_parallel_logits_logprobs_entropy
 
 MegatronGPTActorModel = actor_base()
-
-# How each metric of a micro-batch combines over micro-batches and ranks ("loss" is a share, like the token metrics).
-_REDUCE = dict(METRIC_REDUCTION, loss="sum")
 
 
 def seq_len_multiple(cfg: DictConfig) -> int:
@@ -84,16 +73,6 @@ def pad_seq_len(batch: dict, multiple: int, pad_id: int) -> tuple:
         else:
             out[k] = v
     return out, s
-
-
-def _agreed_microbatches(n_local: int) -> int:
-    """Micro-batches every DP rank runs: the max over DP of the local counts (at least 1). Expert-parallel
-    all-to-alls span DP ranks, so all of them must run the same number of forwards; short ranks add filler
-    micro-batches (all-masked rows)."""
-    n = torch.tensor([max(1, int(n_local))], dtype=torch.int64).cuda()
-    if mcore_ps.get_data_parallel_world_size() > 1:
-        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=mcore_ps.get_data_parallel_group())
-    return int(n.item())
 
 
 def row_lengths(batch: dict) -> torch.Tensor:
@@ -298,7 +277,7 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
         """
         loss_fn = loss_fn or self.loss_fn
         groups = self._plan(batch, int(self.cfg.micro_batch_size))
-        num_microbatches = _agreed_microbatches(len(groups))
+        num_microbatches = agreed_microbatches(len(groups))
         micro = split_microbatches(batch, groups, num_microbatches, self.seq_len_multiple, self.tokenizer.eos_id)
         if num_tokens is None:  # the normaliser is additive over rows, and filler rows add nothing
             num_tokens = torch.stack([loss_fn.normalizer(as_rollout(mb)).float() for mb in micro]).sum().reshape(1)
@@ -318,24 +297,10 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
         share, which the caller's DP reduction then counts DP times)."""
         out = None
         if mcore_ps.is_pipeline_last_stage():
-            out = {}
-            for k in sorted({k for m in per_mb for k in m}):
-                vals = torch.stack([m[k].float().cpu() for m in per_mb if k in m])
-                how = _REDUCE.get(k, "mean")
-                v = vals.sum() if how == "sum" else vals.min() if how == "min" else vals.max() if how == "max" \
-                    else vals.mean()
-                if reduce_over_dp and mcore_ps.get_data_parallel_world_size() > 1:
-                    op = {"min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}.get(how, dist.ReduceOp.SUM)
-                    v = v.cuda()
-                    dist.all_reduce(v, op=op, group=mcore_ps.get_data_parallel_group())
-                    v = v.cpu() / (mcore_ps.get_data_parallel_world_size() if how == "mean" else 1)
-                out[k] = float(v)
-        if mcore_ps.get_pipeline_model_parallel_world_size() == 1:
-            return out
-        box = [out]
-        dist.broadcast_object_list(box, src=mcore_ps.get_pipeline_model_parallel_last_rank(),
-                                   group=mcore_ps.get_pipeline_model_parallel_group())
-        return box[0]
+            out = combine_metrics(per_mb)
+            if reduce_over_dp:
+                out = reduce_over_ranks(out, DPReducer(mcore_ps.get_data_parallel_group()))
+        return from_last_pipeline_stage(out)
 
     # ---- old log-probs -------------------------------------------------------------------------------------------
     def _logprob_entropy_func(self):
@@ -366,7 +331,7 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
         if lengths is not None:
             batch["response_lengths"] = lengths
         groups = self._plan(batch, fmbs)
-        micro = split_microbatches(batch, groups, _agreed_microbatches(len(groups)), self.seq_len_multiple,
+        micro = split_microbatches(batch, groups, agreed_microbatches(len(groups)), self.seq_len_multiple,
                                    self.tokenizer.eos_id)
         for mb in micro:
             mb.pop("response_lengths", None)

@@ -33,7 +33,8 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from nemo_dapo.aligner.config_validate import required
+from nemo_dapo.cluster.config_validate import required
+from nemo_dapo.core.collective import collective_device
 from nemo_dapo.core.loop_data import mix_seed
 from nemo_dapo.core.types import Generation
 
@@ -207,7 +208,7 @@ class AlignerEngineGenerator:
         else:
             for bucket in buckets:
                 del bucket
-        flag = torch.tensor([0.0 if failure is None else 1.0], device=_collective_device())
+        flag = torch.tensor([0.0 if failure is None else 1.0], device=collective_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if failure is not None:
             raise failure
@@ -244,12 +245,6 @@ class _Counting:
         return self
 
 
-def _collective_device() -> torch.device:
-    from nemo_dapo.aligner.reducer import collective_device
-
-    return collective_device()
-
-
 # ---- configuration -----------------------------------------------------------------------------------------------
 # the keys of trainer.dapo.engine_server this module reads (the engine options are the servers')
 SERVER_KEYS = ("hf_model_dir", "tensor_parallel_size", "pipeline_parallel_size", "address", "address_env",
@@ -282,7 +277,7 @@ def build_engine_generator(actor, cfg, *, hf_config=None, world: Optional[int] =
                           engine_gpus=int(srv["tensor_parallel_size"]) * int(srv["pipeline_parallel_size"]))
     mp_group = mcore_ps.get_model_parallel_group()
     owners = owners_in_group(layout, dist.get_process_group_ranks(mp_group))
-    missing = torch.tensor([0.0 if owners else 1.0], device=_collective_device())
+    missing = torch.tensor([0.0 if owners else 1.0], device=collective_device())
     dist.all_reduce(missing, op=dist.ReduceOp.MAX)  # every rank stops, not only those of the unserved group
     if float(missing.item()) > 0:
         raise ValueError(f"a tensor x pipeline parallel group holds no engine's first GPU (engines of "

@@ -21,10 +21,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from nemo_dapo.aligner.config_validate import nemo_model_key, required
-from nemo_dapo.aligner.layout import pack_tokens
+from nemo_dapo.cluster.config_validate import nemo_model_key, required
+from nemo_dapo.cluster.layout import pack_tokens
 from nemo_dapo.aligner.legacy_export import (TPPaddedVocab, attention_bias_overrides, banned_ids_list,
                                              engine_config_overrides, with_zero_dense_bias)
+from nemo_dapo.core.packing import cut_responses
 from nemo_dapo.core.types import Generation, RolloutBatch
 from nemo_dapo.core.sampling import sample_next
 
@@ -65,12 +66,8 @@ def check_generation_lengths(model_cfg) -> None:
 def _response_from_rows(rows: torch.Tensor, prompt_lengths: torch.Tensor, total_lengths: torch.Tensor,
                         is_end: torch.Tensor, max_new_tokens: int, pad_id: int) -> Generation:
     """NeMo-Aligner's (prompt + response rows, total lengths, is_end) -> core Generation (right-padded)."""
-    n = (total_lengths - prompt_lengths).clamp(min=0, max=max_new_tokens)
-    width = max(1, int(n.max())) if len(n) else 1
-    idx = prompt_lengths[:, None] + torch.arange(width)[None, :]
-    mask = torch.arange(width)[None, :] < n[:, None]
-    ids = rows.gather(1, idx.clamp(max=rows.shape[1] - 1))
-    ids = torch.where(mask, ids, torch.full_like(ids, pad_id))
+    ids, mask = cut_responses(rows, prompt_lengths, (total_lengths - prompt_lengths).clamp(min=0, max=max_new_tokens),
+                              pad_id)
     return Generation(response_ids=ids, response_mask=mask.float(), truncated=~is_end.bool())
 
 

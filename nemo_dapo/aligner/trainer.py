@@ -6,7 +6,7 @@ rollout logic of its own: each rollout step is ``nemo_dapo.core.loop.DAPOLoop.st
   * ``ActorPolicy``        the Policy protocol on the DAPO actor + its optimizer/scheduler,
   * a generator            ``generation.TRTLLMGenerator`` or ``generation.MegatronSampler``,
   * ``ClientReward``       the RewardFn over a reward client (``reward_client.LocalRewardClient``),
-  * ``DataParallelReducer`` over megatron's data-parallel group.
+  * ``megatron.reduction.DPReducer`` over megatron's data-parallel group.
 So the known problems of NeMo-Aligner 0.7.0's ``ReinforceTrainer`` do not arise: there is no KL term (its KL=0 path
 crashes), per-sample advantages broadcast over tokens work for any micro-batch size (it crashes above 1), every DP
 rank trains on its own token-balanced share of each mini-batch (it trains every rank on the full batch), and
@@ -36,13 +36,12 @@ from omegaconf import DictConfig
 
 from nemo_aligner.utils.distributed import ScopedTimer
 from nemo_aligner.utils.train_utils import clip_gradients, set_eval, set_train
-from nemo_dapo.aligner.layout import pack_rollout, prompt_lengths_of, unpack_response
+from nemo_dapo.cluster.layout import pack_rollout, prompt_lengths_of, unpack_response
 from nemo_dapo.aligner.compat import pack_state, unpack_state
-from nemo_dapo.aligner.config_validate import ALGORITHM_KEYS, required
-from nemo_dapo.aligner.reducer import DataParallelReducer
+from nemo_dapo.cluster.config_validate import ALGORITHM_KEYS, required
+from nemo_dapo.megatron.reduction import DPReducer
 from nemo_dapo.aligner.reward_client import ClientReward
-from nemo_dapo.core.dynamic_sampling import BatchFiller
-from nemo_dapo.core.loop import DAPOLoop, LoopSettings
+from nemo_dapo.core.loop import DAPOLoop
 from nemo_dapo.core.loop_data import PromptSampler, PromptSet
 from nemo_dapo.core.loop_eval import evaluate
 from nemo_dapo.core.settings import AlgorithmSettings, build_algorithm as core_build_algorithm, from_values
@@ -163,14 +162,6 @@ def build_algorithm(cfg: DictConfig, model_cfg: DictConfig) -> tuple:
         streaming=False, on_filler_full="abort")
 
 
-def loop_settings(cfg: DictConfig, model_cfg: DictConfig) -> LoopSettings:
-    return build_algorithm(cfg, model_cfg)[0]
-
-
-def batch_filler(cfg: DictConfig, model_cfg: DictConfig) -> BatchFiller:
-    return build_algorithm(cfg, model_cfg)[1]
-
-
 def training_steps(num_prompts: int, prompts_per_step: int, max_epochs, max_steps) -> tuple:
     """(rollout steps, why): ``max_steps`` capped by ``max_epochs`` epochs of NeMo-Aligner's kind (num_prompts //
     prompts_per_step steps each); null / -1 leaves that bound out. Dynamic sampling draws more prompts per step, so
@@ -269,7 +260,7 @@ class DAPOTrainer:
         self.cfg, self.model, self.optimizer, self.scheduler = cfg, model, optimizer, scheduler
         self.train_ds, self.val_ds, self.rm, self.generator = train_ds, val_ds, rm, generator
         self.logger, self.ckpt_callback, self.run_timer = logger, ckpt_callback, run_timer
-        self.reducer = reducer or DataParallelReducer()
+        self.reducer = reducer or DPReducer()
         self.settings, filler, loss_fn = build_algorithm(cfg, model.cfg)
         self.reward_fn = ClientReward(rm)
         self.policy = ActorPolicy(model, optimizer, scheduler,

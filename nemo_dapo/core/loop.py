@@ -30,6 +30,7 @@ from nemo_dapo.core.advantages import group_advantages
 from nemo_dapo.core.dynamic_sampling import BatchFiller, Group
 from nemo_dapo.core.loop_data import PromptSampler, PromptSet, balanced_split, mix_seed
 from nemo_dapo.core.loss import METRIC_REDUCTION
+from nemo_dapo.core.metrics import length_stats, reduce_over_ranks
 from nemo_dapo.core.overlong import soft_overlong_penalty
 from nemo_dapo.core.prompt_history import PromptHistory, SkipRule
 from nemo_dapo.core.types import (Generation, Generator, LocalReducer, LossFn, Policy, Reducer, RewardFn,
@@ -37,9 +38,9 @@ from nemo_dapo.core.types import (Generation, Generator, LocalReducer, LossFn, P
 
 log = logging.getLogger("nemo_dapo")
 
-# How a rank's train_step metric combines over ranks: the loss metrics as core.loss says, the loss itself is each
-# rank's share of the mini-batch loss, a skip anywhere is a skip everywhere; the rest (grad_norm, lr) is global.
-_POLICY_METRIC_REDUCTION = {**METRIC_REDUCTION, "loss": "sum", "skipped": "max"}
+# How a rank's train_step metric combines over ranks: the loss metrics (and the loss share) as core.loss says, a skip
+# anywhere is a skip everywhere; the rest (grad_norm, lr) is global.
+_POLICY_METRIC_REDUCTION = {**METRIC_REDUCTION, "skipped": "max"}
 
 FILLER_FULL_POLICIES = ("abort", "finish")
 COUNTERS = ("rollout_steps", "gen_batches", "optimizer_steps", "consumed_prompts", "consumed_samples",
@@ -294,7 +295,7 @@ class DAPOLoop:
             self.counters["skipped_updates"] += 1
             return {"skipped": 1.0}
         out = self.policy.train_step(mb, num_tokens=num_tokens, loss_fn=self.loss_fn)
-        out = self._reduce_policy_metrics(out)
+        out = reduce_over_ranks(out, self.reducer, _POLICY_METRIC_REDUCTION)
         if out.get("skipped", 0.0) > 0:
             log.warning("rollout step %d: non-finite loss or gradient, optimizer update skipped (weights unchanged)",
                         self.counters["rollout_steps"])
@@ -302,25 +303,6 @@ class DAPOLoop:
         else:
             self.counters["optimizer_steps"] += 1
         return out
-
-    def _reduce_policy_metrics(self, out: dict) -> dict:
-        """Floats; loss-metric shares are combined over ranks as core.loss.METRIC_REDUCTION says."""
-        res = {}
-        for k, v in out.items():
-            if isinstance(v, torch.Tensor):
-                v = v.detach().float()
-            elif not isinstance(v, (int, float)):
-                continue
-            how = _POLICY_METRIC_REDUCTION.get(k.split("/")[-1]) if self.reducer.world_size > 1 else None
-            v = torch.as_tensor(v, dtype=torch.float32)
-            if how == "sum":
-                v = self.reducer.sum(v)
-            elif how == "max":
-                v = self.reducer.max(v)
-            elif how == "min":
-                v = -self.reducer.max(-v)
-            res[k] = float(v)
-        return res
 
     # ---- one rollout step -----------------------------------------------------------------------------------------
     def step(self, should_stop: Optional[Callable[[str], bool]] = None) -> Optional[dict]:
@@ -417,18 +399,11 @@ def _generation_metrics(generated: list, s: LoopSettings) -> dict:
         return {}
     rewards = torch.cat([g.rewards for g in generated]).float()
     acc = torch.cat([g.acc for g in generated]).float()
-    lengths = torch.cat([g.payload.lengths for g in generated]).float()
-    truncated = torch.cat([g.payload.truncated for g in generated]).float()
-    out = {
-        "train/reward": float(rewards.mean()),
-        "train/acc": float(acc.mean()),
-        "response/length_mean": float(lengths.mean()),
-        "response/length_max": float(lengths.max()),
-        "response/length_min": float(lengths.min()),
-        "response/clip_ratio": float(truncated.mean()),
-        "response/tokens": float(lengths.sum()),
-        "response/samples": float(lengths.numel()),
-    }
+    lengths = torch.cat([g.payload.lengths for g in generated])
+    truncated = torch.cat([g.payload.truncated for g in generated]).bool()
+    out = {"train/reward": float(rewards.mean()), "train/acc": float(acc.mean()),
+           **{f"response/{k}": v for k, v in length_stats(lengths, truncated).items()},
+           "response/tokens": float(lengths.sum()), "response/samples": float(lengths.numel())}
     if s.overlong_shaping:
         penalty = soft_overlong_penalty(lengths.long(), l_max=s.penalty_l_max, l_cache=s.l_cache,
                                         factor=s.overlong_penalty_factor)

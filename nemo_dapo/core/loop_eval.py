@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 import torch
 
 from nemo_dapo.core.loop_data import PromptSet, mix_seed
+from nemo_dapo.core.metrics import length_stats
 from nemo_dapo.core.types import Generator, LocalReducer, Reducer, RewardFn
 
 
@@ -34,8 +35,8 @@ class EvalResult:
     def summary(self, prefix: str = "val/") -> dict:
         return {f"{prefix}accuracy": self.accuracy,
                 f"{prefix}pass_at_n": float(self.acc.amax(-1).mean()) if self.acc.numel() else 0.0,
-                f"{prefix}length_mean": float(self.lengths.float().mean()) if self.lengths.numel() else 0.0,
-                f"{prefix}clip_ratio": float(self.truncated.float().mean()) if self.truncated.numel() else 0.0,
+                **{f"{prefix}{k}": v for k, v in length_stats(self.lengths.reshape(-1), self.truncated.reshape(-1))
+                   .items() if k in ("length_mean", "clip_ratio")},
                 f"{prefix}problems": float(self.acc.shape[0]), f"{prefix}seconds": self.seconds}
 
 

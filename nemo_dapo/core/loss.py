@@ -31,6 +31,7 @@ LOG_RATIO_CLAMP = 20.0
 # How to combine each metric over micro-batches and ranks. "sum": the metric is already this micro-batch's
 # contribution to the mini-batch mean (weighted like the loss, see _metric_mean), so plain sums give the mean.
 METRIC_REDUCTION = {
+    "loss": "sum",  # the micro-batch's share of the mini-batch loss (the loss functions' normalisers are global)
     "clip_frac_low": "sum",  # tokens whose gradient the 1 - eps_low bound zeroed (A < 0, ratio < 1 - eps_low)
     "clip_frac_high": "sum",  # tokens whose gradient the 1 + eps_high bound zeroed (A > 0, ratio > 1 + eps_high)
     "dual_clip_frac": "sum",  # tokens capped by the dual clip (A < 0, ratio > clip_c)

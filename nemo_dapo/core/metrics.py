@@ -1,4 +1,5 @@
-"""Evaluation and rollout metrics: avg@k, pass@k, maj@k, response lengths, entropy, token probability.
+"""Evaluation and rollout metrics: avg@k, pass@k, maj@k, response lengths, masked token sums, and the
+one way loss metrics combine over micro-batches and ranks (``combine_metrics``, ``reduce_over_ranks``).
 
 Repeated-evaluation inputs are per problem (P problems, n_i samples each; n_i may differ between problems):
   * ``acc``: ``Sequence[Sequence[bool | 0/1]]`` or a tensor [P, n] (bool, or float/int holding 0/1).
@@ -7,8 +8,8 @@ Repeated-evaluation inputs are per problem (P problems, n_i samples each; n_i ma
 ``group_by_problem`` turns flat per-sample lists (e.g. the 960 rows of AIME-2024 x32) into this form.
 
 Token-level inputs are [B, T] tensors with a [B, T] mask (1 on response tokens, 0 on padding); means are over valid
-tokens of the whole batch (token-mean). Across data-parallel ranks, reduce ``masked_sum_count`` instead of the
-means. Empty selections give NaN rather than a made-up 0.
+tokens of the whole batch (token-mean): ``masked_sum_count`` gives sum and count, to be reduced across
+data-parallel ranks before dividing. Empty selections give NaN rather than a made-up 0.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from collections import Counter
 from typing import Hashable, Optional, Sequence, Union
 
 import torch
+
+from nemo_dapo.core.loss import METRIC_REDUCTION
 
 PerProblem = Union[torch.Tensor, Sequence[Sequence]]
 
@@ -161,13 +164,52 @@ def masked_sum_count(x: torch.Tensor, mask: torch.Tensor) -> tuple:
     return torch.where(keep, x.detach().to(torch.float64), 0.0).sum(), keep.sum().to(torch.float64)
 
 
-def masked_entropy(entropy: torch.Tensor, mask: torch.Tensor) -> float:
-    """Token-mean policy entropy over valid tokens; ``entropy`` [B, T] in nats per token."""
-    total, count = masked_sum_count(entropy, mask)
-    return (total / count).item()
+# ---------------------------------------------------------------------------------------------------------------
+# Loss metrics over micro-batches and ranks
+# ---------------------------------------------------------------------------------------------------------------
+
+_COMBINE = {"sum": torch.sum, "min": torch.amin, "max": torch.amax}
 
 
-def mean_token_prob(logp: torch.Tensor, mask: torch.Tensor) -> float:
-    """Token-mean probability ``exp(logp)`` of the sampled tokens; ``logp`` [B, T] log-probs (padding ignored)."""
-    total, count = masked_sum_count(logp.detach().double().exp(), mask)
-    return (total / count).item()
+def _scalar(v) -> torch.Tensor:
+    """A number or 0-dim tensor (any device) -> a 0-dim float64 CPU tensor."""
+    if isinstance(v, torch.Tensor):
+        return v.detach().to("cpu", torch.float64).reshape(())
+    return torch.tensor(float(v), dtype=torch.float64)
+
+
+def combine_metrics(per_microbatch: Sequence[dict], table: Optional[dict] = None) -> dict:
+    """Metric dicts of one rank's micro-batches (values: numbers or 0-dim tensors) -> floats, each key combined as
+    ``table`` (default: core.loss.METRIC_REDUCTION) says. A key a micro-batch lacks is combined over the others.
+
+    A key the table does not name is an error: guessing sum or mean would log a number DP or M times off."""
+    table = METRIC_REDUCTION if table is None else table
+    out = {}
+    for k in sorted({k for m in per_microbatch for k in m}):
+        if k not in table:
+            raise KeyError(f"metric {k!r} has no reduction: add it to core.loss.METRIC_REDUCTION ('sum' for a "
+                           f"share of the mini-batch mean, 'min' / 'max' for extremes)")
+        vals = torch.stack([_scalar(m[k]) for m in per_microbatch if k in m])
+        out[k] = float(_COMBINE[table[k]](vals))
+    return out
+
+
+def reduce_over_ranks(metrics: dict, reducer, table: Optional[dict] = None) -> dict:
+    """Floats of one rank -> the same on every rank: keys the table names (by their last ``/`` part) are reduced
+    over ``reducer`` (core.types.Reducer) as it says; the others (grad_norm, lr: already global) pass unchanged.
+    Non-numeric values are dropped."""
+    table = METRIC_REDUCTION if table is None else table
+    out = {}
+    for k, v in metrics.items():
+        if not isinstance(v, (torch.Tensor, int, float)):
+            continue
+        how = table.get(k.split("/")[-1]) if reducer.world_size > 1 else None
+        x = _scalar(v)
+        if how == "sum":
+            x = reducer.sum(x)
+        elif how == "max":
+            x = reducer.max(x)
+        elif how == "min":
+            x = -reducer.max(-x)
+        out[k] = float(x)
+    return out

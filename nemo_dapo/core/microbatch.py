@@ -50,11 +50,3 @@ def plan_microbatches(lengths: Sequence[int], *, multiple: int = 1, max_tokens: 
 def padded_len(lengths: Sequence[int], group: Sequence[int], multiple: int = 1) -> int:
     """S_mb of one planned micro-batch: its longest row rounded up to ``multiple``."""
     return round_up(max(int(lengths[i]) for i in group), multiple)
-
-
-def padding_ratio(lengths: Sequence[int], groups: Sequence[Sequence[int]], multiple: int = 1,
-                  filler_tokens: int = 0) -> float:
-    """Padded / real tokens of a plan (plus ``filler_tokens`` of all-masked micro-batches); inf for no real token."""
-    real = sum(int(x) for x in lengths)
-    padded = sum(len(g) * padded_len(lengths, g, multiple) for g in groups) + filler_tokens
-    return padded / real if real else float("inf")

@@ -1,12 +1,12 @@
 """The DAPO algorithm block as typed settings that validate themselves, and the one builder both paths call.
 
 Both configs carry the same keys (CPU: ``algorithm.*`` + ``reward.overlong.*`` of conf/dapo_base.yaml; NeMo-Aligner:
-``trainer.dapo.*`` + ``model.dapo.*`` of conf/gpt_dapo_actor.yaml, see ``aligner/config_validate.ALGORITHM_KEYS``).
+``trainer.dapo.*`` + ``model.dapo.*`` of conf/gpt_dapo_actor.yaml, see ``cluster/config_validate.ALGORITHM_KEYS``).
 Each path reads its YAML strictly into a flat ``{field: value}`` dict whose fields are :data:`FIELDS` (dotted for
 the nested blocks: ``dynamic_sampling.max_age``, ``overlong.l_cache``), and then:
 
   * :func:`problems` lists what cannot train, as ``(field, message)`` pairs; each validator prefixes its own key
-    (the CLI's ``nemo_dapo/config.py``, the NeMo-free ``aligner/config_validate.py``), so the rules live once, here;
+    (the CLI's ``local/config.py``, the NeMo-free ``cluster/config_validate.py``), so the rules live once, here;
   * :func:`from_values` builds :class:`AlgorithmSettings` (every field required: the defaults live in the YAML);
   * :func:`build_algorithm` returns ``(LoopSettings, BatchFiller, DAPOLossFn)``.
 

@@ -227,7 +227,7 @@ def _options(pairs) -> dict:
 
 
 def _options_file(path, engine: str) -> dict:
-    """The JSON object of ``--options-file`` (``python -m nemo_dapo.aligner.engine_options`` writes one: its
+    """The JSON object of ``--options-file`` (``python -m nemo_dapo.cluster.engine_options`` writes one: its
     ``options``; a bare object of options is read as is)."""
     if path is None:
         return {}
@@ -257,7 +257,7 @@ def main(argv=None) -> int:
     p.add_argument("--option", action="append", help="engine constructor argument key=value (JSON value); "
                    "overrides the same key of --options-file")
     p.add_argument("--options-file", default=None, help="JSON object of engine constructor arguments (or the "
-                   "{engine, engine_gpus, options} file of nemo_dapo.aligner.engine_options)")
+                   "{engine, engine_gpus, options} file of nemo_dapo.cluster.engine_options)")
     p.add_argument("--parent-pid", type=int, default=None, help="exit when this process exits")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads of the engine process")
     args = p.parse_args(argv)

@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Optional
 
-from nemo_dapo.config import ArgumentError, ConfigError
+from nemo_dapo.local.config import ArgumentError, ConfigError
 
 # The paper's techniques in the order Table 1 adds them: (name, table label, {key: (value off, value on)}).
 # The table is cumulative ("+ X" adds X to the row above; no row takes a technique away), so Overlong Filtering stays
@@ -151,7 +151,7 @@ class Run:
 def plan_runs(args, out: str) -> tuple:
     """(base config, [Run], plan dict for ablation.json, rows); every run's config is resolved and checked up front
     (a bad key or value fails here, before the warm-up or any run)."""
-    from nemo_dapo.config import check_trainable, config_to_yaml, load_config
+    from nemo_dapo.local.config import check_trainable, config_to_yaml, load_config
     from nemo_dapo.local.run_model import fingerprint
 
     for flag, v in (("--seeds", args.seeds), ("--jobs", args.jobs)):
@@ -231,7 +231,7 @@ def warm_base(base) -> str:
     """OUT/base_model: the base recipe's warm-up (cached in OUT like a run directory's) that every run starts from."""
     from nemo_dapo.local.run import set_threads
     from nemo_dapo.local.run_model import prepare_base_model
-    from nemo_dapo.logging import setup_console_logging
+    from nemo_dapo.local.logging import setup_console_logging
 
     setup_console_logging()
     set_threads(1)

@@ -13,7 +13,7 @@ import math
 import os
 from typing import Optional
 
-from nemo_dapo.logging import read_metrics
+from nemo_dapo.local.logging import read_metrics
 
 # name -> (metrics.jsonl key, column header, cell format); entropy is averaged over the last quarter of the steps.
 METRICS = {

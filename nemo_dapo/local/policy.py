@@ -17,7 +17,7 @@ from typing import Iterator, Optional
 import torch
 
 from nemo_dapo.core.logprobs import fused_logprobs_entropy
-from nemo_dapo.core.loss import METRIC_REDUCTION
+from nemo_dapo.core.metrics import combine_metrics
 from nemo_dapo.core.types import RolloutBatch
 from nemo_dapo.local.model import final_hidden, position_ids_from_mask
 
@@ -36,20 +36,6 @@ def _sequence(batch: RolloutBatch) -> tuple:
     ids = torch.cat([batch.prompt_ids, batch.response_ids], dim=1)
     mask = torch.cat([batch.prompt_mask.long(), (batch.response_mask > 0).long()], dim=1)
     return ids, mask
-
-
-def _merge(total: dict, metrics: dict) -> None:
-    for k, v in metrics.items():
-        v = float(v.detach()) if isinstance(v, torch.Tensor) else float(v)
-        how = METRIC_REDUCTION.get(k, "sum")
-        if k not in total:
-            total[k] = v
-        elif how == "min":
-            total[k] = min(total[k], v)
-        elif how == "max":
-            total[k] = max(total[k], v)
-        else:
-            total[k] += v
 
 
 class LocalPolicy:
@@ -124,18 +110,16 @@ class LocalPolicy:
         the micro-batch losses, i.e. the mini-batch loss); finite=False as soon as a micro-batch loss is not finite
         (its backward is not run).
         """
-        total: dict = {"loss": 0.0}
+        per_mb = []
         for mb in self._chunks(minibatch, self.micro_batch_size):
             logp, ent = self.forward_logprobs(mb)
             loss, metrics = loss_fn(logp, ent, mb, num_tokens)
             if not bool(torch.isfinite(loss.detach()).all()):
-                total["loss"] = float(loss.detach())
-                return total, False
+                return {"loss": float(loss.detach())}, False
             if loss.requires_grad:
                 loss.backward()
-            total["loss"] += float(loss.detach())
-            _merge(total, metrics)
-        return total, True
+            per_mb.append({**metrics, "loss": loss})
+        return (combine_metrics(per_mb) if per_mb else {"loss": 0.0}), True
 
     def train_step(self, minibatch: RolloutBatch, *, num_tokens: float, loss_fn) -> dict:
         """One AdamW update on ``minibatch`` (see ``Policy.train_step``); a non-finite loss or gradient norm skips
@@ -176,16 +160,3 @@ class LocalPolicy:
         self.scheduler.load_state_dict(state["scheduler"])
         self.num_updates = int(state.get("num_updates", 0))
         self.num_skipped = int(state.get("num_skipped", 0))
-
-
-def reference_logprobs(model, batch: RolloutBatch) -> tuple:
-    """Slow obvious reference: full logits from ``model(...)``, then log_softmax. (logp, entropy) [B, R], no grad."""
-    ids, mask = _sequence(batch)
-    P, R = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits.float()
-    logp_all = torch.log_softmax(logits[:, P - 1:P + R - 1], dim=-1)
-    valid = batch.response_mask > 0
-    logp = logp_all.gather(-1, batch.response_ids[..., None]).squeeze(-1)
-    ent = -(logp_all.exp() * logp_all).sum(-1)
-    return torch.where(valid, logp, torch.zeros_like(logp)), torch.where(valid, ent, torch.zeros_like(ent))

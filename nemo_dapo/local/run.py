@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from nemo_dapo.config import Config
+from nemo_dapo.local.config import Config
 from nemo_dapo.core.checkpoint import latest_checkpoint, list_checkpoints, rng_state, save_checkpoint, set_rng_state
 from nemo_dapo.core.health import DivergenceGuard, TrainingDiverged, diverged_message
 from nemo_dapo.core.loop import DAPOLoop
@@ -46,7 +46,7 @@ from nemo_dapo.local.run_dir import (RunDirLock, RunInterrupted, StopSignals, ch
 from nemo_dapo.local.run_data import build_prompt_sets
 from nemo_dapo.local.run_model import prepare_base_model
 from nemo_dapo.local.run_parallel import ParallelSampler
-from nemo_dapo.logging import RunLogger, setup_console_logging
+from nemo_dapo.local.logging import RunLogger, setup_console_logging
 
 log = logging.getLogger("nemo_dapo")
 
@@ -66,7 +66,7 @@ def set_threads(threads: Optional[int]) -> int:
 def build_algorithm(cfg: Config) -> tuple:
     """``(LoopSettings, BatchFiller, loss_fn)`` from the algorithm block (core/settings.build_algorithm, the builder
     the NeMo-Aligner path calls too) and this config's batch and rollout keys."""
-    from nemo_dapo.config import algorithm_values
+    from nemo_dapo.local.config import algorithm_values
 
     t, r = cfg.trainer, cfg.rollout
     return core_build_algorithm(from_values(algorithm_values(cfg)), train_batch_size=t.train_batch_size,
@@ -158,7 +158,7 @@ def _write_json(path: str, obj: dict) -> None:
 
 
 def _prepare_run_dir(cfg: Config) -> None:
-    from nemo_dapo.config import config_to_yaml
+    from nemo_dapo.local.config import config_to_yaml
 
     _write_text(os.path.join(cfg.run_dir, "config.yaml"), config_to_yaml(cfg))
     if cfg.resume == "never":  # start over; the warm-up cache (base_model/) stays
@@ -245,7 +245,7 @@ def _train_locked(cfg: Config, stop: StopSignals, allow_config_change: bool, t_s
     log.info("held-out accuracy %.3f -> %.3f (%+.1f points) on %d problems; %.0f s wall", summary["base_accuracy"],
              summary["final_accuracy"], summary["gain_points"], summary["heldout_size"], summary["wall_seconds"])
     if cfg.trainer.plots:
-        from nemo_dapo.plots import plot_run
+        from nemo_dapo.local.plots import plot_run
 
         log.info("plots: %s", ", ".join(plot_run(cfg.run_dir)))
     return summary

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import logging
 
-from nemo_dapo.config import Config, ConfigError
+from nemo_dapo.local.config import Config, ConfigError
 from nemo_dapo.core.loop_data import PromptSet
 from nemo_dapo.data.readers import from_verl_rows, prompt_far_too_long, read_dataset
 from nemo_dapo.data.task import ArithmeticTask

@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Optional
 
-from nemo_dapo.config import ConfigError
+from nemo_dapo.local.config import ConfigError
 from nemo_dapo.core.checkpoint import CheckpointError, CorruptCheckpoint, list_checkpoints, load_checkpoint
 
 log = logging.getLogger("nemo_dapo")

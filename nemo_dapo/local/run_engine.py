@@ -12,7 +12,7 @@ import os
 import shutil
 import tempfile
 
-from nemo_dapo.config import Config
+from nemo_dapo.local.config import Config
 from nemo_dapo.engines.client import EngineClient, EngineProcess
 from nemo_dapo.engines.generator import EngineGenerator
 

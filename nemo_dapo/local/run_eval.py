@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from nemo_dapo.config import ArgumentError
+from nemo_dapo.local.config import ArgumentError
 from nemo_dapo.core.loop_eval import evaluate
 from nemo_dapo.core.metrics import eval_summary, length_stats
 from nemo_dapo.core.reward import MODES, RuleReward

@@ -17,7 +17,7 @@ import shutil
 import time
 from dataclasses import asdict, fields
 
-from nemo_dapo.config import Config, ConfigError
+from nemo_dapo.local.config import Config, ConfigError
 from nemo_dapo.data.tokenizer import build_task_tokenizer, load_tokenizer
 from nemo_dapo.local.model import build_model, load_model, num_parameters
 from nemo_dapo.local.run_data import make_task

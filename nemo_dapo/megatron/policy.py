@@ -34,11 +34,13 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from nemo_dapo.core.loss import METRIC_REDUCTION
+from nemo_dapo.core.metrics import combine_metrics
+from nemo_dapo.core.packing import pack_rows, response_positions
 from nemo_dapo.core.types import RolloutBatch
 from nemo_dapo.megatron.convert import hf_arch
 from nemo_dapo.megatron.model import unwrap
-from nemo_dapo.megatron.reduction import megatron_loss_scale, scale_for_schedule
+from nemo_dapo.megatron.reduction import (agreed_microbatches, from_last_pipeline_stage, megatron_loss_scale,
+                                          scale_for_schedule)
 from nemo_dapo.megatron.refit_hf import hf_weight_buckets, layer_spec_name
 from nemo_dapo.megatron.vocab_parallel import vocab_parallel_logprobs_entropy
 
@@ -87,11 +89,8 @@ def pack_left_aligned(mb: RolloutBatch, seq_len: int) -> dict:
                          "predicted from (prepend a BOS token)")
     if int(plen.max()) + r > seq_len:
         raise ValueError(f"seq_len={seq_len} is shorter than the longest packed row ({int(plen.max()) + r})")
-    src = torch.cat([mb.prompt_ids, mb.response_ids], dim=1)
-    col = torch.arange(seq_len, device=src.device)[None, :] + (p - plen)[:, None]
-    tokens = src.gather(1, col.clamp(max=p + r - 1))
-    tokens = torch.where(col < p + r, tokens, torch.full_like(tokens, mb.pad_id))
-    pred_pos = (plen[:, None] - 1 + torch.arange(r, device=src.device)[None, :]).clamp(min=0)
+    tokens = pack_rows(mb.prompt_ids, plen, mb.response_ids, mb.pad_id, seq_len)
+    pred_pos = response_positions(plen, r, -1).clamp(min=0)
     targets = torch.where(mask, mb.response_ids, torch.zeros_like(mb.response_ids))
     return dict(tokens=tokens, pred_pos=pred_pos, targets=targets, mask=mask)
 
@@ -144,16 +143,6 @@ def hidden_logprobs_entropy(model, hidden: torch.Tensor, targets: torch.Tensor, 
                                            valid_vocab=valid_vocab)
 
 
-def _combine(stored: list) -> dict:
-    """Per-micro-batch metric dicts -> this rank's share, combined as core.loss.METRIC_REDUCTION says."""
-    out = {}
-    for k in sorted({k for m in stored for k in m}):
-        vals = torch.stack([torch.as_tensor(m[k], dtype=torch.float32).reshape(()) for m in stored if k in m])
-        how = METRIC_REDUCTION.get(k, "sum")
-        out[k] = float(vals.min() if how == "min" else vals.max() if how == "max" else vals.sum())
-    return out
-
-
 class MegatronPolicy:
     """The trainable megatron-core model behind the ``Policy`` protocol.
 
@@ -204,11 +193,7 @@ class MegatronPolicy:
         micro-batches of ``micro_batch_size`` rows, the last ones completed with blank rows."""
         rows = len(batch) if batch is not None else 0
         mbs = self.micro_batch_size
-        n = torch.tensor(max(1, math.ceil(rows / mbs)), device=self.device)  # NCCL reduces device tensors only
-        dp_group = parallel_state.get_data_parallel_group()
-        if dist.get_world_size(dp_group) > 1:
-            dist.all_reduce(n, op=dist.ReduceOp.MAX, group=dp_group)
-        n = int(n)
+        n = agreed_microbatches(math.ceil(rows / mbs))
         if rows == 0:
             padded = blank_rows(None, n * mbs)
         elif n * mbs > rows:
@@ -248,15 +233,6 @@ class MegatronPolicy:
                                            model=[self.model], num_microbatches=len(micro), seq_length=seq_len,
                                            micro_batch_size=self.micro_batch_size, forward_only=forward_only)
 
-    def _from_last_stage(self, obj):
-        """Broadcast a small picklable object (the metrics) from the last pipeline stage to the other stages."""
-        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                                   group=parallel_state.get_pipeline_model_parallel_group())
-        return box[0]
-
     @torch.no_grad()
     def logprobs(self, batch: Optional[RolloutBatch]) -> tuple:
         """(log-prob [B, R], entropy [B, R]) fp32 of the response tokens, 0 on padding, on every rank."""
@@ -293,7 +269,7 @@ class MegatronPolicy:
             return scale_for_schedule(loss, metrics, scale)
 
         stored = self._run(micro, seq_len, loss_func, forward_only=False)
-        metrics = self._from_last_stage(_combine(stored) if parallel_state.is_pipeline_last_stage() else None)
+        metrics = from_last_pipeline_stage(combine_metrics(stored) if parallel_state.is_pipeline_last_stage() else None)
         local_loss = metrics.pop("loss")
         flags = torch.tensor([local_loss, 0.0 if math.isfinite(local_loss) else 1.0], dtype=torch.float64,
                              device=self.device)

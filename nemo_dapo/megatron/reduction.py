@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from nemo_dapo.core.collective import collective_device
+
 
 @lru_cache(maxsize=None)
 def schedule_multiplies_by_cp() -> bool:
@@ -88,11 +90,29 @@ def per_token_output(token_loss_sum: torch.Tensor, local_tokens: Union[int, torc
     return token_loss_sum, count, {**metrics, "loss_sum": token_loss_sum.detach()}
 
 
-def comm_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
-    """Where tensors must live for collectives on ``group``: the current CUDA device for NCCL, else the CPU."""
-    if dist.is_initialized() and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def agreed_microbatches(n_local: int, group: Optional[dist.ProcessGroup] = None) -> int:
+    """Micro-batches every rank of ``group`` (default: megatron's DP group) runs: the max of the local counts, at
+    least 1. Expert-parallel all-to-alls and the DP gradient reduction span the DP ranks, so all of them must run
+    the same number of forwards; a short rank completes its share with fully masked filler rows."""
+    if group is None and parallel_state.model_parallel_is_initialized():
+        group = parallel_state.get_data_parallel_group()
+    n = torch.tensor(max(1, int(n_local)), dtype=torch.int64)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        n = n.to(collective_device(group))
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
+    return int(n)
+
+
+def from_last_pipeline_stage(obj: Any) -> Any:
+    """A small picklable object (the metrics) of this rank's last pipeline stage, on every stage of this rank's own
+    pipeline (megatron's last stage computes the loss; the others hold None). Identity without pipelining."""
+    if not parallel_state.model_parallel_is_initialized() or \
+            parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                               group=parallel_state.get_pipeline_model_parallel_group())
+    return box[0]
 
 
 def global_token_count(local_masks: Iterable[torch.Tensor], group: Optional[dist.ProcessGroup] = None) -> int:
@@ -105,7 +125,7 @@ def global_token_count(local_masks: Iterable[torch.Tensor], group: Optional[dist
     if group is None and parallel_state.model_parallel_is_initialized():
         group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        local = local.to(comm_device(group))
+        local = local.to(collective_device(group))
         dist.all_reduce(local, group=group)
     return int(local)
 
@@ -127,7 +147,7 @@ class DPReducer:
         if self.world_size == 1:
             return x.detach().clone()
         wire = torch.float64 if x.is_floating_point() else torch.int64  # gloo: no bool / int32 reductions
-        out = x.detach().to(device=comm_device(self.group), dtype=wire)
+        out = x.detach().to(device=collective_device(self.group), dtype=wire)
         dist.all_reduce(out, op=op, group=self.group)
         return out.to(device=x.device, dtype=x.dtype)
 

@@ -26,8 +26,8 @@ ALIGNER = ["trainer.dapo.group_size=4", "model.dapo.eps_high=0.3", "model.dapo.c
 
 
 def _both():
-    from nemo_dapo.aligner.config_validate import load_config as load_aligner
-    from nemo_dapo.config import load_config as load_cpu
+    from nemo_dapo.cluster.config_validate import load_config as load_aligner
+    from nemo_dapo.local.config import load_config as load_cpu
     from nemo_dapo.local.run import build_algorithm as cpu_build
 
     cpu = cpu_build(load_cpu("tiny_cpu", CPU))
@@ -73,8 +73,8 @@ def test_the_two_builders_agree_on_settings_loss_and_gradients():
 
 def test_the_blocks_carry_the_same_keys_and_defaults():
     """Every field of core/settings lives in both YAMLs; the paper's values agree where both files keep them."""
-    from nemo_dapo.aligner.config_validate import ALGORITHM_KEYS, read_yaml
-    from nemo_dapo.config import ALGORITHM_KEYS as CPU_KEYS
+    from nemo_dapo.cluster.config_validate import ALGORITHM_KEYS, read_yaml
+    from nemo_dapo.local.config import ALGORITHM_KEYS as CPU_KEYS
     from nemo_dapo.core.settings import FIELDS
 
     cpu, al = read_yaml(ROOT / "conf/dapo_base.yaml"), read_yaml(ROOT / "conf/gpt_dapo_actor.yaml")
@@ -175,7 +175,7 @@ def _nemo_model_defaults() -> dict:
 def test_nemo_model_keys_keep_nemo_defaults():
     """The only YAML keys the runtime reads with a default are NeMo's own model keys, each with NeMo's default: a
     checkpoint config may lack them, NeMo then builds the model with that default (bias: NeMo adds linear biases)."""
-    from nemo_dapo.aligner.config_validate import NEMO_MODEL_DEFAULTS
+    from nemo_dapo.cluster.config_validate import NEMO_MODEL_DEFAULTS
 
     assert set(NEMO_MODEL_DEFAULTS) == {"tensor_model_parallel_size", "sequence_parallel", "context_parallel_size",
                                         "expert_model_parallel_size", "qkv_bias", "bias", "num_moe_experts"}
@@ -185,7 +185,7 @@ def test_nemo_model_keys_keep_nemo_defaults():
 
 
 def test_the_nemo_default_check_can_fail(monkeypatch):
-    from nemo_dapo.aligner import config_validate
+    from nemo_dapo.cluster import config_validate
 
     monkeypatch.setitem(config_validate.NEMO_MODEL_DEFAULTS, "bias", False)  # the default generation.py had
     with pytest.raises(AssertionError, match="bias: ours False"):
@@ -195,8 +195,8 @@ def test_the_nemo_default_check_can_fail(monkeypatch):
 @pytest.mark.parametrize("override, key", [("trainer.dapo.group_size=1", "trainer.dapo.group_size"),
                                            ("model.dapo.eps_low=1.0", "model.dapo.eps_low")])
 def test_both_validators_share_the_rules(override, key):
-    from nemo_dapo.aligner.config_validate import check_config, load_config as load_aligner
-    from nemo_dapo.config import ConfigError, load_config as load_cpu
+    from nemo_dapo.cluster.config_validate import check_config, load_config as load_aligner
+    from nemo_dapo.local.config import ConfigError, load_config as load_cpu
 
     problems = check_config(load_aligner(None, [override]))
     assert any(p.startswith(key) for p in problems), problems

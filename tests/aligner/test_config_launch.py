@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from nemo_dapo.aligner import config_validate as cv
-from nemo_dapo.aligner.engine_options import engine_options
+from nemo_dapo.cluster import config_validate as cv
+from nemo_dapo.cluster.engine_options import engine_options
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "containers" / "Dockerfile"
@@ -75,7 +75,7 @@ for a in "$@"; do printf "%s\\0" "$a"; done > "$SRUN_DIR/call$n"
 echo "NCCL_ALGO=${NCCL_ALGO-unset}" "CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS-unset}" > "$SRUN_DIR/env$n"
 flock -u 9; exec 9>&-
 case "$*" in
-  *nemo_dapo.aligner.engine_options*) cmd="${@: -1}"; cmd="${cmd//"/opt/nemo_dapo"/"$REPO_ROOT"}"
+  *nemo_dapo.cluster.engine_options*) cmd="${@: -1}"; cmd="${cmd//"/opt/nemo_dapo"/"$REPO_ROOT"}"
                                       exec bash -c "${cmd//"/results/"/"$RESULTS/"}" ;;
   *nemo_dapo.engines.server*) cp "$RESULTS/engine_options.json" "$SRUN_DIR/options_at_server_start.json"
                               echo $$ > "$SRUN_DIR/engine.pid.tmp"; mv "$SRUN_DIR/engine.pid.tmp" "$SRUN_DIR/engine.pid"
@@ -118,7 +118,7 @@ def run_sbatch(fake_srun, tmp_path, *overrides, check=True, **env_over):
 
 
 def kinds(calls):
-    return ["options" if any("nemo_dapo.aligner.engine_options" in a for a in c) else
+    return ["options" if any("nemo_dapo.cluster.engine_options" in a for a in c) else
             "server" if any("nemo_dapo.engines.server" in a for a in c) else
             "health" if any("nemo_dapo.engines.health" in a for a in c) else
             "trainer" if any("train_gpt_dapo.py" in a for a in c) else "?" for c in calls]

@@ -37,7 +37,7 @@ def test_engines_that_span_nodes_are_refused():
 def test_server_settings_are_the_yaml_values_and_a_missing_key_is_named():
     from omegaconf import OmegaConf
 
-    from nemo_dapo.aligner.config_validate import ConfigError, load_config
+    from nemo_dapo.cluster.config_validate import ConfigError, load_config
     from nemo_dapo.aligner.engine_generation import SERVER_KEYS, server_settings
 
     cfg = load_config(None, ["trainer.dapo.engine_server.bucket_mb=64"])

@@ -9,7 +9,7 @@ pytestmark = [needs_nemo, pytest.mark.nemo]
 
 def _cfgs(**trainer_over):
     """(trainer.dapo, model) of conf/gpt_dapo_actor.yaml at the paper's lengths, with ``trainer_over`` merged in."""
-    from nemo_dapo.aligner.config_validate import load_config
+    from nemo_dapo.cluster.config_validate import load_config
 
     cfg = load_config(None, ["model.dapo.length_params.max_length=20480", "model.encoder_seq_length=22528",
                              "trainer.dapo.overlong.l_cache=4096", "trainer.dapo.seed=3",
@@ -19,42 +19,42 @@ def _cfgs(**trainer_over):
 
 
 def test_loop_settings_follow_the_paper_recipe():
-    from nemo_dapo.aligner.trainer import loop_settings
+    from nemo_dapo.aligner.trainer import build_algorithm
 
-    s = loop_settings(*_cfgs())
+    s = build_algorithm(*_cfgs())[0]
     assert (s.group_size, s.mini_batch_size, s.max_new_tokens, s.l_cache, s.seed) == (16, 512, 20480, 4096, 3)
     assert s.overlong_shaping and s.temperature == 1.0
 
 
 def test_overlong_l_max_must_be_the_generation_cap():
-    from nemo_dapo.aligner.trainer import loop_settings
+    from nemo_dapo.aligner.trainer import build_algorithm
 
     with pytest.raises(ValueError, match="trainer.dapo.overlong.l_max"):
-        loop_settings(*_cfgs(overlong={"l_max": 16384}))
+        build_algorithm(*_cfgs(overlong={"l_max": 16384}))[0]
 
 
 def test_greedy_sampling_maps_to_temperature_zero():
-    from nemo_dapo.aligner.trainer import loop_settings
+    from nemo_dapo.aligner.trainer import build_algorithm
 
     trainer, model = _cfgs()
     model.dapo.sampling_params.use_greedy = True
-    assert loop_settings(trainer, model).temperature == 0.0
+    assert build_algorithm(trainer, model)[0].temperature == 0.0
 
 
 def test_batch_filler_takes_every_dynamic_sampling_key():
-    from nemo_dapo.aligner.trainer import batch_filler
+    from nemo_dapo.aligner.trainer import build_algorithm
 
-    f = batch_filler(*_cfgs())
+    f = build_algorithm(*_cfgs())[1]
     assert (f.num_groups, f.enabled, f.max_gen_batches, f.on_budget_exhausted) == (512, True, 10, "train_partial")
     assert (f.max_gen_batch_size, f.prior_pass_rate, f.safety) == (1536, 0.4, 1.2)
-    assert not batch_filler(*_cfgs(dynamic_sampling={"enabled": False})).enabled
+    assert not build_algorithm(*_cfgs(dynamic_sampling={"enabled": False}))[1].enabled
 
 
 @pytest.mark.parametrize("key", ["trainer.dapo.adv_eps", "trainer.dapo.dynamic_sampling.safety",
                                  "trainer.dapo.overlong.l_cache", "model.dapo.eps_high", "model.dapo.tis_cap",
                                  "trainer.dapo.shuffle_minibatches", "trainer.dapo.seed"])
 def test_a_missing_key_is_an_error_naming_it(key):
-    from nemo_dapo.aligner.config_validate import ConfigError
+    from nemo_dapo.cluster.config_validate import ConfigError
     from nemo_dapo.aligner.trainer import build_algorithm
 
     trainer, model = _cfgs()
@@ -77,7 +77,7 @@ def test_the_actor_loss_reads_model_dapo_strictly():
 import tests.support.trtllm_stub
 from omegaconf import OmegaConf
 from nemo_dapo.aligner.actor import loss_fn_from_cfg
-from nemo_dapo.aligner.config_validate import ConfigError, load_config
+from nemo_dapo.cluster.config_validate import ConfigError, load_config
 model = load_config(None, ["model.dapo.clip_c=3.0"]).model
 loss = loss_fn_from_cfg(model)
 print("LOSS", loss.eps_low, loss.eps_high, loss.clip_c, loss.agg, loss.max_len)

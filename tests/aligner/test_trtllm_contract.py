@@ -462,7 +462,7 @@ def test_a_config_without_bias_keys_gets_nemo_defaults():
 def test_a_missing_yaml_key_is_an_error_naming_it(drop, monkeypatch):
     """No code default for a key of conf/gpt_dapo_actor.yaml (the old defaults of enable, reshard, end_strings and
     rollout_micro_batch_size disagreed with the YAML's)."""
-    from nemo_dapo.aligner.config_validate import ConfigError
+    from nemo_dapo.cluster.config_validate import ConfigError
 
     monkeypatch.setattr(compat, "trtllm_generator_class", lambda: lambda **kw: pytest.fail(f"built with {kw}"))
     actor = FakeActor()

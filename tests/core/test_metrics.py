@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nemo_dapo.core.metrics import (avg_at_k, eval_summary, group_by_problem, length_stats, maj_at_k,
-                                    masked_entropy, masked_sum_count, mean_token_prob, pass_at_k,
+                                    masked_sum_count, pass_at_k,
                                     pass_at_k_unbiased)
 
 
@@ -106,19 +106,69 @@ def test_length_stats():
     assert all(math.isnan(v) for v in length_stats(torch.tensor([], dtype=torch.long), l_max=4).values())
 
 
-def test_masked_entropy_and_token_prob_match_a_loop():
+def test_masked_sum_count_matches_a_loop():
     gen = torch.Generator().manual_seed(0)
     logp = -torch.rand(3, 5, generator=gen) * 3
     ent = torch.rand(3, 5, generator=gen)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.float32)
     cells = [(b, t) for b in range(3) for t in range(5) if mask[b, t]]
-    assert masked_entropy(ent, mask) == pytest.approx(sum(ent[b, t].item() for b, t in cells) / len(cells))
-    assert mean_token_prob(logp, mask) == pytest.approx(sum(math.exp(logp[b, t]) for b, t in cells) / len(cells))
+    def mean(x, m):
+        total, count = masked_sum_count(x, m)
+        return (total / count).item()
+
+    assert mean(ent, mask) == pytest.approx(sum(ent[b, t].item() for b, t in cells) / len(cells))
     # Padding content must not leak in, even when it is NaN or +inf.
     logp[mask == 0], ent[mask == 0] = float("inf"), float("nan")
-    assert math.isfinite(mean_token_prob(logp, mask)) and math.isfinite(masked_entropy(ent, mask))
+    assert math.isfinite(mean(logp, mask)) and math.isfinite(mean(ent, mask))
     total, count = masked_sum_count(ent, mask)
     assert count.item() == len(cells) and total.dtype == torch.float64
-    assert math.isnan(masked_entropy(ent, torch.zeros_like(mask)))
+    assert math.isnan(mean(ent, torch.zeros_like(mask)))
     with pytest.raises(ValueError, match="same"):
-        masked_entropy(ent, mask[:, :4])
+        masked_sum_count(ent, mask[:, :4])
+
+
+def test_combine_metrics_one_rule_and_unknown_keys_refused():
+    from nemo_dapo.core.metrics import combine_metrics
+
+    per_mb = [{"loss": torch.tensor(0.5), "ratio_min": 0.9, "ratio_max": 1.1},
+              {"loss": 0.25, "ratio_min": torch.tensor(float("inf")), "ratio_max": 1.3}]
+    out = combine_metrics(per_mb)
+    assert out == {"loss": 0.75, "ratio_min": 0.9, "ratio_max": 1.3}
+    with pytest.raises(KeyError, match="'grad_norm' has no reduction.*METRIC_REDUCTION"):
+        combine_metrics([{"grad_norm": 1.0}])
+    assert combine_metrics([]) == {}
+
+
+class _TwoRanks:
+    """A reducer whose other rank holds ``other`` for every value: sum adds it, max takes the larger."""
+
+    rank, world_size = 0, 2
+
+    def __init__(self, other):
+        self.other = other
+
+    def sum(self, x):
+        return x + self.other
+
+    def max(self, x):
+        return torch.maximum(x, torch.as_tensor(self.other, dtype=x.dtype) * torch.sign(x))
+
+
+def test_reduce_over_ranks_reduces_only_the_loss_metrics():
+    from nemo_dapo.core.metrics import reduce_over_ranks
+
+    out = reduce_over_ranks({"actor/loss": 1.0, "clip_frac_high": 0.25, "grad_norm": 3.0, "note": "x"},
+                            _TwoRanks(2.0))
+    assert out == {"actor/loss": 3.0, "clip_frac_high": 2.25, "grad_norm": 3.0}
+
+
+def test_length_stats_empty_is_nan_on_every_path():
+    from nemo_dapo.core.loop_eval import EvalResult
+
+    empty = EvalResult(acc=torch.zeros(0, 4), lengths=torch.zeros(0, 4, dtype=torch.long),
+                       truncated=torch.zeros(0, 4, dtype=torch.bool), preds=[])
+    s = empty.summary()
+    assert math.isnan(s["val/length_mean"]) and math.isnan(s["val/clip_ratio"])
+    full = EvalResult(acc=torch.ones(1, 2), lengths=torch.tensor([[3, 5]]),
+                      truncated=torch.tensor([[False, True]]), preds=[["a", "b"]])
+    assert full.summary()["val/length_mean"] == 4.0 and full.summary()["val/clip_ratio"] == 0.5

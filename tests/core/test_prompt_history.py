@@ -104,14 +104,14 @@ def test_bad_rule_values_name_the_value(kwargs, match):
     ("algorithm.dynamic_sampling.skip_history.enabled=maybe", r"algorithm.dynamic_sampling.skip_history.enabled"),
 ])
 def test_config_rejects_bad_skip_history_values_naming_the_key(override, pattern):
-    from nemo_dapo.config import ConfigError, load_config
+    from nemo_dapo.local.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=pattern):
         load_config("tiny_cpu", [override])
 
 
 def test_settings_carry_skip_history_into_the_loop_settings_default_off():
-    from nemo_dapo.config import algorithm_values, load_config
+    from nemo_dapo.local.config import algorithm_values, load_config
     from nemo_dapo.core.settings import build_algorithm, from_values, problems
 
     cfg = load_config("tiny_cpu", ["algorithm.dynamic_sampling.skip_history.enabled=true",

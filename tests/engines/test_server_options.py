@@ -1,5 +1,5 @@
 """``python -m nemo_dapo.engines.server --options-file``: the engine's constructor options from a JSON file (the one
-``nemo_dapo.aligner.engine_options`` writes for containers/dapo.sbatch), merged under the ``--option`` pairs."""
+``nemo_dapo.cluster.engine_options`` writes for containers/dapo.sbatch), merged under the ``--option`` pairs."""
 import json
 
 import pytest

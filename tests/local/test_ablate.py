@@ -11,7 +11,7 @@ import time
 import pytest
 
 from nemo_dapo.cli import EXIT_RUNS_FAILED, main
-from nemo_dapo.config import load_config
+from nemo_dapo.local.config import load_config
 from nemo_dapo.local import ablate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

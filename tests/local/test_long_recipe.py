@@ -1,7 +1,7 @@
 """The ablation's base recipe (conf/recipes/tiny_cpu_long.yaml): its task really gives the techniques work."""
 import random
 
-from nemo_dapo.config import load_config
+from nemo_dapo.local.config import load_config
 from nemo_dapo.data.task import Sloppiness, sloppy_solution
 from nemo_dapo.data.tokenizer import build_task_tokenizer
 from nemo_dapo.local.run_data import make_task

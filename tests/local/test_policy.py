@@ -5,13 +5,14 @@ import torch
 
 from nemo_dapo.core.loss import make_loss_fn
 from nemo_dapo.core.types import Policy
-from nemo_dapo.local.policy import LocalPolicy, reference_logprobs
+from nemo_dapo.local.policy import LocalPolicy
+from tests.support.reference import reference_logprobs
 from tests.local.tiny_models import random_batch, tiny_model
 
 
 def nll_loss(logp, entropy, mb, num_tokens):
     """Token-mean NLL with the global token count (a micro-batch's share)."""
-    return -(logp * mb.response_mask).sum() / num_tokens, {"tokens": mb.response_mask.sum()}
+    return -(logp * mb.response_mask).sum() / num_tokens, {"num_tokens": mb.response_mask.sum()}
 
 
 def pg_loss(logp, entropy, mb, num_tokens):
@@ -54,7 +55,7 @@ def test_one_step_lowers_the_loss_on_a_fixed_batch(batch):
     before = policy.train_step(batch, num_tokens=n, loss_fn=nll_loss)
     after = policy.train_step(batch, num_tokens=n, loss_fn=nll_loss)
     assert after["loss"] < before["loss"] - 1e-3
-    assert before["skipped"] == 0.0 and before["grad_norm"] > 0 and before["tokens"] == n
+    assert before["skipped"] == 0.0 and before["grad_norm"] > 0 and before["num_tokens"] == n
 
 
 @pytest.mark.parametrize("loss_fn", [pg_loss, make_loss_fn(eps_low=0.2, eps_high=0.28)], ids=["pg", "dapo"])

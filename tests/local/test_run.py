@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from nemo_dapo.cli import main
-from nemo_dapo.config import load_config
+from nemo_dapo.local.config import load_config
 from nemo_dapo.core.types import RolloutBatch
-from nemo_dapo.logging import read_metrics
+from nemo_dapo.local.logging import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 AIME = os.path.join(REPO, "tests", "fixtures", "aime-2024-head64.parquet")  # 64 rows of the real file
@@ -175,7 +175,7 @@ def test_plot_command_writes_pngs(smoke_run, tmp_path, capsys):
 
 
 def test_comparison_table_has_one_column_per_run(tmp_path):
-    from nemo_dapo.plots import comparison_table
+    from nemo_dapo.local.plots import comparison_table
 
     runs = []
     for name, base, final in (("tiny_cpu", 0.2, 0.55), ("tiny_cpu_grpo", 0.2, 0.4)):

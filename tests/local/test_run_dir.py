@@ -18,7 +18,7 @@ import torch
 from nemo_dapo.cli import main
 from nemo_dapo.core import checkpoint as ck
 from nemo_dapo.local.run_dir import EXIT_BUSY, EXIT_UNWRITABLE, LOCK_FILE, RunDirBusy, RunDirLock, config_drift
-from nemo_dapo.logging import read_metrics
+from nemo_dapo.local.logging import read_metrics
 from tests.local.test_run import TINY, tiny_cfg
 
 CMD = [sys.executable, "-m", "nemo_dapo.cli", "train"]

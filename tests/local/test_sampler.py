@@ -3,7 +3,7 @@ import torch
 
 from nemo_dapo.core.types import Generator, RolloutBatch
 from nemo_dapo.local.model import position_ids_from_mask
-from nemo_dapo.local.policy import reference_logprobs
+from tests.support.reference import reference_logprobs
 from nemo_dapo.core.sampling import sample_next
 from nemo_dapo.local.sampler import LocalSampler
 from tests.local.tiny_models import EOS, PAD, left_padded, tiny_model

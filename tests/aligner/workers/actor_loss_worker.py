@@ -27,11 +27,13 @@ from megatron.core.pipeline_parallel.schedules import get_forward_backward_func 
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region  # noqa: E402
 
 from nemo_aligner.utils.distributed import broadcast_tensor_within_pp  # noqa: E402
-from nemo_dapo.aligner.actor import make_loss_fn, pack_rollout, unpack_response  # noqa: E402
+from nemo_dapo.cluster.layout import pack_rollout, unpack_response  # noqa: E402
+from nemo_dapo.core.loss import make_loss_fn  # noqa: E402
 from nemo_dapo.aligner.generation import MegatronSampler  # noqa: E402
-from nemo_dapo.aligner.reducer import DataParallelReducer  # noqa: E402
+from nemo_dapo.megatron.reduction import DPReducer  # noqa: E402
 from nemo_dapo.aligner.trainer import ActorPolicy  # noqa: E402
-from nemo_dapo.core.loop import DAPOLoop  # noqa: E402
+from nemo_dapo.core.loop import _POLICY_METRIC_REDUCTION  # noqa: E402
+from nemo_dapo.core.metrics import reduce_over_ranks  # noqa: E402
 from nemo_dapo.core.loss import dapo_policy_loss, truncated_is_weights  # noqa: E402
 from nemo_dapo.core.types import RolloutBatch  # noqa: E402
 
@@ -167,14 +169,15 @@ class _NoSchedule:
 
 def logged_metrics(batch: RolloutBatch, loss_fn) -> dict:
     """What the trainer logs for one update of ``batch``: ActorPolicy.train_step on this rank's share (an lr=0
-    optimizer keeps the weights), then the step loop's combination over DP (DAPOLoop._reduce_policy_metrics)."""
+    optimizer keeps the weights), then the step loop's combination over DP (core.metrics.reduce_over_ranks with
+    the loop's table)."""
     params = [p for p in actor.parameters() if p.requires_grad]
     # no clipping: NeMo's clip needs the optimizer PTL sets up, and the logged metrics do not depend on it
     policy = ActorPolicy(actor, torch.optim.SGD(params, lr=0.0), _NoSchedule(), gradient_clip_val=None)
-    reducer = DataParallelReducer()
+    reducer = DPReducer()
     num_tokens = float(reducer.sum(loss_fn.normalizer(batch.select(share_of(batch)))))
     out = policy.train_step(batch.select(share_of(batch)), num_tokens=num_tokens, loss_fn=loss_fn)
-    return DAPOLoop._reduce_policy_metrics(type("LoopView", (), {"reducer": reducer})(), out)
+    return reduce_over_ranks(out, reducer, _POLICY_METRIC_REDUCTION)
 
 
 METRIC_KEYS = ("clip_frac_low", "clip_frac_high", "dual_clip_frac", "num_tokens", "entropy", "approx_kl")

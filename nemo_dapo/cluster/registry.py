@@ -4,7 +4,7 @@ NeMo-Aligner 0.7.0 has no registry of its own: an algorithm is a trainer class, 
 config and a launcher script that live side by side. This module names those four pieces in one record and lets
 launchers find plugins through the ``nemo_aligner.algorithms`` entry-point group, e.g. in setup.py::
 
-    entry_points={"nemo_aligner.algorithms": ["dapo=nemo_dapo.aligner.registry:DAPO_ALGORITHM"]}
+    entry_points={"nemo_aligner.algorithms": ["dapo=nemo_dapo.cluster.registry:DAPO_ALGORITHM"]}
 
 Everything here is metadata: class paths are strings, resolved only by ``Algorithm.load_trainer`` /
 ``load_actor``, so listing algorithms imports neither NeMo nor Megatron.

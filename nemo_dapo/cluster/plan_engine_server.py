@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 
-from nemo_dapo.aligner.plan_generation import PlanError, engine_memory
+from nemo_dapo.cluster.plan_generation import PlanError, engine_memory
 
 GB = 1e9
 SERVER_ENGINES = ("trtllm", "vllm")
@@ -39,8 +39,8 @@ KEY = "trainer.dapo.engine_server"
 def server_layout(cfg: dict, arch, world: int) -> dict:
     """Engine layout and options of ``trainer.dapo.engine_server``, read strictly (a missing key is an error naming
     it: the values are the YAML's, as the launcher passes them to the engines); the validator refuses bad layouts."""
-    from nemo_dapo.aligner.config_validate import _engine_server, select, sizes
-    from nemo_dapo.aligner.engine_options import EngineOptionsError, read_server
+    from nemo_dapo.cluster.config_validate import _engine_server, select, sizes
+    from nemo_dapo.cluster.engine_options import EngineOptionsError, read_server
 
     problems = list(_engine_server(cfg, sizes(cfg)))
     if problems:

@@ -1,7 +1,7 @@
 """The engine server's constructor options from the run's config (``trainer.dapo.engine_server``), so that the
 engine the launcher starts is the engine the config (and ``nemo-dapo plan``) describes. Imports nothing of NeMo.
 
-    python -m nemo_dapo.aligner.engine_options --config-name recipes/qwen2.5-32b_h100 [key=value ...] --out FILE
+    python -m nemo_dapo.cluster.engine_options --config-name recipes/qwen2.5-32b_h100 [key=value ...] --out FILE
 
 writes ``{"engine": NAME, "engine_gpus": TP x PP, "options": {...}}``; ``containers/dapo.sbatch`` starts every
 server with ``--options-file FILE`` and takes its GPUs per engine from ``engine_gpus``.
@@ -114,7 +114,7 @@ MAPPERS = {"trtllm": _trtllm, "vllm": _vllm, "local": _local}
 def engine_options(cfg: dict) -> dict:
     """``{"engine", "engine_gpus", "options"}`` for ``trainer.dapo.rollout_engine`` of a resolved plain-dict config;
     raises :class:`EngineOptionsError` naming the key and the fix."""
-    from nemo_dapo.aligner.config_validate import _engine_server, sizes
+    from nemo_dapo.cluster.config_validate import _engine_server, sizes
 
     engine = _at(cfg, "trainer.dapo.rollout_engine")
     if engine not in MAPPERS:
@@ -129,14 +129,14 @@ def engine_options(cfg: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nemo_dapo.aligner.engine_options", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m nemo_dapo.cluster.engine_options", description=__doc__.split("\n\n")[0])
     p.add_argument("--config-name", required=True, help="recipe (recipes/NAME, a name under conf/recipes/ or a path)")
     p.add_argument("--out", required=True, help="JSON file to write")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides (+key=value adds a key)")
     args = p.parse_intermixed_args(argv)
     from omegaconf import OmegaConf
 
-    from nemo_dapo.aligner.config_validate import load_config
+    from nemo_dapo.cluster.config_validate import load_config
 
     try:
         cfg = OmegaConf.to_container(load_config(args.config_name, args.overrides), resolve=True)

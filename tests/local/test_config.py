@@ -5,7 +5,7 @@ from dataclasses import fields, is_dataclass
 
 import pytest
 
-from nemo_dapo.config import CONF_DIR, Config, ConfigError, _all_keys, load_config
+from nemo_dapo.local.config import CONF_DIR, Config, ConfigError, _all_keys, load_config
 
 
 def _leaf_keys(cls, prefix=""):
@@ -130,7 +130,7 @@ def test_every_warmup_setting_of_the_local_backend_is_configurable():
 
 
 def test_paper_base_loads_but_the_tiny_model_cannot_train_on_it():
-    from nemo_dapo.config import check_trainable
+    from nemo_dapo.local.config import check_trainable
 
     cfg = load_config("dapo_base")  # the paper's 20480-token cap documents the keys; the built-in model has 256
     with pytest.raises(ConfigError, match=r"'rollout.max_new_tokens' = 20480 leaves no room .* 256 positions"):

@@ -19,7 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 from nemo_dapo.core import settings as algorithm  # torch-free: the rules of the algorithm block, shared with the CLI
 
 AGG_MODES, BUDGET_POLICIES = algorithm.AGG_MODES, algorithm.BUDGET_POLICIES
-VERIFIERS = ("dapo", "tolerant", "math_verify")  # the CPU path's reward.verifier choices (nemo_dapo/config.py)
+VERIFIERS = ("dapo", "tolerant", "math_verify")  # the CPU path's reward.verifier choices (nemo_dapo/local/config.py)
 DATA_FORMATS = ("dapo_math", "verl", "aime2024", "aime2025", "math500", "gsm8k")  # nemo_dapo.data.readers.READERS
 DISTRIBUTED_OPTIMIZERS = ("distributed_fused_adam", "mcore_distributed_optim")
 ROLLOUT_ENGINES = ("legacy", "trtllm", "vllm", "local")  # trainer.dapo.rollout_engine (engine-server names)

@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Dict, List, Optional
 
-CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")  # nemo_dapo/conf
 DEFAULT_CONFIG = "tiny_cpu"
 
 

@@ -21,9 +21,9 @@ or torch, so ``nemo-dapo plan`` runs anywhere. The formulas follow the project's
   cap, the rest a truncated exponential) for three engines: static batches (the legacy NeMo-Aligner path: each
   batch waits for its longest sample), in-flight batching (throughput of the same KV pool, plus the long tail) and
   streaming with early stop (the dynamic-sampling filler aborts what it no longer needs); formulas in
-  ``nemo_dapo/aligner/plan_generation.py``. ``trainer.dapo.rollout_engine`` says which one the run uses.
+  ``nemo_dapo/cluster/plan_generation.py``. ``trainer.dapo.rollout_engine`` says which one the run uses.
 * The engine servers (rollout_engine trtllm | vllm) take their layout, KV pool, concurrency, refit and sleep / wake
-  from ``trainer.dapo.engine_server`` instead (``nemo_dapo/aligner/plan_engine_server.py``); the legacy engine's
+  from ``trainer.dapo.engine_server`` instead (``nemo_dapo/cluster/plan_engine_server.py``); the legacy engine's
   ``trt_llm.*`` keys then play no part.
 * Training FLOPs per token: old log-prob 2N, update 8N (forward 2N + backward 4N + recompute 2N), N = active params,
   plus causal attention 4 L heads d (S / 2) per forward; time = FLOPs / (GPUs x peak x HFU).
@@ -37,9 +37,9 @@ import textwrap
 from dataclasses import dataclass
 from typing import Optional
 
-from nemo_dapo.aligner.plan_engine_server import (SERVER_ENGINES, concurrency, format_server,
+from nemo_dapo.cluster.plan_engine_server import (SERVER_ENGINES, concurrency, format_server,
                                                  server_layout, server_overhead, server_phases)
-from nemo_dapo.aligner.plan_generation import (ENGINE_MODEL, MODEL_LABELS, PlanError, ResponseLengths,
+from nemo_dapo.cluster.plan_generation import (ENGINE_MODEL, MODEL_LABELS, PlanError, ResponseLengths,
                                               decode_step_seconds, engine_memory, format_generation, generation_times,
                                               inflight_tokens_per_s_per_gpu, needed_fraction)
 
@@ -241,7 +241,7 @@ def _range_text(low: float, closed: bool, high: Optional[float]) -> str:
 def assumption_problems(cfg: dict) -> list:
     """Every ``plan.assume.*`` value that would give a nonsense estimate (a zero rate divides, a negative length
     or a utilisation above 1 is no machine), each naming its key, its range and the default as the fix."""
-    from nemo_dapo.aligner.config_validate import select
+    from nemo_dapo.cluster.config_validate import select
 
     problems = []
     for key, value in (select(cfg, "plan.assume", {}) or {}).items():
@@ -262,7 +262,7 @@ def assumption_problems(cfg: dict) -> list:
 def input_problems(cfg: dict) -> list:
     """Inputs that make any estimate meaningless (parallel sizes and node counts that are not integers >= 1,
     assumptions out of range): ``nemo-dapo plan`` refuses them before planning."""
-    from nemo_dapo.aligner.config_validate import sizes
+    from nemo_dapo.cluster.config_validate import sizes
 
     return sizes(cfg)["bad"] + assumption_problems(cfg)
 
@@ -288,7 +288,7 @@ def arch_from_config(cfg: dict) -> Arch:
 
 def make_plan(cfg: dict) -> dict:
     """Memory per phase and step-time split for a resolved, plain-dict config (see the module docstring)."""
-    from nemo_dapo.aligner.config_validate import select, sizes
+    from nemo_dapo.cluster.config_validate import select, sizes
 
     s = sizes(cfg)
     bad = input_problems(cfg)
@@ -317,7 +317,7 @@ def make_plan(cfg: dict) -> dict:
 
 def _memory_phases(cfg: dict, arch: Arch, layout: Layout, a: dict, *, gpu: Gpu, budget: float) -> tuple:
     """({"train": {part: bytes}, "generate": {part: bytes}}, generation settings) per GPU."""
-    from nemo_dapo.aligner.config_validate import DISTRIBUTED_OPTIMIZERS, select
+    from nemo_dapo.cluster.config_validate import DISTRIBUTED_OPTIMIZERS, select
 
     mbs, gbs = select(cfg, "model.micro_batch_size"), select(cfg, "model.global_batch_size")
     seq = select(cfg, "model.encoder_seq_length")  # micro-batches are padded up to the longest sample: worst case
@@ -362,7 +362,7 @@ def _response_lengths(a: dict, l_max: int) -> ResponseLengths:
 
 def _generation(cfg: dict, plan: dict, *, generated: float, l_max: int, oversample: float) -> dict:
     """Generation seconds of the three engine models (plan_generation.py) and the figures behind them."""
-    from nemo_dapo.aligner.config_validate import select
+    from nemo_dapo.cluster.config_validate import select
 
     arch, gpu, a, g = plan["arch"], plan["gpu"], plan["assume"], plan["gen"]
     lengths, prompt = _response_lengths(a, l_max), a["mean_prompt_tokens"]
@@ -398,7 +398,7 @@ def _generation(cfg: dict, plan: dict, *, generated: float, l_max: int, oversamp
 
 
 def _step_time(cfg: dict, plan: dict, gpu_key: str) -> dict:
-    from nemo_dapo.aligner.config_validate import select
+    from nemo_dapo.cluster.config_validate import select
 
     arch, gpu, layout, a, g = plan["arch"], plan["gpu"], plan["layout"], plan["assume"], plan["gen"]
     prompts, group = select(cfg, "trainer.dapo.prompts_per_step"), select(cfg, "trainer.dapo.group_size")
@@ -434,7 +434,7 @@ def _format_time(plan: dict) -> list:
     lines = ["", f"step time, s (est.; {t['generated_samples']:.0f} samples generated, HFU {t['hfu']:.0%})",
              *textwrap.wrap(f"response lengths (one model for every engine): mean {lengths.mean:.0f} tokens, "
                             f"{lengths.truncated_fraction:.0%} truncated at {lengths.l_max}, the rest a truncated "
-                            f"exponential (shape {lengths.shape or 0:.2f}); see nemo_dapo/aligner/plan_generation.py",
+                            f"exponential (shape {lengths.shape or 0:.2f}); see nemo_dapo/cluster/plan_generation.py",
                             117, initial_indent="  ", subsequent_indent="    "),
              f"  old log-probs (2N/token)          {t['old_logprob']:10.0f}",
              f"  training (8N/token)               {t['training']:10.0f}",
@@ -483,7 +483,7 @@ def format_plan(plan: dict, title: str = "") -> str:
                  f" ({a['usable_fraction']:.0%} of {gpu.memory_gb:.0f}) -> {verdict}")
     lines += [*_format_time(plan),
               "", *textwrap.wrap("assumptions: " + ", ".join(f"{k}={v}" for k, v in a.items()), 119),
-              "formulas and sources: nemo_dapo/aligner/plan.py and plan_generation.py (module docstrings)"]
+              "formulas and sources: nemo_dapo/cluster/plan.py and plan_generation.py (module docstrings)"]
     return "\n".join(lines)
 
 
@@ -491,7 +491,7 @@ def run_cli(args) -> int:
     """``nemo-dapo plan``: exit code 0 = valid and fits, 1 = does not fit, 2 = invalid config or missing keys."""
     from omegaconf import OmegaConf
 
-    from nemo_dapo.aligner.config_validate import check_config, load_config
+    from nemo_dapo.cluster.config_validate import check_config, load_config
 
     try:
         cfg = OmegaConf.to_container(load_config(args.recipe, args.overrides), resolve=True)

@@ -1,4 +1,4 @@
-"""nemo_dapo.aligner.engine_options: the engine server's options from trainer.dapo.engine_server, read strictly,
+"""nemo_dapo.cluster.engine_options: the engine server's options from trainer.dapo.engine_server, read strictly,
 and accepted by the adapter's constructor (its signature, inspected: no TensorRT-LLM needed) for every recipe."""
 import inspect
 import json
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from nemo_dapo.aligner import config_validate as cv
-from nemo_dapo.aligner.engine_options import EngineOptionsError, engine_options
+from nemo_dapo.cluster import config_validate as cv
+from nemo_dapo.cluster.engine_options import EngineOptionsError, engine_options
 from nemo_dapo.engines.local import LocalEngine
 from nemo_dapo.engines.trtllm import TRTLLMEngine
 
@@ -86,7 +86,7 @@ def test_a_missing_key_is_an_error_naming_it(key):
 
 def test_cli_writes_the_json_file_and_fails_clearly(tmp_path):
     out = tmp_path / "engine_options.json"
-    cmd = [sys.executable, "-m", "nemo_dapo.aligner.engine_options", "--config-name", "recipes/qwen2.5-32b_h100",
+    cmd = [sys.executable, "-m", "nemo_dapo.cluster.engine_options", "--config-name", "recipes/qwen2.5-32b_h100",
            f"{ES}.max_batch_size=128", "--out", str(out)]
     subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True)
     data = json.loads(out.read_text())

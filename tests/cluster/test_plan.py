@@ -6,8 +6,8 @@ import statistics
 
 import pytest
 
-from nemo_dapo.aligner import plan as P
-from nemo_dapo.aligner import plan_generation as G
+from nemo_dapo.cluster import plan as P
+from nemo_dapo.cluster import plan_generation as G
 
 QWEN25_32B = P.Arch(num_layers=64, hidden_size=5120, ffn_hidden_size=27648, num_attention_heads=40,
                     num_query_groups=8, kv_channels=128, vocab_size=152064, qkv_bias=True, name="Qwen2.5-32B")
@@ -128,9 +128,9 @@ def test_training_flops_match_the_design_notes():
 
 def test_static_batch_length_and_step_time():
     # E[longest of 32]: no truncation -> ~3x the mean (the guess this model replaced); all truncated -> the cap
-    assert G.expected_batch_length(32, l_max=20480, mean_response=6000, truncated_fraction=0.0) == \
+    assert G.ResponseLengths(20480, 6000, 0.0).max_moment(32) == \
         pytest.approx(17969, abs=2)
-    assert G.expected_batch_length(32, l_max=20480, mean_response=20480, truncated_fraction=1.0) == \
+    assert G.ResponseLengths(20480, 20480, 1.0).max_moment(32) == \
         pytest.approx(20480)
     kw = dict(gen_tp=8, gen_pp=1, context=10000, efficiency=0.75)
     small = P.decode_step_seconds(QWEN25_32B, P.GPUS["h100"], batch=1, floor_s=0.01, **kw)
@@ -176,7 +176,7 @@ def test_plan_names_the_missing_key(capsys):
 
 
 def test_plan_32b_h100_numbers_by_hand():
-    from nemo_dapo.aligner.config_validate import load_config
+    from nemo_dapo.cluster.config_validate import load_config
     from omegaconf import OmegaConf
 
     plan = P.make_plan(OmegaConf.to_container(load_config("qwen2.5-32b_h100", ["trainer.dapo.rollout_engine=legacy"])))
@@ -278,7 +278,7 @@ def test_inflight_tail_dominates_when_the_engine_is_fast():
 
 
 def plan_of(recipe, *overrides):
-    from nemo_dapo.aligner.config_validate import load_config
+    from nemo_dapo.cluster.config_validate import load_config
     from omegaconf import OmegaConf
 
     return P.make_plan(OmegaConf.to_container(load_config(recipe, overrides), resolve=True))
@@ -317,7 +317,7 @@ def test_rollout_engine_selects_the_model_and_the_total(capsys):
     assert run_cli("qwen2.5-32b_h100", "trainer.dapo.rollout_engine=trt") == 2
     assert "config problem: trainer.dapo.rollout_engine='trt' must be one of" in capsys.readouterr().out
     assert run_cli("qwen2.5-32b_h100", "trainer.dapo.rollout_engine=local") == 2
-    from nemo_dapo.aligner.config_validate import ROLLOUT_ENGINES
+    from nemo_dapo.cluster.config_validate import ROLLOUT_ENGINES
 
     assert set(P.ENGINE_MODEL) < set(ROLLOUT_ENGINES)
 
@@ -423,7 +423,7 @@ def test_32b_h100_trtllm_step_within_25_minutes_when_kv_is_paged():
 @pytest.mark.parametrize("key", ["max_batch_size", "free_gpu_memory_fraction", "capacity_scheduler", "sleep_level"])
 def test_engine_server_keys_are_read_strictly(key):
     """No code default stands in for a key the launcher passes to the engine: a missing or null one is an error."""
-    from nemo_dapo.aligner.config_validate import load_config
+    from nemo_dapo.cluster.config_validate import load_config
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.to_container(load_config("qwen2.5-32b_h100"), resolve=True)
@@ -440,7 +440,7 @@ def test_engine_server_keys_are_read_strictly(key):
     ("model.context_parallel_size=-1", "model.context_parallel_size=-1")])
 def test_bad_sizes_are_problems_of_the_validator_and_refused_by_make_plan(override, key):
     """The validator's rules never do arithmetic on a size that is not an integer >= 1 (no ZeroDivisionError)."""
-    from nemo_dapo.aligner.config_validate import check_config, load_config
+    from nemo_dapo.cluster.config_validate import check_config, load_config
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.to_container(load_config("qwen2.5-32b_h100", [override]))

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from nemo_dapo.aligner import config_validate as cv
+from nemo_dapo.cluster import config_validate as cv
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "conf" / "gpt_dapo_actor.yaml"
@@ -195,7 +195,7 @@ def test_validator_accepts_plain_dicts_and_reports_all_problems_at_once():
 
 
 def test_mirrored_choices_agree_with_the_core():
-    from nemo_dapo.config import CHOICES
+    from nemo_dapo.local.config import CHOICES
     from nemo_dapo.core.dynamic_sampling import BUDGET_POLICIES
     from nemo_dapo.core.loss import AGG_MODES
     from nemo_dapo.data.readers import READERS
@@ -205,7 +205,7 @@ def test_mirrored_choices_agree_with_the_core():
 
 
 def test_config_modules_import_neither_nemo_nor_torch():
-    code = ("import sys, nemo_dapo.aligner.config_validate, nemo_dapo.aligner.plan, nemo_dapo.aligner.registry; "
+    code = ("import sys, nemo_dapo.cluster.config_validate, nemo_dapo.cluster.plan, nemo_dapo.cluster.registry; "
             "heavy = [m for m in sys.modules if m.split('.')[0] in "
             "('torch', 'nemo', 'nemo_aligner', 'megatron', 'tensorrt_llm', 'hydra')]; print(heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)

@@ -3,7 +3,7 @@ packed rows (prompt + response from position 0, per-token values on the shifted 
 import pytest
 import torch
 
-from nemo_dapo.aligner.layout import (
+from nemo_dapo.cluster.layout import (
     as_rollout, pack_rollout, pack_tokens, pad_rows, prompt_lengths_of, to_shifted, unpack_response)
 from nemo_dapo.core.types import RolloutBatch
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from nemo_dapo.core.packing import pack_rows, response_positions
 from nemo_dapo.core.types import RolloutBatch
 
 
@@ -20,35 +21,21 @@ def prompt_lengths_of(batch: RolloutBatch) -> torch.Tensor:
     return lengths
 
 
-def _shifted_index(prompt_lengths: torch.Tensor, width: int) -> torch.Tensor:
-    """[B, width]: where response position j of row b sits among the shifted (S-1) log-probs: p_b - 1 + j."""
-    return prompt_lengths[:, None] - 1 + torch.arange(width, device=prompt_lengths.device)[None, :]
-
-
 def pack_tokens(batch: RolloutBatch, pad_id: int) -> tuple:
-    """(tokens [B, S], prompt_lengths [B]): each row's real prompt tokens then its R response slots, right-padded.
-
-    S = max prompt length + R, so every response slot fits; positions after a row's last slot hold ``pad_id``.
-    """
+    """(tokens [B, S], prompt_lengths [B]): core.packing.pack_rows of the batch, S = max prompt length + R."""
     p = prompt_lengths_of(batch)
-    big_p, r = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
-    src = torch.cat([batch.prompt_ids, batch.response_ids.to(batch.prompt_ids.dtype)], dim=1)  # [B, P + R]
-    width = int(p.max()) + r if len(batch) else r + 1
-    idx = torch.arange(width)[None, :] + (big_p - p)[:, None]  # real prompt of row b starts at column P - p_b
-    valid = idx < big_p + r
-    tokens = src.gather(1, idx.clamp(max=big_p + r - 1))
-    return torch.where(valid, tokens, torch.full_like(tokens, pad_id)), p
+    return pack_rows(batch.prompt_ids, p, batch.response_ids, pad_id), p
 
 
 def to_shifted(values: torch.Tensor, prompt_lengths: torch.Tensor, seq_len: int) -> torch.Tensor:
     """[B, R] response-aligned values -> [B, seq_len - 1] aligned with the shifted log-probs (0 elsewhere)."""
     out = values.new_zeros(values.shape[0], seq_len - 1)
-    return out.scatter_(1, _shifted_index(prompt_lengths, values.shape[1]), values)
+    return out.scatter_(1, response_positions(prompt_lengths, values.shape[1], -1), values)
 
 
 def unpack_response(values: torch.Tensor, prompt_lengths: torch.Tensor, width: int) -> torch.Tensor:
     """[B, S-1] shifted per-token values -> [B, width] aligned with ``response_ids`` (inverse of to_shifted)."""
-    return values.gather(1, _shifted_index(prompt_lengths, width))
+    return values.gather(1, response_positions(prompt_lengths, width, -1))
 
 
 def pack_rollout(batch: RolloutBatch, pad_id: int) -> dict:

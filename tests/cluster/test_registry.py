@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_dapo.aligner import registry as R
+from nemo_dapo.cluster import registry as R
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +21,7 @@ def clean_registry():
 def test_entry_point_is_discoverable_after_install():
     eps = {ep.name: ep for ep in metadata.entry_points(group=R.ENTRY_POINT_GROUP)}
     assert "dapo" in eps, "run `pip install -e .`: setup.py declares the nemo_aligner.algorithms entry point"
-    assert eps["dapo"].value == "nemo_dapo.aligner.registry:DAPO_ALGORITHM"
+    assert eps["dapo"].value == "nemo_dapo.cluster.registry:DAPO_ALGORITHM"
     assert eps["dapo"].load() is R.DAPO_ALGORITHM
 
 
@@ -106,7 +106,7 @@ def test_algorithms_subcommand_lists_dapo(capsys):
 
 def test_cli_entries_plug_into_the_nemo_dapo_command(capsys):
     """Both subcommands in the shape of nemo_dapo.cli.SUBCOMMANDS: (name, help, add_arguments, run)."""
-    from nemo_dapo.aligner import plan
+    from nemo_dapo.cluster import plan
 
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers()
@@ -195,7 +195,7 @@ def test_class_paths_and_example_import_with_the_nemo_stack():
 
     pytest.importorskip("nemo_aligner")
     code = ("import importlib.util, tests.support.trtllm_stub\n"
-            "from nemo_dapo.aligner.registry import get\n"
+            "from nemo_dapo.cluster.registry import get\n"
             "a = get('dapo')\n"
             "print(a.load_actor().__name__, a.load_trainer().__name__)\n"
             "spec = importlib.util.spec_from_file_location('train_gpt_dapo', 'examples/train_gpt_dapo.py')\n"

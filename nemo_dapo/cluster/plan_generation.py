@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
 if TYPE_CHECKING:  # plan.py imports this module; the shapes are only read through their attributes
-    from nemo_dapo.aligner.plan import Arch, Gpu
+    from nemo_dapo.cluster.plan import Arch, Gpu
 
 SHAPE_LIMIT = 500.0  # |a| bound of the exponential's shape (keeps e^a finite): means 0.2 % .. 99.8 % of l_max
 QUADRATURE_POINTS = 4096
@@ -180,11 +180,6 @@ def generation_times(lengths: ResponseLengths, *, requests: float, group_size: i
             "batch_max": batch_max, "static_step_s": static_step, "slots": slots, "inflight_context": context,
             "inflight_step_s": full_step, "tokens_per_s": rate, "small_step_s": small_step, "longest": longest,
             "needed": needed, "inflight_parts": parts}
-
-
-def expected_batch_length(batch: int, *, l_max: int, mean_response: float, truncated_fraction: float) -> float:
-    """Decode steps of one static batch: E[longest of ``batch`` responses] under ``ResponseLengths``."""
-    return ResponseLengths(l_max, mean_response, truncated_fraction).max_moment(batch)
 
 
 # Which model the selected ``trainer.dapo.rollout_engine`` runs (engine names of the engine-server issue).
