@@ -11,6 +11,8 @@ One process per GPU, launched under MPI (TensorRT-LLM needs its MPI rank to equa
 NeMo-Aligner's examples/nlp/gpt/train_gpt_reinforce_actor.py; the actor and trainer classes come from the algorithm
 registry (entry point ``nemo_aligner.algorithms: dapo``), the config from conf/gpt_dapo_actor.yaml + a recipe.
 """
+import sys
+
 import torch
 import torch.multiprocessing as mp
 from megatron.core.utils import divide
@@ -31,7 +33,7 @@ from nemo_aligner.utils.train_script_utils import (
 )
 from nemo_aligner.utils.utils import load_and_override_model_config, load_from_nemo
 from nemo_dapo.aligner.compat import check_versions
-from nemo_dapo.cluster.config_validate import register_resolvers, validate_config
+from nemo_dapo.cluster.config_validate import register_resolvers, reject_moved_overrides, validate_config
 from nemo_dapo.aligner.dataset import build_prompt_dataset
 from nemo_dapo.aligner.generation import build_generator
 from nemo_dapo.cluster.registry import get as get_algorithm
@@ -94,4 +96,6 @@ def main(cfg) -> None:
 
 
 if __name__ == "__main__":
+    # Hydra refuses an old algorithm key (trainer.dapo.group_size=8) without naming where it went: say it first
+    reject_moved_overrides(a for a in sys.argv[1:] if not a.startswith("-") and "=" in a)
     main()

@@ -130,10 +130,10 @@ def _dapo(cfg: DictConfig, key: str):
 
 
 def loss_fn_from_cfg(cfg: DictConfig):
-    """The loss of ``model.dapo`` (eps_low, eps_high, clip_c, agg, overlong_filter, tis_cap; the generation cap
-    length_params.max_length is seq-mean-token-sum-norm's constant) through core/settings.build_loss, as the
-    trainer's builder makes it."""
-    loss = LossSettings(**{name: _dapo(cfg, name) for name in LOSS_FIELDS})
+    """The loss of ``model.dapo.algorithm`` (eps_low, eps_high, clip_c, agg, overlong_filter, tis_cap; the generation
+    cap model.dapo.length_params.max_length is seq-mean-token-sum-norm's constant) through core/settings.build_loss,
+    as the trainer's builder makes it."""
+    loss = LossSettings(**{name: _dapo(cfg, f"algorithm.{name}") for name in LOSS_FIELDS})
     return build_loss(loss, max_new_tokens=int(_dapo(cfg, "length_params.max_length")))
 
 

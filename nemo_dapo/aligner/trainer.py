@@ -38,13 +38,13 @@ from nemo_aligner.utils.distributed import ScopedTimer
 from nemo_aligner.utils.train_utils import clip_gradients, set_eval, set_train
 from nemo_dapo.cluster.layout import pack_rollout, prompt_lengths_of, unpack_response
 from nemo_dapo.aligner.compat import pack_state, unpack_state
-from nemo_dapo.cluster.config_validate import ALGORITHM_KEYS, required
+from nemo_dapo.cluster.config_validate import ALGORITHM_BLOCK, ALGORITHM_KEYS, required
 from nemo_dapo.megatron.reduction import DPReducer
 from nemo_dapo.aligner.reward_client import ClientReward
 from nemo_dapo.core.loop import DAPOLoop
 from nemo_dapo.core.loop_data import PromptSampler, PromptSet
 from nemo_dapo.core.loop_eval import evaluate
-from nemo_dapo.core.settings import AlgorithmSettings, build_algorithm as core_build_algorithm, from_values
+from nemo_dapo.core.settings import FIELDS, AlgorithmSettings, build_algorithm as core_build_algorithm, from_values
 from nemo_dapo.core.types import RolloutBatch
 
 log = logging.getLogger("nemo_dapo")
@@ -126,26 +126,21 @@ class ActorPolicy:
         pass
 
 
-def _key(cfg: DictConfig, model_cfg: DictConfig, key: str):
-    """Strict read of a ``trainer.dapo.*`` (cfg) or ``model.*`` (model_cfg) key: missing is an error naming it."""
-    if key.startswith("trainer.dapo."):
-        return required(cfg, key[len("trainer.dapo."):], "trainer.dapo")
-    return required(model_cfg, key[len("model."):], "model")
-
-
-def algorithm_settings(cfg: DictConfig, model_cfg: DictConfig) -> AlgorithmSettings:
-    """The shared algorithm block (core/settings.py) from ``trainer.dapo`` and ``model.dapo``, every key required."""
-    return from_values({name: _key(cfg, model_cfg, key) for name, key in ALGORITHM_KEYS.items()})
+def algorithm_settings(model_cfg: DictConfig) -> AlgorithmSettings:
+    """The shared algorithm block (core/settings.py) from ``model.dapo.algorithm``, every key required."""
+    block = ALGORITHM_BLOCK[len("model."):]
+    return from_values({name: required(model_cfg, f"{block}.{name}", "model") for name in FIELDS})
 
 
 def build_algorithm(cfg: DictConfig, model_cfg: DictConfig) -> tuple:
     """``(LoopSettings, BatchFiller, loss_fn)`` through core/settings.build_algorithm, the builder the CPU path calls
-    too: batch keys from ``trainer.dapo.prompts_per_step`` / ``ppo_epochs`` / ``shuffle_minibatches`` and
-    ``model.global_batch_size``, the generation cap and sampling parameters from ``model.dapo``."""
-    a = algorithm_settings(cfg, model_cfg)
+    too: the algorithm from ``model.dapo.algorithm``, batch keys from ``trainer.dapo.prompts_per_step`` /
+    ``ppo_epochs`` / ``shuffle_minibatches`` (``cfg``: trainer.dapo) and ``model.global_batch_size``, the generation
+    cap and sampling parameters from ``model.dapo``."""
+    a = algorithm_settings(model_cfg)
     max_new = int(required(model_cfg, "dapo.length_params.max_length", "model"))
     if a.overlong.l_max is not None and int(a.overlong.l_max) != max_new:
-        raise ValueError(f"trainer.dapo.overlong.l_max ({a.overlong.l_max}) must equal "
+        raise ValueError(f"{ALGORITHM_KEYS['overlong.l_max']} ({a.overlong.l_max}) must equal "
                          f"model.dapo.length_params.max_length ({max_new}): the soft overlong penalty reaches its "
                          "floor at the generation cap")
     sp = required(model_cfg, "dapo.sampling_params", "model")

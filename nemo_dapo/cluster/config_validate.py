@@ -26,15 +26,58 @@ ROLLOUT_ENGINES = ("legacy", "trtllm", "vllm", "local")  # trainer.dapo.rollout_
 ENGINE_SERVERS = ("trtllm", "vllm", "local")  # the ones served by nemo_dapo.engines.server
 ENGINE_SLEEP_LEVELS = (0, 1, 2)  # trainer.dapo.engine_server.sleep_level
 
-# Where each field of the shared algorithm block (nemo_dapo.core.settings.FIELDS) lives in gpt_dapo_actor.yaml: the
-# loss in model.dapo (the actor builds it from its own config), the rest in trainer.dapo. The trainer reads these
-# keys strictly through this table; the validator checks them with the shared rules.
-ALGORITHM_KEYS = {name: ("model.dapo." if name in algorithm.LOSS_FIELDS else "trainer.dapo.") + name
-                  for name in algorithm.FIELDS}
+# The shared algorithm block (nemo_dapo.core.settings.FIELDS) is one block of gpt_dapo_actor.yaml, under model.dapo
+# because the actor sees only the model config (which NeMo saves with the checkpoint); the trainer reads the same
+# block from cfg.model. Both read these keys strictly through this table; the validator checks them with the shared
+# rules.
+ALGORITHM_BLOCK = "model.dapo.algorithm"
+ALGORITHM_KEYS = {name: f"{ALGORITHM_BLOCK}.{name}" for name in algorithm.FIELDS}
+# The block's keys used to live under trainer.dapo.* and model.dapo.*: a key given there (override, recipe or merged
+# config) is an error naming its new place, never silently left unread.
+_BLOCK_TOP = frozenset(name.split(".")[0] for name in algorithm.FIELDS)
+_OLD_PARENTS = ("trainer.dapo", "model.dapo")
 
 REPO_CONF = Path(__file__).resolve().parents[2] / "conf"
 PACKAGE_CONF = Path(__file__).resolve().parents[1] / "conf"
 BASE_CONFIG = "gpt_dapo_actor.yaml"
+
+
+def moved_key(key: str) -> Optional[str]:
+    """The new path of an old algorithm key (``trainer.dapo.group_size`` -> ``model.dapo.algorithm.group_size``;
+    also ``trainer.dapo.overlong`` or anything under it), else None."""
+    for parent in _OLD_PARENTS:
+        rest = key[len(parent) + 1:] if key.startswith(parent + ".") else None
+        if rest and rest.split(".")[0] in _BLOCK_TOP:
+            return f"{ALGORITHM_BLOCK}.{rest}"
+    return None
+
+
+def moved_message(key: str, where: str = "") -> str:
+    new = moved_key(key)
+    return (f"{where}{key} is not read any more: the DAPO algorithm keys are one block, {ALGORITHM_BLOCK} (the same "
+            f"names as the CPU path's algorithm block); fix: set {new} instead")
+
+
+def moved_keys_in(cfg) -> list:
+    """The old algorithm key paths (``trainer.dapo.<k>`` / ``model.dapo.<k>``, k a key of the block) present in
+    ``cfg`` (a plain dict or DictConfig, unresolved is fine)."""
+    found = []
+    for parent in _OLD_PARENTS:
+        node: Any = cfg
+        for part in parent.split("."):
+            node = node.get(part) if isinstance(node, (dict, DictConfig)) else None
+        if isinstance(node, (dict, DictConfig)):
+            found += [f"{parent}.{k}" for k in node.keys() if k in _BLOCK_TOP]
+    return found
+
+
+def reject_moved_overrides(items: Iterable[str]) -> None:
+    """Raise :class:`ConfigError` for command-line overrides (``[+|++]key=value``) of old algorithm key paths; the
+    launcher calls it before Hydra, whose own error would not name the new key."""
+    found = [moved_message(key, f"override {item!r}: ") for item in items
+             for key in [item.lstrip("+~").partition("=")[0]] if moved_key(key)]
+    if found:
+        raise ConfigError(found)
 
 
 class ConfigError(ValueError):
@@ -102,6 +145,9 @@ def load_config(recipe: Optional[Union[str, Path]] = None, overrides: Iterable[s
             raise ValueError(f"{rpath}: its Hydra 'defaults' must start with /{Path(BASE_CONFIG).stem} "
                              f"(found {base_name!r}); recipes are overrides of {BASE_CONFIG}")
         rcfg.pop("defaults", None)
+        moved = moved_keys_in(rcfg)
+        if moved:
+            raise ConfigError([moved_message(key, f"{rpath}: ") for key in moved])
         OmegaConf.set_struct(cfg, True)
         try:
             cfg = OmegaConf.merge(cfg, rcfg)
@@ -109,6 +155,8 @@ def load_config(recipe: Optional[Union[str, Path]] = None, overrides: Iterable[s
             raise ValueError(f"{rpath} sets a key that {base_path.name} does not have ({e}); recipes may only "
                              "override existing keys: fix the spelling or add the key, documented, to the base") from e
         OmegaConf.set_struct(cfg, False)
+    overrides = list(overrides)
+    reject_moved_overrides(overrides)
     for item in overrides:
         key, sep, value = item.lstrip("+").partition("=")
         if not sep:
@@ -274,9 +322,9 @@ def _optimizer(cfg: dict, s: dict):
 def _batches(cfg: dict, s: dict):
     dp, dp_gen = s["dp"], s["dp_gen"]
     mbs, gbs = select(cfg, "model.micro_batch_size"), select(cfg, "model.global_batch_size")
-    prompts, group = select(cfg, "trainer.dapo.prompts_per_step"), select(cfg, "trainer.dapo.group_size")
+    prompts, group = select(cfg, "trainer.dapo.prompts_per_step"), select(cfg, ALGORITHM_KEYS["group_size"])
     for key, value in (("model.micro_batch_size", mbs), ("model.global_batch_size", gbs),
-                       ("trainer.dapo.prompts_per_step", prompts), ("trainer.dapo.group_size", group),
+                       ("trainer.dapo.prompts_per_step", prompts), (ALGORITHM_KEYS["group_size"], group),
                        ("model.dapo.rollout_micro_batch_size", select(cfg, "model.dapo.rollout_micro_batch_size")),
                        ("model.dapo.forward_micro_batch_size", select(cfg, "model.dapo.forward_micro_batch_size"))):
         if not isinstance(value, int) or value < 1:
@@ -289,18 +337,18 @@ def _batches(cfg: dict, s: dict):
                f"model.micro_batch_size x DP = {mbs}x{dp} = {mbs * dp}; fix: make it a multiple of {mbs * dp}")
     rollout = prompts * group
     if rollout % gbs:
-        yield (f"trainer.dapo.prompts_per_step x group_size = {prompts}x{group} = {rollout} samples is not a "
-               f"multiple of model.global_batch_size={gbs}; fix: the rollout batch must split into whole "
-               "optimizer steps (paper: 512 x 16 = 16 x 512)")
+        yield (f"trainer.dapo.prompts_per_step x {ALGORITHM_KEYS['group_size']} = {prompts}x{group} = {rollout} "
+               f"samples is not a multiple of model.global_batch_size={gbs}; fix: the rollout batch must split "
+               "into whole optimizer steps (paper: 512 x 16 = 16 x 512)")
     if rollout % dp:
-        yield (f"trainer.dapo.prompts_per_step x group_size = {rollout} samples do not split evenly over "
-               f"DP={dp} ranks; fix: make it a multiple of {dp}")
+        yield (f"trainer.dapo.prompts_per_step x {ALGORITHM_KEYS['group_size']} = {rollout} samples do not split "
+               f"evenly over DP={dp} ranks; fix: make it a multiple of {dp}")
     yield from _gen_batches(cfg, prompts, dp_gen)
 
 
 def _gen_batches(cfg: dict, prompts: int, dp_gen: int):
     """Groups are never split between ranks while scoring, so every generation batch is whole prompts per rank."""
-    ds = "trainer.dapo.dynamic_sampling"
+    ds = f"{ALGORITHM_BLOCK}.dynamic_sampling"
     sized = [("trainer.dapo.prompts_per_step", prompts)]
     if select(cfg, f"{ds}.enabled", True):
         for key in ("gen_batch_size", "max_gen_batch_size"):
@@ -310,6 +358,10 @@ def _gen_batches(cfg: dict, prompts: int, dp_gen: int):
         if not isinstance(value, int) or value % dp_gen:
             yield (f"{key}={value} prompts do not split evenly over the {dp_gen} generation ranks (DP, x PP when "
                    f"trainer.dapo.trt_llm.reshard); fix: make it a multiple of {dp_gen}")
+
+
+def _moved(cfg: dict, s: dict):
+    yield from (moved_message(key) for key in moved_keys_in(cfg))
 
 
 def _rollout_engine(cfg: dict, s: dict):
@@ -351,7 +403,7 @@ def _lengths(cfg: dict, s: dict):
     if prompt is not None and prompt > inp:
         yield (f"model.data.max_prompt_tokens={prompt} > trainer.dapo.trt_llm.max_input_len={inp}: the engine "
                "would reject such prompts; fix: lower the former or raise the latter")
-    ov = "trainer.dapo.overlong"
+    ov = f"{ALGORITHM_BLOCK}.overlong"
     if not select(cfg, f"{ov}.enabled", False):
         return
     l_max = select(cfg, f"{ov}.l_max")
@@ -450,7 +502,7 @@ def _engine_server(cfg: dict, s: dict):
                f"max_seq_len ({max_seq}): raise max_seq_len to {max_in + gen}")
 
 
-RULES = (_layout, _experts, _optimizer, _batches, _rollout_engine, _algorithm, _lengths, _sampling,
+RULES = (_moved, _layout, _experts, _optimizer, _batches, _rollout_engine, _algorithm, _lengths, _sampling,
          _reward, _data, _arch_agrees, _engine_server)
 
 

@@ -68,7 +68,7 @@ DEFAULT_ASSUMPTIONS = {
     "mean_response_tokens": 6000,  # GUESS: mid-run mean response length
     "truncated_fraction": 0.05,  # GUESS: share of responses that hit the generation cap
     "oversample": 3.0,  # generated groups per kept group (the reference's 3x generation batch)
-    "pass_rate": None,  # None: trainer.dapo.dynamic_sampling.prior_pass_rate (share of groups the filler keeps)
+    "pass_rate": None,  # None: model.dapo.algorithm.dynamic_sampling.prior_pass_rate (share of groups the filler keeps)
     "hfu": None,  # None: 0.40 dense / 0.25 MoE on H100, 0.42 / 0.27 on H20 (mid of SCALE.md 3.3 ranges)
     "decode_efficiency": 0.75,  # eta: achieved fraction of HBM bandwidth while decoding
     "decode_step_floor_ms": None,  # None: 10 ms dense, 25 ms MoE (GUESS: per-token latency of one engine)
@@ -381,15 +381,16 @@ def _generation(cfg: dict, plan: dict, *, generated: float, l_max: int, oversamp
         scheduler = g["server"]["capacity_scheduler"]
         g["concurrency"] = concurrency(g["server"], g["kv"], scheduler=scheduler, prompt=prompt, l_max=l_max,
                                        mean_context=lengths.mean_context(1, prompt), requests=generated / engines,
-                                       group_size=select(cfg, "trainer.dapo.group_size"))
+                                       group_size=select(cfg, "model.dapo.algorithm.group_size"))
         g["scheduler"], max_slots = scheduler, g["concurrency"]["slots"]
-    pass_rate = a["pass_rate"] or _need(select(cfg, "trainer.dapo.dynamic_sampling.prior_pass_rate"),
-                                        "trainer.dapo.dynamic_sampling.prior_pass_rate")
+    pass_rate = a["pass_rate"] or _need(select(cfg, "model.dapo.algorithm.dynamic_sampling.prior_pass_rate"),
+                                        "model.dapo.algorithm.dynamic_sampling.prior_pass_rate")
     if not 0 < pass_rate <= 1:
         raise PlanError(f"pass rate {pass_rate} (plan.assume.pass_rate or dynamic_sampling.prior_pass_rate) must be "
                         "in (0, 1]")
-    gen = generation_times(lengths, requests=generated / engines, group_size=select(cfg, "trainer.dapo.group_size"),
-                           static_batch=g["batch"], pool_tokens=g["batch"] * g["max_seq"], prompt=prompt,
+    gen = generation_times(lengths, requests=generated / engines,
+                           group_size=select(cfg, "model.dapo.algorithm.group_size"), static_batch=g["batch"],
+                           pool_tokens=g["batch"] * g["max_seq"], prompt=prompt,
                            needed=needed_fraction(oversample, pass_rate), step_s=step, pipeline_stages=g["pp"],
                            max_slots=max_slots)
     return {**t, "gen": gen, "engines": engines, "batches_per_engine": gen["batches"], "pass_rate": pass_rate,
@@ -401,9 +402,9 @@ def _step_time(cfg: dict, plan: dict, gpu_key: str) -> dict:
     from nemo_dapo.cluster.config_validate import select
 
     arch, gpu, layout, a, g = plan["arch"], plan["gpu"], plan["layout"], plan["assume"], plan["gen"]
-    prompts, group = select(cfg, "trainer.dapo.prompts_per_step"), select(cfg, "trainer.dapo.group_size")
+    prompts, group = select(cfg, "trainer.dapo.prompts_per_step"), select(cfg, "model.dapo.algorithm.group_size")
     l_max = select(cfg, "model.dapo.length_params.max_length")
-    oversample = a["oversample"] if select(cfg, "trainer.dapo.dynamic_sampling.enabled", True) else 1.0
+    oversample = a["oversample"] if select(cfg, "model.dapo.algorithm.dynamic_sampling.enabled", True) else 1.0
     generated = prompts * group * oversample
     t = {"generated_samples": generated, "oversample": oversample,
          **_generation(cfg, plan, generated=generated, l_max=l_max, oversample=oversample)}

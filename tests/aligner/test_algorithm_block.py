@@ -12,16 +12,17 @@ from tests.aligner.conftest import needs_nemo
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# The same run in both layouts: CPU (algorithm.* / reward.overlong.* / trainer.* / rollout.*) and aligner.
+# The same run in both layouts: CPU (algorithm.* / reward.overlong.* / trainer.* / rollout.*) and aligner
+# (model.dapo.algorithm.* / trainer.dapo.* / model.*).
+A = "model.dapo.algorithm."
 CPU = ["algorithm.dynamic_sampling.on_budget_exhausted=train_partial", "algorithm.group_size=4", "algorithm.eps_high=0.3", "algorithm.clip_c=3.0", "algorithm.tis_cap=2.0",
        "algorithm.agg=seq-mean-token-sum-norm", "algorithm.overlong_filter=true", "trainer.train_batch_size=2",
        "trainer.mini_batch_size=4", "rollout.max_new_tokens=6", "reward.overlong.l_cache=2", "seed=5",
        "algorithm.dynamic_sampling.max_gen_batch_size=6"]
-ALIGNER = ["trainer.dapo.group_size=4", "model.dapo.eps_high=0.3", "model.dapo.clip_c=3.0", "model.dapo.tis_cap=2.0",
-           "model.dapo.agg=seq-mean-token-sum-norm", "model.dapo.overlong_filter=True",
-           "trainer.dapo.prompts_per_step=2", "model.global_batch_size=4", "model.dapo.length_params.max_length=6",
-           "trainer.dapo.overlong.l_cache=2", "model.seed=5", "trainer.dapo.dynamic_sampling.max_gen_batch_size=6",
-           "trainer.dapo.dynamic_sampling.max_gen_batches=4"]
+ALIGNER = [f"{A}group_size=4", f"{A}eps_high=0.3", f"{A}clip_c=3.0", f"{A}tis_cap=2.0",
+           f"{A}agg=seq-mean-token-sum-norm", f"{A}overlong_filter=True", "trainer.dapo.prompts_per_step=2",
+           "model.global_batch_size=4", "model.dapo.length_params.max_length=6", f"{A}overlong.l_cache=2",
+           "model.seed=5", f"{A}dynamic_sampling.max_gen_batch_size=6", f"{A}dynamic_sampling.max_gen_batches=4"]
 # tiny_cpu.yaml sets algorithm.dynamic_sampling.max_gen_batches=4; on_budget_exhausted is train_partial in both
 
 
@@ -41,7 +42,7 @@ def test_the_two_builders_agree_on_settings_loss_and_gradients():
 
     (s1, f1, l1), cfg = _both()
     s2, f2, l2 = aligner_build(cfg.trainer.dapo, cfg.model)
-    # the CPU path has no trainer.dapo.overlong.l_max (null = the cap); the aligner's YAML interpolates the cap
+    # the CPU path's reward.overlong.l_max is null (the cap); the aligner's YAML interpolates the cap
     assert s1.penalty_l_max == s2.penalty_l_max == 6
     assert {**vars(s1), "l_max": None} == {**vars(s2), "l_max": None}
     filler_keys = ("num_groups", "enabled", "max_gen_batches", "on_budget_exhausted", "max_age", "gen_batch_size",
@@ -192,8 +193,8 @@ def test_the_nemo_default_check_can_fail(monkeypatch):
         test_nemo_model_keys_keep_nemo_defaults()
 
 
-@pytest.mark.parametrize("override, key", [("trainer.dapo.group_size=1", "trainer.dapo.group_size"),
-                                           ("model.dapo.eps_low=1.0", "model.dapo.eps_low")])
+@pytest.mark.parametrize("override, key", [(f"{A}group_size=1", f"{A}group_size"),
+                                           (f"{A}eps_low=1.0", f"{A}eps_low")])
 def test_both_validators_share_the_rules(override, key):
     from nemo_dapo.cluster.config_validate import check_config, load_config as load_aligner
     from nemo_dapo.local.config import ConfigError, load_config as load_cpu

@@ -1,4 +1,5 @@
-"""The trainer's mapping from trainer.dapo / model.dapo to the shared step loop's settings and batch filler."""
+"""The trainer's mapping from trainer.dapo / model.dapo(.algorithm) to the shared step loop's settings and batch
+filler."""
 import pytest
 from omegaconf import OmegaConf
 
@@ -7,15 +8,17 @@ from tests.aligner.conftest import needs_nemo
 pytestmark = [needs_nemo, pytest.mark.nemo]
 
 
-def _cfgs(**trainer_over):
-    """(trainer.dapo, model) of conf/gpt_dapo_actor.yaml at the paper's lengths, with ``trainer_over`` merged in."""
+def _cfgs(**algorithm_over):
+    """(trainer.dapo, model) of conf/gpt_dapo_actor.yaml at the paper's lengths, with ``algorithm_over`` merged into
+    model.dapo.algorithm."""
     from nemo_dapo.cluster.config_validate import load_config
 
+    a = "model.dapo.algorithm."
     cfg = load_config(None, ["model.dapo.length_params.max_length=20480", "model.encoder_seq_length=22528",
-                             "trainer.dapo.overlong.l_cache=4096", "trainer.dapo.seed=3",
-                             "trainer.dapo.dynamic_sampling.prior_pass_rate=0.4",
-                             "trainer.dapo.dynamic_sampling.safety=1.2"])
-    return OmegaConf.merge(cfg.trainer.dapo, OmegaConf.create(trainer_over)), cfg.model
+                             f"{a}overlong.l_cache=4096", "trainer.dapo.seed=3",
+                             f"{a}dynamic_sampling.prior_pass_rate=0.4", f"{a}dynamic_sampling.safety=1.2"])
+    cfg.model.dapo.algorithm = OmegaConf.merge(cfg.model.dapo.algorithm, OmegaConf.create(algorithm_over))
+    return cfg.trainer.dapo, cfg.model
 
 
 def test_loop_settings_follow_the_paper_recipe():
@@ -29,7 +32,7 @@ def test_loop_settings_follow_the_paper_recipe():
 def test_overlong_l_max_must_be_the_generation_cap():
     from nemo_dapo.aligner.trainer import build_algorithm
 
-    with pytest.raises(ValueError, match="trainer.dapo.overlong.l_max"):
+    with pytest.raises(ValueError, match="model.dapo.algorithm.overlong.l_max"):
         build_algorithm(*_cfgs(overlong={"l_max": 16384}))[0]
 
 
@@ -50,8 +53,10 @@ def test_batch_filler_takes_every_dynamic_sampling_key():
     assert not build_algorithm(*_cfgs(dynamic_sampling={"enabled": False}))[1].enabled
 
 
-@pytest.mark.parametrize("key", ["trainer.dapo.adv_eps", "trainer.dapo.dynamic_sampling.safety",
-                                 "trainer.dapo.overlong.l_cache", "model.dapo.eps_high", "model.dapo.tis_cap",
+@pytest.mark.parametrize("key", ["model.dapo.algorithm.adv_eps", "model.dapo.algorithm.dynamic_sampling.safety",
+                                 "model.dapo.algorithm.overlong.l_cache", "model.dapo.algorithm.eps_high",
+                                 "model.dapo.algorithm.tis_cap", "model.dapo.algorithm.group_size",
+                                 "model.dapo.algorithm.dynamic_sampling.skip_history.max_skips",
                                  "trainer.dapo.shuffle_minibatches", "trainer.dapo.seed"])
 def test_a_missing_key_is_an_error_naming_it(key):
     from nemo_dapo.cluster.config_validate import ConfigError
@@ -78,10 +83,10 @@ import tests.support.trtllm_stub
 from omegaconf import OmegaConf
 from nemo_dapo.aligner.actor import loss_fn_from_cfg
 from nemo_dapo.cluster.config_validate import ConfigError, load_config
-model = load_config(None, ["model.dapo.clip_c=3.0"]).model
+model = load_config(None, ["model.dapo.algorithm.clip_c=3.0"]).model
 loss = loss_fn_from_cfg(model)
 print("LOSS", loss.eps_low, loss.eps_high, loss.clip_c, loss.agg, loss.max_len)
-del model.dapo["clip_c"]
+del model.dapo.algorithm["clip_c"]
 try:
     loss_fn_from_cfg(model)
 except ConfigError as e:
@@ -91,7 +96,7 @@ except ConfigError as e:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
     lines = [x.split(" ", 1)[1] for x in out.stdout.splitlines() if x.startswith(("LOSS ", "ERR "))]
     assert lines[0] == "0.2 0.28 3.0 token-mean 2048"
-    assert lines[1].startswith("config key model.dapo.clip_c is missing")
+    assert lines[1].startswith("config key model.dapo.algorithm.clip_c is missing")
 
 
 # ---- training length ------------------------------------------------------------------------------------------------

@@ -71,11 +71,12 @@ def test_hydra_composition_equals_our_loader():
 def test_recipes_carry_the_paper_settings(recipe):
     c = OmegaConf.to_container(cv.load_config(recipe))
     t, m = c["trainer"]["dapo"], c["model"]
-    assert (t["prompts_per_step"], t["group_size"], m["global_batch_size"]) == (512, 16, 512)
+    a = m["dapo"]["algorithm"]
+    assert (t["prompts_per_step"], a["group_size"], m["global_batch_size"]) == (512, 16, 512)
     assert (t["trt_llm"]["max_input_len"], m["dapo"]["length_params"]["max_length"]) == (2048, 20480)
-    assert (t["overlong"]["l_max"], t["overlong"]["l_cache"]) == (20480, 4096)
-    assert (m["dapo"]["eps_low"], m["dapo"]["eps_high"], m["dapo"]["clip_c"], m["dapo"]["agg"]) == (
-        0.2, 0.28, 10.0, "token-mean")
+    assert (a["overlong"]["l_max"], a["overlong"]["l_cache"]) == (20480, 4096)
+    assert (a["eps_low"], a["eps_high"], a["clip_c"], a["agg"]) == (0.2, 0.28, 10.0, "token-mean")
+    assert a["dynamic_sampling"]["max_gen_batch_size"] == 1536
     assert m["optim"]["lr"] == 1e-6 and m["optim"]["sched"]["warmup_steps"] > 0
     assert (t["val"]["n_samples"], t["val"]["top_p"], t["val"]["temperature"]) == (32, 0.7, 1.0)
     assert c["plan"]["gpu"] == recipe.rsplit("_", 1)[1]
@@ -90,9 +91,72 @@ def test_moe_recipes_use_expert_parallelism_and_rl_router_settings(recipe):
 
 def test_a_recipe_may_only_override_existing_keys(tmp_path):
     bad = tmp_path / "typo.yaml"
-    bad.write_text("defaults:\n  - /gpt_dapo_actor\n  - _self_\nmodel:\n  dapo:\n    eps_hihg: 0.3\n")
+    bad.write_text("defaults:\n  - /gpt_dapo_actor\n  - _self_\nmodel:\n  dapo:\n    algorithm:\n      eps_hihg: 0.3\n")
     with pytest.raises(ValueError, match="eps_hihg"):
         cv.load_config(bad)
+
+
+# ---- the algorithm block's keys moved from trainer.dapo.* / model.dapo.* to model.dapo.algorithm.* -------------
+def _old_key(name: str) -> str:
+    from nemo_dapo.core.settings import LOSS_FIELDS
+
+    return ("model.dapo." if name in LOSS_FIELDS else "trainer.dapo.") + name
+
+
+def test_the_algorithm_block_is_one_block_under_model_dapo():
+    from nemo_dapo.core.settings import FIELDS
+
+    cfg = cv.load_config()
+    assert set(cv.ALGORITHM_KEYS.values()) == {f"model.dapo.algorithm.{name}" for name in FIELDS}
+    for name in FIELDS:
+        assert OmegaConf.select(cfg, cv.ALGORITHM_KEYS[name], default="absent") != "absent", name
+        assert OmegaConf.select(cfg, _old_key(name), default="absent") == "absent", _old_key(name)
+    # the interpolation that pointed at the generation cap still resolves from its new place
+    assert cv.load_config(None, ["model.dapo.length_params.max_length=777"]).model.dapo.algorithm.overlong.l_max \
+        == 777
+
+
+@pytest.mark.parametrize("prefix", ["", "+", "++"])
+def test_an_old_algorithm_override_is_an_error_naming_the_new_key(prefix):
+    from nemo_dapo.core.settings import FIELDS
+
+    for name in FIELDS:
+        with pytest.raises(cv.ConfigError, match=re.escape(f"set model.dapo.algorithm.{name} instead")) as err:
+            cv.load_config(DENSE, ["trainer.dapo.max_steps=2", f"{prefix}{_old_key(name)}=1"])
+        assert len(err.value.problems) == 1 and _old_key(name) in err.value.problems[0]
+    with pytest.raises(cv.ConfigError, match=re.escape("set model.dapo.algorithm.overlong instead")):
+        cv.load_config(DENSE, ["trainer.dapo.overlong={l_cache: 8}"])  # a whole old sub-block
+    assert cv.moved_key("trainer.dapo.max_steps") is None and cv.moved_key("model.dapo.algorithm.eps_low") is None
+    assert cv.moved_key("model.dapo.sampling_params.top_p") is None
+
+
+def test_the_launcher_check_names_the_new_key_before_hydra():
+    cv.reject_moved_overrides(["trainer.dapo.max_steps=2", "model.dapo.algorithm.group_size=8"])  # current keys
+    with pytest.raises(cv.ConfigError) as err:
+        cv.reject_moved_overrides(["trainer.dapo.group_size=8", "model.dapo.max_length=2",
+                                   "model.dapo.eps_high=0.3"])
+    assert [p.split(":")[0] for p in err.value.problems] == ["override 'trainer.dapo.group_size=8'",
+                                                             "override 'model.dapo.eps_high=0.3'"]
+    assert "model.dapo.algorithm.group_size instead" in err.value.problems[0]
+
+
+def test_a_recipe_with_old_algorithm_keys_is_refused_naming_the_new_ones(tmp_path):
+    old = tmp_path / "old.yaml"
+    old.write_text("defaults:\n  - /gpt_dapo_actor\n  - _self_\ntrainer:\n  dapo:\n    group_size: 8\n"
+                   "    dynamic_sampling:\n      max_age: 0\nmodel:\n  dapo:\n    eps_high: 0.3\n")
+    with pytest.raises(cv.ConfigError) as err:
+        cv.load_config(old)
+    assert [p.rpartition("set ")[2] for p in err.value.problems] == [
+        "model.dapo.algorithm.group_size instead", "model.dapo.algorithm.dynamic_sampling instead",
+        "model.dapo.algorithm.eps_high instead"]
+
+
+def test_the_validator_flags_old_keys_in_a_merged_config():
+    cfg = OmegaConf.to_container(cv.load_config(DENSE))
+    cfg["trainer"]["dapo"]["dynamic_sampling"] = {"enabled": False}  # e.g. Hydra's +trainer.dapo.dynamic_sampling
+    problems = cv.check_config(cfg)
+    assert len(problems) == 1 and "trainer.dapo.dynamic_sampling is not read any more" in problems[0]
+    assert "model.dapo.algorithm.dynamic_sampling instead" in problems[0]
 
 
 def test_a_recipe_must_name_the_base(tmp_path):
@@ -103,10 +167,10 @@ def test_a_recipe_must_name_the_base(tmp_path):
 
 
 def test_overrides_are_typed_and_checked():
-    cfg = cv.load_config(DENSE, ["model.dapo.eps_high=0.3", "+model.extra_key=7"])
-    assert cfg.model.dapo.eps_high == 0.3 and cfg.model.extra_key == 7
-    with pytest.raises(ValueError, match="no key 'model.dapo.eps_hihg'"):
-        cv.load_config(DENSE, ["model.dapo.eps_hihg=0.3"])
+    cfg = cv.load_config(DENSE, ["model.dapo.algorithm.eps_high=0.3", "+model.extra_key=7"])
+    assert cfg.model.dapo.algorithm.eps_high == 0.3 and cfg.model.extra_key == 7
+    with pytest.raises(ValueError, match="no key 'model.dapo.algorithm.eps_hihg'"):
+        cv.load_config(DENSE, ["model.dapo.algorithm.eps_hihg=0.3"])
 
 
 def test_unknown_recipe_lists_the_known_ones():
@@ -131,24 +195,26 @@ BAD = [
     (DENSE, ["+model.calculate_per_token_loss=True"], "model.calculate_per_token_loss"),
     (DENSE, ["model.global_batch_size=500"], "model.global_batch_size=500"),
     (DENSE, ["model.micro_batch_size=0"], "model.micro_batch_size"),
-    (DENSE, ["trainer.dapo.prompts_per_step=100"], "trainer.dapo.prompts_per_step x group_size"),
+    (DENSE, ["trainer.dapo.prompts_per_step=100"], "trainer.dapo.prompts_per_step x model.dapo.algorithm.group_size"),
     (DENSE, ["trainer.dapo.prompts_per_step=520"], "trainer.dapo.prompts_per_step=520 prompts"),
-    (DENSE, ["trainer.dapo.group_size=1"], "trainer.dapo.group_size"),
-    (DENSE, ["trainer.dapo.dynamic_sampling.max_gen_batch_size=1000"], "max_gen_batch_size=1000"),
-    (DENSE, ["trainer.dapo.dynamic_sampling.on_budget_exhausted=crash"], "on_budget_exhausted"),
-    (DENSE, ["trainer.dapo.dynamic_sampling.max_gen_batches=0"], "max_gen_batches"),
+    (DENSE, ["model.dapo.algorithm.group_size=1"], "model.dapo.algorithm.group_size"),
+    (DENSE, ["model.dapo.algorithm.dynamic_sampling.max_gen_batch_size=1000"], "max_gen_batch_size=1000"),
+    (DENSE, ["model.dapo.algorithm.dynamic_sampling.on_budget_exhausted=crash"], "on_budget_exhausted"),
+    (DENSE, ["model.dapo.algorithm.dynamic_sampling.max_gen_batches=0"], "max_gen_batches"),
     (DENSE, ["trainer.dapo.trt_llm.max_input_len=4096"], "max_input_len + model.dapo.length_params.max_length"),
     (DENSE, ["model.data.max_prompt_tokens=4096"], "model.data.max_prompt_tokens"),
     (DENSE, ["model.data.train_format=csv"], "model.data.train_format"),
     (DENSE, ["model.data.prompt_template=no-placeholder"], "model.data.prompt_template"),
     (DENSE, ["reward.num_workers=0"], "reward.num_workers"),
-    (DENSE, ["trainer.dapo.overlong.l_cache=20480"], "trainer.dapo.overlong.l_cache"),
-    (DENSE, ["trainer.dapo.overlong.l_max=16384"], "trainer.dapo.overlong.l_max=16384"),
-    (DENSE, ["model.dapo.eps_low=1.0"], "model.dapo.eps_low"),
-    (DENSE, ["model.dapo.eps_high=-0.1"], "model.dapo.eps_high"),
-    (DENSE, ["model.dapo.clip_c=1.0"], "model.dapo.clip_c"),
-    (DENSE, ["model.dapo.agg=seq-mean"], "model.dapo.agg"),
-    (DENSE, ["model.dapo.tis_cap=0"], "model.dapo.tis_cap"),
+    (DENSE, ["model.dapo.algorithm.overlong.l_cache=20480"], "model.dapo.algorithm.overlong.l_cache"),
+    (DENSE, ["model.dapo.algorithm.overlong.l_max=16384"], "model.dapo.algorithm.overlong.l_max=16384"),
+    (DENSE, ["model.dapo.algorithm.eps_low=1.0"], "model.dapo.algorithm.eps_low"),
+    (DENSE, ["model.dapo.algorithm.eps_high=-0.1"], "model.dapo.algorithm.eps_high"),
+    (DENSE, ["model.dapo.algorithm.clip_c=1.0"], "model.dapo.algorithm.clip_c"),
+    (DENSE, ["model.dapo.algorithm.agg=seq-mean"], "model.dapo.algorithm.agg"),
+    (DENSE, ["model.dapo.algorithm.tis_cap=0"], "model.dapo.algorithm.tis_cap"),
+    (DENSE, ["+trainer.dapo.group_size=8"], "model.dapo.algorithm.group_size instead"),
+    (DENSE, ["+model.dapo.eps_high=0.3"], "model.dapo.algorithm.eps_high instead"),
     (DENSE, ["model.dapo.sampling_params.temperature=0"], "model.dapo.sampling_params.temperature"),
     (DENSE, ["trainer.dapo.val.top_p=0"], "trainer.dapo.val.top_p"),
     (DENSE, ["trainer.dapo.val.n_samples=0"], "trainer.dapo.val.n_samples"),
@@ -189,7 +255,8 @@ def test_each_rule_rejects_a_crafted_config_naming_the_key(recipe, overrides, ke
 
 
 def test_validator_accepts_plain_dicts_and_reports_all_problems_at_once():
-    cfg = OmegaConf.to_container(cv.load_config(DENSE, ["model.dapo.eps_low=2", "model.dapo.clip_c=0.5"]))
+    cfg = OmegaConf.to_container(cv.load_config(DENSE, ["model.dapo.algorithm.eps_low=2",
+                                                        "model.dapo.algorithm.clip_c=0.5"]))
     problems = cv.check_config(cfg)
     assert len(problems) == 2 and "eps_low" in problems[0] and "clip_c" in problems[1]
 

@@ -166,8 +166,8 @@ def test_plan_reports_a_layout_that_does_not_fit(capsys):
 
 
 def test_plan_reports_config_problems(capsys):
-    assert run_cli("qwen2.5-32b_h100", "model.dapo.eps_low=1.5") == 2
-    assert "config problem: model.dapo.eps_low" in capsys.readouterr().out
+    assert run_cli("qwen2.5-32b_h100", "model.dapo.algorithm.eps_low=1.5") == 2
+    assert "config problem: model.dapo.algorithm.eps_low" in capsys.readouterr().out
 
 
 def test_plan_names_the_missing_key(capsys):
@@ -324,7 +324,7 @@ def test_rollout_engine_selects_the_model_and_the_total(capsys):
 
 def test_streaming_without_dynamic_sampling_aborts_nothing():
     t = plan_of("qwen2.5-32b_h100", "trainer.dapo.rollout_engine=legacy",
-                "trainer.dapo.dynamic_sampling.enabled=False")["time"]
+                "model.dapo.algorithm.dynamic_sampling.enabled=False")["time"]
     assert t["gen"]["needed"] == 1.0 and t["gen"]["streaming"] == t["gen"]["inflight"]
     assert t["generated_samples"] == 512 * 16
 

@@ -230,8 +230,17 @@ def quiet_nemo() -> None:
 
 
 
-DAPO_DEFAULTS = {"eps_low": 0.2, "eps_high": 0.28, "clip_c": 10.0, "agg": "token-mean",
-                 "overlong_filter": False, "tis_cap": None, "forward_micro_batch_size": 2, "logprob_chunk_size": 7,
+# model.dapo.algorithm of conf/gpt_dapo_actor.yaml at test sizes (G = 4, a short generation cap)
+ALGORITHM_DEFAULTS = {
+    "group_size": 4, "eps_low": 0.2, "eps_high": 0.28, "clip_c": 10.0, "agg": "token-mean", "overlong_filter": False,
+    "tis_cap": None, "adv_eps": 1e-6, "scale_by_std": True,
+    "dynamic_sampling": {"enabled": True, "max_gen_batches": 8, "on_budget_exhausted": "train_partial", "max_age": 1,
+                         "adaptive": False, "gen_batch_size": 3, "max_gen_batch_size": None, "prior_pass_rate": 0.5,
+                         "prior_weight": 8.0, "pass_rate_memory": 0.7, "safety": 1.1,
+                         "skip_history": {"enabled": False, "skip_prob": 0.5, "max_skips": 3}},
+    "overlong": {"enabled": True, "l_max": None, "l_cache": 2, "penalty_factor": 1.0}}
+
+DAPO_DEFAULTS = {"algorithm": ALGORITHM_DEFAULTS, "forward_micro_batch_size": 2, "logprob_chunk_size": 7,
                  "offload_adam_states": False,
                  "sampling_params": {"use_greedy": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
                                      "repetition_penalty": 1.0, "end_strings": []},

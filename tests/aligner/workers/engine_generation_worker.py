@@ -54,7 +54,8 @@ def main() -> None:
         "checkpoint_callback_params": {"monitor": "step", "mode": "max", "save_top_k": -1, "save_last": False,
                                        "always_save_nemo": False, "save_nemo_on_train_end": False,
                                        "filename": "dapo-{step}", "model_parallel_size": TP}}))
-    dapo = dict(nemo_cpu.DAPO_DEFAULTS, clip_c=3.0, length_params={"max_length": 6},
+    dapo = dict(nemo_cpu.DAPO_DEFAULTS, algorithm=dict(nemo_cpu.ALGORITHM_DEFAULTS, clip_c=3.0),
+                length_params={"max_length": 6},
                 sampling_params={"use_greedy": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
                                  "repetition_penalty": 1.0, "end_strings": []})
     _, actor = nemo_cpu.build_actor(TP, 1, mbs=2, gbs=4, tokenizer_dir=os.environ["TOK_DIR"], dapo=dapo,
@@ -84,12 +85,7 @@ def main() -> None:
     recorder = RecordingLogger()
     trainer_cfg = OmegaConf.create({
         "max_epochs": 10, "max_steps": 1, "val_check_interval": 0, "save_interval": 0, "gradient_clip_val": 1.0,
-        "save_time_s": 600, "group_size": 4, "prompts_per_step": 2, "ppo_epochs": 1, "seed": 5,
-        "shuffle_minibatches": True, "adv_eps": 1e-6, "scale_by_std": True,
-        "dynamic_sampling": {"enabled": True, "max_gen_batches": 8, "on_budget_exhausted": "train_partial",
-                             "max_age": 1, "adaptive": False, "gen_batch_size": 3, "max_gen_batch_size": None,
-                             "prior_pass_rate": 0.5, "prior_weight": 8.0, "pass_rate_memory": 0.7, "safety": 1.1},
-        "overlong": {"enabled": True, "l_max": None, "l_cache": 2, "penalty_factor": 1.0}})
+        "save_time_s": 600, "prompts_per_step": 2, "ppo_epochs": 1, "seed": 5, "shuffle_minibatches": True})
     dapo_trainer = DAPOTrainer(trainer_cfg, actor, optimizer, scheduler, train_ds, None,
                                LocalRewardClient(actor.tokenizer, num_workers=1), generator,
                                CustomLoggerWrapper([recorder]), add_custom_checkpoint_callback(ptl_trainer, actor),

@@ -139,7 +139,9 @@ def main() -> None:
                                        "always_save_nemo": False, "save_nemo_on_train_end": False,
                                        "filename": "dapo-{step}-{consumed_samples}", "model_parallel_size": TP * PP}})
     exp_manager(ptl_trainer, exp_cfg)
-    dapo = dict(nemo_cpu.DAPO_DEFAULTS, clip_c=3.0, length_params={"max_length": 6},
+    algorithm = dict(nemo_cpu.ALGORITHM_DEFAULTS, clip_c=3.0, dynamic_sampling=dict(
+        nemo_cpu.ALGORITHM_DEFAULTS["dynamic_sampling"], on_budget_exhausted="raise", max_age=2))
+    dapo = dict(nemo_cpu.DAPO_DEFAULTS, algorithm=algorithm, length_params={"max_length": 6},
                 sampling_params={"use_greedy": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
                                  "repetition_penalty": 1.0, "end_strings": []})
     _, actor = nemo_cpu.build_actor(TP, PP, mbs=2, gbs=4, tokenizer_dir=os.environ["TOK_DIR"], dapo=dapo,
@@ -163,12 +165,7 @@ def main() -> None:
     trainer_cfg = OmegaConf.create({
         "max_epochs": 10, "max_steps": max_steps, "val_check_interval": 1, "save_interval": 1,
         "gradient_clip_val": 1.0, "save_time_s": 600,
-        "group_size": 4, "prompts_per_step": 2, "ppo_epochs": 1, "seed": 5, "shuffle_minibatches": True,
-        "adv_eps": 1e-6, "scale_by_std": True,
-        "dynamic_sampling": {"enabled": True, "max_gen_batches": 8, "on_budget_exhausted": "raise", "max_age": 2,
-                             "adaptive": False, "gen_batch_size": 3, "max_gen_batch_size": None,
-                             "prior_pass_rate": 0.5, "prior_weight": 8.0, "pass_rate_memory": 0.7, "safety": 1.1},
-        "overlong": {"enabled": True, "l_max": None, "l_cache": 2, "penalty_factor": 1.0},
+        "prompts_per_step": 2, "ppo_epochs": 1, "seed": 5, "shuffle_minibatches": True,
         "val": {"n_samples": 2, "temperature": 1.0, "top_p": 1.0, "seed": 0, "batch_size": 8, "max_problems": None}})
     mark = {}
 
