@@ -31,7 +31,7 @@ from nemo_dapo.local.config import ArgumentError, ConfigError
 TECHNIQUES = (
     ("overlong_filter", "+ overlong filtering", {"algorithm.overlong_filter": (False, True)}),
     ("clip_higher", "+ clip-higher", {"algorithm.eps_high": (0.2, 0.28)}),
-    ("soft_overlong", "+ soft overlong punishment", {"reward.overlong.enabled": (False, True)}),
+    ("soft_overlong", "+ soft overlong punishment", {"algorithm.overlong.enabled": (False, True)}),
     ("token_level", "+ token-level loss", {"algorithm.agg": ("seq-mean-token-mean", "token-mean")}),
     ("dynamic_sampling", "+ dynamic sampling (DAPO)", {"algorithm.dynamic_sampling.enabled": (False, True)}),
 )

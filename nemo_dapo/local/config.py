@@ -119,6 +119,14 @@ class DynamicSamplingConfig:
 
 
 @dataclass
+class OverlongConfig:
+    enabled: bool = MISSING
+    l_max: Optional[int] = MISSING
+    l_cache: int = MISSING
+    penalty_factor: float = MISSING
+
+
+@dataclass
 class AlgorithmConfig:
     group_size: int = MISSING
     eps_low: float = MISSING
@@ -130,21 +138,13 @@ class AlgorithmConfig:
     adv_eps: float = MISSING
     scale_by_std: bool = MISSING
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
-
-
-@dataclass
-class OverlongConfig:
-    enabled: bool = MISSING
-    l_max: Optional[int] = MISSING
-    l_cache: int = MISSING
-    penalty_factor: float = MISSING
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
 
 
 @dataclass
 class RewardConfig:
     verifier: str = MISSING
     num_workers: int = MISSING
-    overlong: OverlongConfig = field(default_factory=OverlongConfig)
 
 
 @dataclass
@@ -241,7 +241,7 @@ CHOICES = {
 
 
 # Where each field of the shared algorithm block (nemo_dapo.core.settings.FIELDS) lives in this config.
-ALGORITHM_KEYS = {name: ("reward." if name.startswith("overlong.") else "algorithm.") + name
+ALGORITHM_KEYS = {name: "algorithm." + name
                   for name in ("group_size", "eps_low", "eps_high", "clip_c", "agg", "overlong_filter", "tis_cap",
                                "adv_eps", "scale_by_std",
                                *(f"dynamic_sampling.{k}" for k in (
@@ -265,7 +265,7 @@ def _check_algorithm(cfg: Config) -> None:
     for name, message in problems(values, cfg.rollout.max_new_tokens):
         key = ALGORITHM_KEYS[name]
         raise ConfigError(f"config key '{key}' = {values[name]!r} {message}"
-                          + (" (l_max is reward.overlong.l_max, or rollout.max_new_tokens when null)"
+                          + (" (l_max is algorithm.overlong.l_max, or rollout.max_new_tokens when null)"
                              if name == "overlong.l_cache" else ""))
 
 
@@ -527,7 +527,14 @@ def _key_exists(tree, key: str) -> bool:
     return OmegaConf.select(tree, key, default="__missing__") != "__missing__"
 
 
+# Blocks that moved (old prefix -> new prefix): a key under the old one is an error naming its new place.
+MOVED = {"reward.overlong": "algorithm.overlong"}
+
+
 def _suggest(key: str) -> str:
+    for old, new in MOVED.items():
+        if key == old or key.startswith(old + "."):
+            return f" (it moved: use '{new}{key[len(old):]}')"
     names = _all_keys(Config)
     close = difflib.get_close_matches(key, names, n=1)
     return f" (did you mean '{close[0]}'?)" if close else ""

@@ -12,12 +12,12 @@ from tests.aligner.conftest import needs_nemo
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# The same run in both layouts: CPU (algorithm.* / reward.overlong.* / trainer.* / rollout.*) and aligner
+# The same run in both layouts: CPU (algorithm.* / trainer.* / rollout.*) and aligner
 # (model.dapo.algorithm.* / trainer.dapo.* / model.*).
 A = "model.dapo.algorithm."
 CPU = ["algorithm.dynamic_sampling.on_budget_exhausted=train_partial", "algorithm.group_size=4", "algorithm.eps_high=0.3", "algorithm.clip_c=3.0", "algorithm.tis_cap=2.0",
        "algorithm.agg=seq-mean-token-sum-norm", "algorithm.overlong_filter=true", "trainer.train_batch_size=2",
-       "trainer.mini_batch_size=4", "rollout.max_new_tokens=6", "reward.overlong.l_cache=2", "seed=5",
+       "trainer.mini_batch_size=4", "rollout.max_new_tokens=6", "algorithm.overlong.l_cache=2", "seed=5",
        "algorithm.dynamic_sampling.max_gen_batch_size=6"]
 ALIGNER = [f"{A}group_size=4", f"{A}eps_high=0.3", f"{A}clip_c=3.0", f"{A}tis_cap=2.0",
            f"{A}agg=seq-mean-token-sum-norm", f"{A}overlong_filter=True", "trainer.dapo.prompts_per_step=2",
@@ -42,7 +42,7 @@ def test_the_two_builders_agree_on_settings_loss_and_gradients():
 
     (s1, f1, l1), cfg = _both()
     s2, f2, l2 = aligner_build(cfg.trainer.dapo, cfg.model)
-    # the CPU path's reward.overlong.l_max is null (the cap); the aligner's YAML interpolates the cap
+    # the CPU path's algorithm.overlong.l_max is null (the cap); the aligner's YAML interpolates the cap
     assert s1.penalty_l_max == s2.penalty_l_max == 6
     assert {**vars(s1), "l_max": None} == {**vars(s2), "l_max": None}
     filler_keys = ("num_groups", "enabled", "max_gen_batches", "on_budget_exhausted", "max_age", "gen_batch_size",

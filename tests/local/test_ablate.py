@@ -43,7 +43,7 @@ PAPER = {
 def _techniques(cfg) -> dict:
     a = cfg.algorithm
     return {"eps_high": a.eps_high, "agg": a.agg, "overlong_filter": a.overlong_filter,
-            "soft": cfg.reward.overlong.enabled, "ds": a.dynamic_sampling.enabled}
+            "soft": cfg.algorithm.overlong.enabled, "ds": a.dynamic_sampling.enabled}
 
 
 # ---- (a) the rows are the paper's settings --------------------------------------------------------------------------
@@ -174,7 +174,7 @@ def test_killed_ablation_resumes_the_killed_run_and_skips_finished_ones(tmp_path
     (["--budget", "0"], "--budget 0"),
     (["algorithm.eps_high=0.3"], "algorithm.eps_high"),
     (["algorithm.dynamic_sampling.enabled=false"], "algorithm.dynamic_sampling.enabled"),
-    (["reward.overlong={enabled: false}"], "reward.overlong.enabled"),
+    (["algorithm.overlong={enabled: false}"], "algorithm.overlong.enabled"),
     (["trainer.max_samples=10"], "use --budget"),
     (["seed=3"], "use --seeds"),
 ])

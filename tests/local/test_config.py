@@ -46,7 +46,7 @@ def test_base_has_the_paper_values():
     cfg = load_config("dapo_base")
     a = cfg.algorithm
     assert (a.eps_low, a.eps_high, a.group_size, a.agg) == (0.2, 0.28, 16, "token-mean")
-    assert (cfg.rollout.max_new_tokens, cfg.reward.overlong.l_cache) == (20480, 4096)
+    assert (cfg.rollout.max_new_tokens, cfg.algorithm.overlong.l_cache) == (20480, 4096)
     assert (cfg.trainer.train_batch_size, cfg.trainer.mini_batch_size, cfg.optim.lr) == (512, 512, 1e-6)
     assert a.dynamic_sampling.enabled and a.dynamic_sampling.max_gen_batches == 10
     assert (cfg.eval.n_samples, cfg.eval.top_p) == (32, 0.7)
@@ -65,7 +65,7 @@ def test_naive_grpo_recipe_is_the_papers_baseline():
     dapo, grpo = load_config("tiny_cpu"), load_config("tiny_cpu_grpo")
     a = grpo.algorithm
     assert a.eps_low == a.eps_high == 0.2 and a.clip_c is None and a.agg == "seq-mean-token-mean"
-    assert not a.dynamic_sampling.enabled and not a.overlong_filter and not grpo.reward.overlong.enabled
+    assert not a.dynamic_sampling.enabled and not a.overlong_filter and not grpo.algorithm.overlong.enabled
     # Everything else is the DAPO run's: same model, task, warm-up, budget.
     for section in ("data", "model", "warmup", "rollout", "optim", "trainer", "eval"):
         assert getattr(dapo, section) == getattr(grpo, section), section
@@ -93,14 +93,24 @@ def test_overrides_set_add_and_delete():
     ("trainer.max_steps", r"not of the form key=value"),
     ("algorithm.agg=token_mean", r"'algorithm.agg' = 'token_mean' is not one of"),
     ("algorithm.eps_low=1.5", r"algorithm.eps_low"),
-    ("reward.overlong.l_cache=100", r"'reward.overlong.l_cache' = 100 must be an integer in \(0, l_max=\d+\)"),
+    ("algorithm.overlong.l_cache=100", r"'algorithm.overlong.l_cache' = 100 must be an integer in \(0, l_max=\d+\)"),
     ("trainer.mini_batch_size=0", r"'trainer.mini_batch_size' must be >= 1"),
     ("~trainer.max_steps", r"'trainer.max_steps' has no value"),
     ("data.task=file", r"'data.train_file'"),
+    # the overlong block moved from reward into the algorithm block: an old key names its new place
+    ("reward.overlong.l_cache=8", r"it moved: use 'algorithm.overlong.l_cache'"),
+    ("++reward.overlong.enabled=false", r"it moved: use 'algorithm.overlong"),
 ])
 def test_bad_overrides_name_the_key(override, pattern):
     with pytest.raises(ConfigError, match=pattern):
         load_config("tiny_cpu", [override])
+
+
+def test_a_recipe_with_the_old_overlong_block_names_the_new_one(tmp_path):
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text("defaults:\n  - /dapo_base\n  - _self_\nreward:\n  overlong:\n    l_cache: 8\n")
+    with pytest.raises(ConfigError, match=r"it moved: use 'algorithm.overlong"):
+        load_config(str(recipe))
 
 
 def test_bad_files_name_the_file(tmp_path):
@@ -118,7 +128,7 @@ def test_bad_files_name_the_file(tmp_path):
 
 def test_schema_key_list_is_complete():
     keys = _all_keys(Config)
-    assert "algorithm.dynamic_sampling.max_gen_batches" in keys and "reward.overlong.l_cache" in keys
+    assert "algorithm.dynamic_sampling.max_gen_batches" in keys and "algorithm.overlong.l_cache" in keys
 
 
 def test_every_warmup_setting_of_the_local_backend_is_configurable():

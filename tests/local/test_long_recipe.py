@@ -17,7 +17,7 @@ def test_long_recipe_lengths_span_the_cap_and_clean_answers_escape_the_penalty()
     task = make_task(cfg)
     tokenizer = build_task_tokenizer(task, n_rows=cfg.data.tokenizer_rows, seed=cfg.seed,
                                      vocab_size=cfg.data.tokenizer_vocab_size)
-    cap, l_cache = cfg.rollout.max_new_tokens, cfg.reward.overlong.l_cache
+    cap, l_cache = cfg.rollout.max_new_tokens, cfg.algorithm.overlong.l_cache
     rows = task.rows("train", 400, seed=0)
     clean = _lengths(tokenizer, [r["extra_info"]["solution"] for r in rows])
     # Clean answers (format fault aside) sit below the penalty ramp, and vary in length by a factor of >= 2.5.

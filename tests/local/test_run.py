@@ -27,7 +27,7 @@ TINY = [
     "trainer.train_batch_size=2", "trainer.mini_batch_size=4", "trainer.val_every=1", "trainer.val_problems=3",
     "trainer.save_every=1", "trainer.threads=1", "trainer.plots=false", "rollout.max_new_tokens=12",
     "rollout.processes=1",
-    "reward.overlong.l_cache=4", "eval.n_samples=2", "optim.lr=1e-3",
+    "algorithm.overlong.l_cache=4", "eval.n_samples=2", "optim.lr=1e-3",
 ]
 
 
