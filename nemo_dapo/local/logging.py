@@ -32,11 +32,24 @@ _CONSOLE = (
 )
 
 
+class _CurrentStderr(_logging.StreamHandler):
+    """A stream handler on whatever ``sys.stderr`` is at each record, not the one it was made with: the handler
+    outlives a redirect (a test's captured stderr, closed afterwards), and writing to a closed stream loses lines."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value):
+        pass
+
+
 def setup_console_logging(level: int = _logging.INFO) -> None:
     """Plain ``HH:MM:SS message`` lines on stderr for the ``nemo_dapo`` logger (idempotent)."""
     if any(getattr(h, "_nemo_dapo", False) for h in log.handlers):
         return
-    handler = _logging.StreamHandler(sys.stderr)
+    handler = _CurrentStderr()
     handler.setFormatter(_logging.Formatter("%(asctime)s %(levelname).1s %(message)s", "%H:%M:%S"))
     handler._nemo_dapo = True
     log.addHandler(handler)
