@@ -92,6 +92,7 @@ def _argv(out, *extra, config_name=BASE, budget=128):
             "--progress-every", "2", *extra, *TINY]
 
 
+@pytest.mark.slow
 def test_two_rows_one_seed_end_to_end(tmp_path, capsys):
     out = tmp_path / "ab"
     t0 = time.time()
@@ -123,6 +124,7 @@ def _mtime(out, row):
     return os.stat(os.path.join(out, row, "seed1", "summary.json")).st_mtime_ns
 
 
+@pytest.mark.slow
 def test_failed_run_is_reported_others_go_on_and_a_rerun_completes_it(tmp_path, capsys, warm_base):
     from nemo_dapo.local.run_dir import RunDirLock
 
@@ -143,6 +145,7 @@ def test_failed_run_is_reported_others_go_on_and_a_rerun_completes_it(tmp_path, 
     assert _mtime(out, "dapo") == before and (busy / "summary.json").is_file()
 
 
+@pytest.mark.slow
 def test_killed_ablation_resumes_the_killed_run_and_skips_finished_ones(tmp_path, capsys, warm_base):
     out = tmp_path / "ab"
     warm_base(str(out), "tiny_cpu")
