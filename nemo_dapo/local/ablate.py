@@ -21,6 +21,7 @@ import time
 from typing import Optional
 
 from nemo_dapo.local.config import ArgumentError, ConfigError
+from nemo_dapo.local.logging import write_json
 
 # The paper's techniques in the order Table 1 adds them: (name, table label, {key: (value off, value on)}).
 # The table is cumulative ("+ X" adds X to the row above; no row takes a technique away), so Overlong Filtering stays
@@ -370,7 +371,7 @@ def ablate(args) -> int:
           f"{out}; {len(runs) - len(todo)} already finished, {len(todo)} to run ({args.jobs} at a time)", flush=True)
     meta = {"plan": plan, "rows": rows, "seeds": args.seeds, "labels": {r: row_label(r) for r in rows},
             "techniques": {r: row_technique(r) for r in rows}}
-    ablate_report.write_json(out, meta)  # the plan is on disk before any run starts: a rerun checks against it
+    write_json(os.path.join(out, "ablation.json"), meta)  # the plan is on disk before any run starts: a rerun checks against it
     if todo:
         warm_base(base)
     sched = Scheduler(todo, plan["budget"], args.jobs, progress_every=args.progress_every,

@@ -9,11 +9,11 @@ generated, interpolated per seed onto one grid and averaged over the seeds.
 from __future__ import annotations
 
 import json
-import math
 import os
+import statistics
 from typing import Optional
 
-from nemo_dapo.local.logging import read_metrics
+from nemo_dapo.local.logging import read_metrics, write_json, write_text
 
 # name -> (metrics.jsonl key, column header, cell format); entropy is averaged over the last quarter of the steps.
 METRICS = {
@@ -36,14 +36,11 @@ DS_ON = "algorithm.dynamic_sampling.enabled=true"
 
 
 def _mean(xs: list) -> Optional[float]:
-    return sum(xs) / len(xs) if xs else None
+    return statistics.fmean(xs) if xs else None
 
 
 def _std(xs: list) -> Optional[float]:
-    if len(xs) < 2:
-        return None
-    m = _mean(xs)
-    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+    return statistics.stdev(xs) if len(xs) > 1 else None
 
 
 def run_numbers(run_dir: str, budget: int, ds_on: bool) -> Optional[dict]:
@@ -183,22 +180,16 @@ def plot(out: str, meta: dict) -> str:
     return path
 
 
-def write_json(out: str, meta: dict, **extra) -> str:
-    path = os.path.join(out, "ablation.json")
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({**meta, **extra}, f, indent=1)
-    os.replace(tmp, path)
-    return path
 
 
 def write_report(out: str, meta: dict, failed: Optional[dict] = None) -> list:
     """Write ablation.md, ablation.png, ablation.json; returns their paths (the table first)."""
     runs, table = collect(out, meta, failed or {})
-    md = os.path.join(out, "ablation.md")
-    with open(md, "w", encoding="utf-8") as f:
-        f.write(markdown(meta, table))
-    return [md, plot(out, meta), write_json(out, meta, runs=runs, table=table)]
+    md, js = os.path.join(out, "ablation.md"), os.path.join(out, "ablation.json")
+    write_text(md, markdown(meta, table))
+    png = plot(out, meta)
+    write_json(js, {**meta, "runs": runs, "table": table})
+    return [md, png, js]
 
 
 def is_ablation_dir(path: str) -> bool:

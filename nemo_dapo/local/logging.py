@@ -57,6 +57,23 @@ def setup_console_logging(level: int = _logging.INFO) -> None:
     log.propagate = False
 
 
+def write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` atomically; on failure (disk full) no temporary file is left behind."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(path: str, obj: dict) -> None:
+    write_text(path, json.dumps(obj, indent=1))
+
+
 def read_metrics(run_dir: str, kind: Optional[str] = None) -> list:
     """Records of ``run_dir/metrics.jsonl`` (optionally of one kind), in file order."""
     path = os.path.join(run_dir, METRICS_FILE)

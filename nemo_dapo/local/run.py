@@ -21,7 +21,6 @@ after the current rollout step with a checkpoint of it (exit 130 / 143); see run
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -46,7 +45,7 @@ from nemo_dapo.local.run_dir import (RunDirLock, RunInterrupted, StopSignals, ch
 from nemo_dapo.local.run_data import build_prompt_sets
 from nemo_dapo.local.run_model import prepare_base_model
 from nemo_dapo.local.run_parallel import ParallelSampler
-from nemo_dapo.local.logging import RunLogger, setup_console_logging
+from nemo_dapo.local.logging import RunLogger, setup_console_logging, write_json, write_text
 
 log = logging.getLogger("nemo_dapo")
 
@@ -140,27 +139,10 @@ def _ckpt_dir(cfg: Config) -> str:
     return os.path.join(cfg.run_dir, "checkpoints")
 
 
-def _write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` atomically; on failure (disk full) no temporary file is left behind."""
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def _write_json(path: str, obj: dict) -> None:
-    _write_text(path, json.dumps(obj, indent=1))
-
-
 def _prepare_run_dir(cfg: Config) -> None:
     from nemo_dapo.local.config import config_to_yaml
 
-    _write_text(os.path.join(cfg.run_dir, "config.yaml"), config_to_yaml(cfg))
+    write_text(os.path.join(cfg.run_dir, "config.yaml"), config_to_yaml(cfg))
     if cfg.resume == "never":  # start over; the warm-up cache (base_model/) stays
         for sub in ("checkpoints", "tb", "plots", "final_model"):
             shutil.rmtree(os.path.join(cfg.run_dir, sub), ignore_errors=True)
@@ -241,7 +223,7 @@ def _train_locked(cfg: Config, stop: StopSignals, allow_config_change: bool, t_s
             run.close()
     summary = _summary(run, base_eval, final_eval, wall_seconds=time.time() - t_start, rl_seconds=rl_seconds,
                        threads=threads)
-    _write_json(os.path.join(cfg.run_dir, "summary.json"), summary)
+    write_json(os.path.join(cfg.run_dir, "summary.json"), summary)
     log.info("held-out accuracy %.3f -> %.3f (%+.1f points) on %d problems; %.0f s wall", summary["base_accuracy"],
              summary["final_accuracy"], summary["gain_points"], summary["heldout_size"], summary["wall_seconds"])
     if cfg.trainer.plots:

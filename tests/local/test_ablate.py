@@ -196,13 +196,13 @@ def test_skip_row_needs_the_key(tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize("change, fragment", [({"budget": 999}, "budget: 999 -> 128"),
                                               ({"row_table": {"grpo": ["algorithm.eps_high=0.3"]}}, "row grpo")])
 def test_changed_plan_is_refused(tmp_path, capsys, change, fragment):
-    from nemo_dapo.local.ablate_report import write_json
+    from nemo_dapo.local.logging import write_json
 
     out = tmp_path / "ab"
     argv = _argv(out, "--rows", "grpo", config_name="tiny_cpu")
     plan = ablate.plan_runs(ablate_args(argv), str(out))[2]
     out.mkdir()
-    write_json(str(out), {"plan": {**plan, **change}})
+    write_json(str(out / "ablation.json"), {"plan": {**plan, **change}})
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert fragment in err and "--out NEW_DIR" in err
