@@ -13,18 +13,34 @@ a time) and sends it the weights. Its address is ``engine_server.address`` (or `
 servers with the same template. Weights travel through node-local shared memory, so owner and server share a node.
 
 Generation. The ranks of one model-parallel (TP x PP) group hold the same prompts (one data-parallel replica). The
-owners inside the group split its rows in order (owner j of k takes rows [j B / k, (j + 1) B / k)), and the group
-all-gathers the results, so every rank returns the same ``Generation``. Every group needs at least one owner
-(engine GPUs <= TP, or a layout where each TP x PP group contains an engine's first GPU); the builder checks it.
+owners inside the group split its rows in order (owner j of k takes rows [j B / k, (j + 1) B / k)), and each owner
+in turn broadcasts its part to the group (tensors of a broadcast size, :func:`broadcast_generation`), so every rank
+returns the same ``Generation``. Every group needs at least one owner (engine GPUs <= TP, or a layout where each
+TP x PP group contains an engine's first GPU); the builder checks it.
 
 Weights. Every rank runs the HF-named gather (``megatron.refit_hf.hf_weight_buckets``: TP all-gathers, expert
 broadcasts, PP broadcasts) to the end; only owners send the buckets. A failure on any owner is finished in step
 (the gather is drained so no rank hangs in a collective) and then raised on EVERY rank: the run stops, the server
-refuses to generate on partial weights. ``sleep`` frees the engine's KV cache (level 1) or its weights too (level
-2) while the colocated trainer trains; the next generate or update wakes it.
+refuses to generate on partial weights.
+
+Memory phases of a colocated step (trainer and engine on the same GPUs; DAPOLoop.step calls sleep, the updates,
+update_weights, then generate):
+  1. ``sleep``: the engine frees its KV cache (sleep_level 1; level 2 its weights too) before the trainer trains.
+  2. training: old log-probs and optimizer updates (the optimizer states are on the GPU: ActorPolicy.train_step
+     onloads them).
+  3. ``update_weights``: the optimizer states go to the CPU (NeMo-Aligner's ``offload_adam_states``: apex
+     distributed-Adam buckets with ``model.dapo.offload_adam_states``), the training peak is returned to the device
+     (:func:`release_training_memory`), then the refit runs WITH THE KV CACHE STILL ASLEEP: weights the sleep
+     kept are updated in place, weights it released are woken alone first (``wake {tags: ["weights"]}``,
+     :func:`refit_wake`).
+  4. the next ``generate`` wakes the KV cache, and generation runs beside the resident training weights and
+     gradient buffers only.
+A server that does not say what its sleep releases (hello ``info["sleep_releases"]``) is woken whole before the
+refit, as before (logged once): its KV cache then sits beside the refit's buffers.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -101,6 +117,87 @@ def split_rows(b: int, k: int) -> list:
     return [(j * b // k, (j + 1) * b // k) for j in range(k)]
 
 
+def broadcast_generation(part: Optional[Generation], src: int, group) -> Generation:
+    """``part`` of global rank ``src`` (None on the other ranks) on every rank of ``group``.
+
+    Three broadcasts from ``src``: a header [rows, width, has_logprobs] (int64), ids [rows, width + 1] (int64, the
+    last column ``truncated``) and [1 or 2, rows, width] float32 (the mask, the log-probs). The transient device
+    memory is one part, ``rows x (8 (width + 1) + 4 width (1 + has_logprobs))`` bytes, where an
+    ``all_gather_object`` held world x the largest pickled part."""
+    device = collective_device(group)
+    header = torch.zeros(3, dtype=torch.long)
+    if part is not None:
+        header = torch.tensor([part.response_ids.shape[0], part.response_ids.shape[1], part.logprobs is not None],
+                              dtype=torch.long)
+    header = header.to(device)
+    dist.broadcast(header, src, group=group)
+    rows, width, has_lp = (int(x) for x in header.tolist())
+    if rows == 0 or width == 0:  # nothing to send (the header says so on every rank)
+        return part if part is not None else Generation(
+            response_ids=torch.zeros(rows, width, dtype=torch.long), response_mask=torch.zeros(rows, width),
+            truncated=torch.zeros(rows, dtype=torch.bool), logprobs=torch.zeros(rows, width) if has_lp else None)
+    if part is not None:
+        ids = torch.cat([part.response_ids.long(), part.truncated.long().reshape(-1, 1)], dim=1).to(device)
+        floats = [part.response_mask.float()] + ([part.logprobs.float()] if has_lp else [])
+        floats = torch.stack(floats).to(device)
+    else:
+        ids = torch.empty(rows, width + 1, dtype=torch.long, device=device)
+        floats = torch.empty(1 + has_lp, rows, width, dtype=torch.float32, device=device)
+    dist.broadcast(ids, src, group=group)
+    dist.broadcast(floats, src, group=group)
+    if part is not None:
+        return part
+    ids, floats = ids.cpu(), floats.cpu()
+    return Generation(response_ids=ids[:, :width], response_mask=floats[0], truncated=ids[:, width].bool(),
+                      logprobs=floats[1] if has_lp else None)
+
+
+def release_training_memory() -> None:
+    """Return what training left in the caching allocator (activations, logits, temporaries of the gather) to the
+    device, so that the engine can allocate it: a no-op without CUDA."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def offload_optimizer_states(actor) -> None:
+    """NeMo-Aligner's ``offload_adam_states`` on the actor (0.7.0, megatron_gpt_ppo_actor.py): with apex's
+    distributed Adam and ``model.dapo.offload_adam_states`` its state buckets (params / remainders / exp_avg /
+    exp_avg_sq shards) move to the CPU until ``prepare_for_training`` onloads them before the next update; with
+    any other optimizer it changes nothing (the states stay resident: ``nemo-dapo plan`` counts them so)."""
+    if getattr(actor, "_optimizer", None) is not None and callable(getattr(actor, "offload_adam_states", None)):
+        actor.offload_adam_states()
+
+
+# What a refit needs from a sleeping engine (refit_wake's answer).
+AWAKE, ASLEEP, WEIGHTS_WOKEN, ALL_WOKEN = "awake", "asleep", "weights", "all"
+_warned_servers: set = set()
+
+
+def refit_wake(engine) -> str:
+    """Ready ``engine`` (``engines.generator.EngineGenerator``) for a weight update without waking its KV cache.
+
+    The server's hello ``info["sleep_releases"]`` maps a sleep level ("1", "2") to what it frees ("kv_cache",
+    "weights"). Returns AWAKE (not asleep), ASLEEP (its sleep kept the weights: update them asleep),
+    WEIGHTS_WOKEN (sent ``wake {tags: ["weights"]}``, advertised by ``info["wake_tags"]``), or ALL_WOKEN (a server
+    that says neither: woken whole, KV cache included, as before)."""
+    if not engine.asleep:
+        return AWAKE
+    info = engine.client.info or {}
+    released = (info.get("sleep_releases") or {}).get(str(engine.sleep_level))
+    if released is not None and "weights" not in released:
+        return ASLEEP
+    if released is not None and "weights" in (info.get("wake_tags") or ()):
+        engine.client.call("wake", tags=["weights"])
+        return WEIGHTS_WOKEN
+    if engine.client.name not in _warned_servers:
+        _warned_servers.add(engine.client.name)
+        log.warning("engine %s does not say what its sleep(%d) releases or cannot wake its weights alone: it is "
+                    "woken whole before each refit, so its KV cache sits beside the refit's buffers",
+                    engine.client.name, engine.sleep_level)
+    return ALL_WOKEN
+
+
 class _ActorWeights:
     """The ``hf_weight_buckets(bucket_bytes)`` face of the NeMo actor's megatron-core model for ``weight_buckets``."""
 
@@ -154,6 +251,7 @@ class AlignerEngineGenerator:
         self.pad_id = int(pad_id)
         self._weights = _ActorWeights(actor, hf_config, dtype)
         self.last_update: dict = {}
+        self.last_refit_wake: Optional[str] = None  # what the last refit woke (refit_wake), for logs and tests
 
     @property
     def rank(self) -> int:
@@ -164,10 +262,9 @@ class AlignerEngineGenerator:
         size = dist.get_world_size(self.mp_group) if self.mp_group is not None else 1
         if size == 1:
             return part
-        parts = [None] * size
-        dist.all_gather_object(parts, (self.rank, part), group=self.mp_group)
-        by_rank = dict(parts)
-        return Generation.cat([by_rank[r] for r in self.owners], self.pad_id)
+        parts = [broadcast_generation(part if owner == self.rank else None, owner, self.mp_group)
+                 for owner in self.owners]
+        return Generation.cat(parts, self.pad_id)
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens,
                  temperature: float = 1.0, top_p: float = 1.0, seed: Optional[int] = None) -> Generation:
@@ -192,15 +289,24 @@ class AlignerEngineGenerator:
 
     # ---- weights and memory ----------------------------------------------------------------------------------------
     def update_weights(self, policy=None) -> None:
-        """Gather the actor's weights in HF names on every rank; owners send them. Raises on every rank if any
-        owner's update failed (after the gather has been drained in step)."""
+        """The refit phase (module doc, step 3): optimizer states to the CPU, the training peak released, then the
+        actor's weights gathered in HF names on every rank and sent by the owners, the engine's KV cache still
+        asleep. Raises on every rank if any owner's update failed (after the gather has been drained in step)."""
+        offload_optimizer_states(self.actor)
+        release_training_memory()
         failure = None
+        if self.engine is not None:
+            try:
+                self.last_refit_wake = refit_wake(self.engine)
+            except Exception as e:  # noqa: BLE001 - the other ranks are about to gather: finish in step
+                failure = e
         buckets = self._weights.hf_weight_buckets(self.engine.bucket_bytes if self.engine else 64 << 20)
         if self.engine is not None:
             counted = _Counting(buckets)
             try:
-                self.engine.update_weights(counted)
-                self.last_update = dict(self.engine.last_update)
+                if failure is None:
+                    self.engine.update_weights(counted, wake=self.last_refit_wake == ALL_WOKEN)
+                    self.last_update = dict(self.engine.last_update)
             except Exception as e:  # noqa: BLE001 - finished in step below, then raised on every rank
                 failure = e
             for _ in counted.rest():  # the other ranks are still in the gather's collectives
@@ -215,6 +321,12 @@ class AlignerEngineGenerator:
         if float(flag.item()) > 0:
             raise RuntimeError("an engine weight update failed on another rank (its log names the engine); the run "
                                "stops rather than generate on partial weights")
+
+    def push_initial_weights(self) -> None:
+        """The first refit (the engines start from the trainer's, possibly resumed, weights), with the KV cache
+        asleep like every later one: the engine sleeps first (its sleep_level), the next generate wakes it."""
+        self.sleep()
+        self.update_weights()
 
     def sleep(self) -> None:
         if self.engine is not None:
@@ -309,5 +421,5 @@ def build_engine_generator(actor, cfg, *, hf_config=None, world: Optional[int] =
     dtype = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[srv["dtype"]]
     gen = AlignerEngineGenerator(actor, engine, owners=owners, mp_group=mp_group, hf_config=hf_config, dtype=dtype,
                                  pad_id=actor.tokenizer.eos_id)
-    gen.update_weights()
+    gen.push_initial_weights()
     return gen

@@ -388,13 +388,18 @@ class DAPOTrainer:
         """Checkpoint through NeMo's checkpoint callback, with this trainer's state inside the checkpoint (also in
         the middle of a rollout step: the filler's groups so far travel with it)."""
         t0 = time.monotonic()
-        self.model.prepare_for_training()  # optimizer states back on the device before they are saved
+        # optimizer states back on the device before they are saved, and back to the CPU after it when the save
+        # comes between a refit and the next generation (the engine path offloads them at the refit)
+        offloaded = getattr(self.model, "distributed_adam_offload_manager", None) is not None
+        self.model.prepare_for_training()
         dist.barrier()
         self.model.trainer_state = pack_state(self.state_dict())
         candidates = {k: torch.tensor(v, dtype=torch.int32) for k, v in self.state_dict().items() if k != "loop"}
         candidates.update({k: torch.as_tensor(v) for k, v in (extra_candidates or {}).items()})
         self.ckpt_callback.custom_save(monitor_candidates=candidates, is_train_end=is_train_end)
         self.model.finish_training()
+        if offloaded:
+            self.model.offload_adam_states()
         self._saved_at = self.loop.counters["gen_batches"]
         if getattr(self, "budget", None) is not None:
             self.budget.record("save", time.monotonic() - t0)

@@ -158,6 +158,10 @@ class EngineGenerator:
                 done[c.id] = c
         return completions_to_generation([done[r.id] for r in requests], self.pad_id)
 
+    @property
+    def asleep(self) -> bool:
+        return self._asleep
+
     def sleep(self) -> None:
         if self.sleep_level and not self._asleep:
             self.client.sleep(self.sleep_level)
@@ -168,9 +172,12 @@ class EngineGenerator:
             self.client.wake()
             self._asleep = False
 
-    def update_weights(self, policy) -> None:
-        """Push the policy's weights (HF names) to the engine; a failure part-way is an error, never ignored."""
-        self._wake()
+    def update_weights(self, policy, *, wake: bool = True) -> None:
+        """Push the policy's weights (HF names) to the engine; a failure part-way is an error, never ignored.
+        ``wake=False``: the caller has readied a sleeping engine for a refit that leaves its KV cache asleep
+        (aligner/engine_generation.refit_wake); the next generate wakes it."""
+        if wake:
+            self._wake()
         t0 = time.perf_counter()
         try:
             self.last_update = self.client.update_weights(weight_buckets(policy, self.bucket_bytes))
