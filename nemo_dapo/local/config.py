@@ -599,6 +599,7 @@ def to_config(tree) -> Config:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    _check_blocks(tree, Config)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(Config), tree)
         cfg = OmegaConf.to_object(merged)
@@ -613,6 +614,31 @@ def to_config(tree) -> Config:
                               f"conf/dapo_base.yaml") from None
         raise ConfigError(f"config key '{key}': {first}") from None
     return validate(cfg)
+
+
+def _check_blocks(tree, cls, prefix: str = "") -> None:
+    """A block of keys (a section, or an open dict such as ``model.extra``) given a single value is an error naming
+    the block and its keys (omegaconf's own merge error names no key). ``tree``: a plain dict or an OmegaConf one."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(tree, DictConfig):
+        tree = OmegaConf.to_container(tree, resolve=False)
+    for f in fields(cls):
+        default = f.default_factory() if callable(f.default_factory) else None  # type: ignore[misc]
+        if f.name not in tree or not (is_dataclass(default) or str(f.type).startswith("Dict")):
+            continue
+        key, value = prefix + f.name, tree[f.name]
+        if isinstance(value, dict):
+            if is_dataclass(default):
+                _check_blocks(value, type(default), key + ".")
+            continue
+        if value is None or value == MISSING:
+            continue  # omegaconf names the key of these itself
+        inner = [g.name for g in fields(default)] if is_dataclass(default) else []
+        keys = f" (its keys: {', '.join(inner)})" if inner else " (a mapping of extra keys)"
+        example = f"{key}.{inner[0]}=..." if inner else f"++{key}.NAME=..."
+        raise ConfigError(f"config key '{key}' is a block of keys{keys}, not a single value: got {value!r}. Fix: set "
+                          f"one of its keys, e.g. {example}")
 
 
 def load_config(name: str = DEFAULT_CONFIG, overrides: Optional[List[str]] = None,

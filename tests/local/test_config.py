@@ -106,6 +106,29 @@ def test_bad_overrides_name_the_key(override, pattern):
         load_config("tiny_cpu", [override])
 
 
+@pytest.mark.parametrize("override, key, example", [
+    ("algorithm.dynamic_sampling.skip_history=5", "algorithm.dynamic_sampling.skip_history",
+     "algorithm.dynamic_sampling.skip_history.enabled="),
+    ("++algorithm.dynamic_sampling.skip_history=5", "algorithm.dynamic_sampling.skip_history",
+     "algorithm.dynamic_sampling.skip_history.enabled="),
+    ("algorithm.dynamic_sampling=[1,2]", "algorithm.dynamic_sampling", "algorithm.dynamic_sampling.enabled="),
+    ("trainer=true", "trainer", "trainer.train_batch_size="),
+    ("model.extra=5", "model.extra", "++model.extra.NAME="),
+])
+def test_a_single_value_for_a_block_names_the_block_and_its_keys(override, key, example):
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny_cpu", [override])
+    text = str(e.value)
+    assert f"config key '{key}' is a block of keys" in text and example in text and "'?'" not in text
+
+
+def test_a_recipe_giving_a_block_a_value_names_the_block(tmp_path):
+    recipe = tmp_path / "flat.yaml"
+    recipe.write_text("defaults:\n  - /dapo_base\n  - _self_\nalgorithm:\n  overlong: 4\n")
+    with pytest.raises(ConfigError, match=r"config key 'algorithm.overlong' is a block of keys \(its keys: enabled"):
+        load_config(str(recipe))
+
+
 def test_a_recipe_with_the_old_overlong_block_names_the_new_one(tmp_path):
     recipe = tmp_path / "old.yaml"
     recipe.write_text("defaults:\n  - /dapo_base\n  - _self_\nreward:\n  overlong:\n    l_cache: 8\n")
