@@ -12,7 +12,8 @@ The rule, per prompt index ``i``:
   uninformative group in a row is one more piece of evidence; no history, no skip).
 * Never forever: after ``max_skips`` skips in a row the prompt is drawn whatever its streak (``skips[i]`` counts
   skips since it was last drawn), and its next scored group updates the streak. So every prompt is generated at
-  least once every ``max_skips + 1`` epochs and a prompt that became informative is found again.
+  least once every ``max_skips + 1`` epochs and a prompt that became informative is found again; ``max_skips`` is
+  at most ``MAX_SKIPS`` (100), so that this happens within a run.
 
 The decision is a pure function of ``(seed, i, draws_seen)`` through a hash, not of an RNG stream: every
 data-parallel rank decides the same, and a resumed run decides as the uninterrupted one would. Torch-free.
@@ -22,12 +23,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nemo_dapo.core.loop_data import mix_seed
+from nemo_dapo.core.settings import MAX_SKIPS
 
 
 @dataclass(frozen=True)
 class SkipRule:
-    """``skip_prob`` in [0, 1): skip probability after one uninformative group; ``max_skips`` >= 1: skips in a
-    row after which the prompt is drawn anyway."""
+    """``skip_prob`` in [0, 1): skip probability after one uninformative group; ``max_skips`` in [1,
+    :data:`~nemo_dapo.core.settings.MAX_SKIPS`]: skips in a row after which the prompt is drawn anyway."""
 
     skip_prob: float = 0.5
     max_skips: int = 3
@@ -35,8 +37,10 @@ class SkipRule:
     def __post_init__(self):
         if not (isinstance(self.skip_prob, (int, float)) and 0.0 <= self.skip_prob < 1.0):
             raise ValueError(f"SkipRule.skip_prob={self.skip_prob!r} must be in [0, 1) (0 never skips)")
-        if isinstance(self.max_skips, bool) or not isinstance(self.max_skips, int) or self.max_skips < 1:
-            raise ValueError(f"SkipRule.max_skips={self.max_skips!r} must be an integer >= 1 (the retry bound)")
+        if isinstance(self.max_skips, bool) or not isinstance(self.max_skips, int) or \
+                not 1 <= self.max_skips <= MAX_SKIPS:
+            raise ValueError(f"SkipRule.max_skips={self.max_skips!r} must be an integer in [1, {MAX_SKIPS}] (the "
+                             "retry bound: a prompt is generated at least once every max_skips + 1 epochs)")
 
     def probability(self, streak: int, skips: int) -> float:
         """Skip probability of a prompt with ``streak`` uninformative groups in a row, skipped ``skips`` times

@@ -24,6 +24,9 @@ from typing import Any, Mapping, Optional
 # assert the copies agree.
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 BUDGET_POLICIES = ("raise", "train_partial", "unbounded")
+# The most skips in a row of history-based prompt skipping (core/prompt_history.py): with it every prompt is
+# generated again within MAX_SKIPS + 1 epochs, a bound a run reaches; 10**12 would mean "skip forever".
+MAX_SKIPS = 100
 
 
 @dataclass(frozen=True)
@@ -184,9 +187,10 @@ def problems(values: Mapping[str, Any], max_new_tokens: Optional[int] = None) ->
     check(sh + "skip_prob", lambda v: _is_num(v) and 0 <= v < 1,
           "is out of range: it must be in [0, 1) (the skip probability after one uninformative group; 0 "
           "never skips)")
-    check(sh + "max_skips", lambda v: _is_int(v) and v >= 1,
-          "must be an integer >= 1: the skips in a row after which a prompt is generated again (keeps the "
-          "estimate honest)")
+    check(sh + "max_skips", lambda v: _is_int(v) and 1 <= v <= MAX_SKIPS,
+          f"must be an integer in [1, {MAX_SKIPS}]: the skips in a row after which a prompt is generated again, so "
+          f"every prompt is generated at least once every max_skips + 1 epochs (a larger value would skip it for "
+          "the whole run)")
     ov = "overlong."
     check(ov + "penalty_factor", lambda v: _is_num(v) and v >= 0, "is out of range: it must be >= 0")
     check(ov + "l_max", lambda v: v is None or (_is_int(v) and v >= 1), "must be an integer >= 1 or null")

@@ -90,7 +90,9 @@ def test_sampler_state_round_trip_restores_history_and_decisions():
 
 
 @pytest.mark.parametrize("kwargs, match", [(dict(skip_prob=1.0), "skip_prob"), (dict(skip_prob=-0.1), "skip_prob"),
-                                           (dict(max_skips=0), "max_skips"), (dict(max_skips=True), "max_skips")])
+                                           (dict(max_skips=0), "max_skips"), (dict(max_skips=True), "max_skips"),
+                                           (dict(max_skips=10 ** 12), r"max_skips=1000000000000 must be an integer "
+                                                                      r"in \[1, 100\]")])
 def test_bad_rule_values_name_the_value(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SkipRule(**kwargs)
@@ -100,7 +102,11 @@ def test_bad_rule_values_name_the_value(kwargs, match):
     ("algorithm.dynamic_sampling.skip_history.skip_prob=1.0",
      r"'algorithm.dynamic_sampling.skip_history.skip_prob' = 1.0 is out of range: it must be in \[0, 1\)"),
     ("algorithm.dynamic_sampling.skip_history.max_skips=0",
-     r"'algorithm.dynamic_sampling.skip_history.max_skips' = 0 must be an integer >= 1"),
+     r"'algorithm.dynamic_sampling.skip_history.max_skips' = 0 must be an integer in \[1, 100\]"),
+    # 10**12 skips in a row would mean "skip forever", which the retry bound promises never happens
+    ("algorithm.dynamic_sampling.skip_history.max_skips=1000000000000",
+     r"'algorithm.dynamic_sampling.skip_history.max_skips' = 1000000000000 must be an integer in \[1, 100\]: .*"
+     r"at least once every max_skips \+ 1 epochs"),
     ("algorithm.dynamic_sampling.skip_history.enabled=maybe", r"algorithm.dynamic_sampling.skip_history.enabled"),
 ])
 def test_config_rejects_bad_skip_history_values_naming_the_key(override, pattern):
@@ -123,3 +129,18 @@ def test_settings_carry_skip_history_into_the_loop_settings_default_off():
     assert loop_settings.skip_history and loop_settings.skip_max == 5 and loop_settings.skip_prob == 0.5
     assert not from_values(algorithm_values(load_config("tiny_cpu"))).skip_history.enabled
     assert problems({"dynamic_sampling.skip_history.max_skips": 2.5})[0][0] == "dynamic_sampling.skip_history.max_skips"
+
+
+def test_the_retry_bound_is_kept_at_its_largest_allowed_value():
+    """max_skips = MAX_SKIPS (the most the settings allow): a prompt whose groups are always uninformative (p ~ 1)
+    is still drawn at least once every MAX_SKIPS + 1 considerations, so the promise holds over a run."""
+    from nemo_dapo.core.settings import MAX_SKIPS, problems
+
+    assert problems({"dynamic_sampling.skip_history.max_skips": MAX_SKIPS}) == []
+    assert problems({"dynamic_sampling.skip_history.max_skips": MAX_SKIPS + 1})
+    history = PromptHistory(SkipRule(skip_prob=0.999, max_skips=MAX_SKIPS), seed=4)
+    for _ in range(50):
+        history.record(0, [1, 1])
+    decisions = [history.consider(0) for _ in range(5 * (MAX_SKIPS + 1))]
+    gaps = "".join("s" if d else "d" for d in decisions).split("d")
+    assert max(len(g) for g in gaps) == MAX_SKIPS and decisions.count(False) >= 4
