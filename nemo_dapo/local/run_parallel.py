@@ -18,7 +18,6 @@ from typing import Optional
 import torch
 import torch.multiprocessing as mp
 
-from nemo_dapo.core.loop_data import mix_seed
 from nemo_dapo.core.types import Generation
 from nemo_dapo.local.sampler import LocalSampler
 
@@ -56,8 +55,9 @@ def _worker(conn, config, attn_implementation: str, shared: dict, eos_id: int, p
 class ParallelSampler:
     """``Generator`` over ``processes`` single-threaded processes (this one included) sharing ``model``'s weights.
 
-    Rows are split in contiguous, nearly equal blocks; block k is sampled with seed ``mix_seed(seed, k)``, so
-    results are reproducible for a given number of processes. ``processes=1`` is the plain in-process sampler.
+    Rows are split in contiguous, nearly equal blocks; each block is sampled with the call's seed and its first row's
+    index, so every row draws from the same stream whatever the number of processes (``LocalSampler``'s rule).
+    ``processes=1`` is the plain in-process sampler.
     """
 
     def __init__(self, model, *, eos_id: int, pad_id: int, processes: int = 2):
@@ -97,7 +97,7 @@ class ParallelSampler:
             seed = int(torch.randint(0, 2 ** 62, (1,)).item())
         if n < 2 or not self._procs:
             return self.local.generate(prompt_ids, prompt_mask, max_new_tokens=max_new_tokens,
-                                       temperature=temperature, top_p=top_p, seed=mix_seed(seed, 0))
+                                       temperature=temperature, top_p=top_p, seed=seed)
         blocks = [(k * n // self.processes, (k + 1) * n // self.processes) for k in range(self.processes)]
         budget = max_new_tokens
         sent = []
@@ -105,13 +105,13 @@ class ParallelSampler:
             if hi == lo:
                 continue
             rows = budget[lo:hi] if isinstance(budget, torch.Tensor) and budget.dim() == 1 else budget
-            kwargs = dict(max_new_tokens=rows, temperature=temperature, top_p=top_p, seed=mix_seed(seed, k))
+            kwargs = dict(max_new_tokens=rows, temperature=temperature, top_p=top_p, seed=seed, first_row=lo)
             self._conns[k - 1].send(((prompt_ids[lo:hi], prompt_mask[lo:hi]), kwargs))
             sent.append(k)
         lo, hi = blocks[0]
         rows = budget[lo:hi] if isinstance(budget, torch.Tensor) and budget.dim() == 1 else budget
         parts = [self.local.generate(prompt_ids[lo:hi], prompt_mask[lo:hi], max_new_tokens=rows,
-                                     temperature=temperature, top_p=top_p, seed=mix_seed(seed, 0))] if hi > lo else []
+                                     temperature=temperature, top_p=top_p, seed=seed, first_row=lo)] if hi > lo else []
         for k in sent:
             try:
                 status, result = self._conns[k - 1].recv()

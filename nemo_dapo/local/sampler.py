@@ -7,11 +7,13 @@ lengths cost what the unfinished rows cost).
 """
 from __future__ import annotations
 
+import random
 from typing import Optional, Union
 
 import torch
 
-from nemo_dapo.core.sampling import sample_next
+from nemo_dapo.core.loop_data import mix_seed
+from nemo_dapo.core.sampling import inverse_cdf, sample_next, sampling_logp
 from nemo_dapo.core.types import Generation
 from nemo_dapo.local.model import position_ids_from_mask
 
@@ -36,6 +38,11 @@ class LocalSampler:
 
     Share the policy's module (``LocalSampler(policy.model, ...)``) and ``update_weights`` is a no-op; give it a
     separate copy and ``update_weights`` copies the policy's weights in.
+
+    Randomness: row i of a call draws from its own stream, a ``random.Random`` seeded with
+    ``mix_seed(seed, first_row + i)`` (one uniform per token, turned into a token by inverse CDF). A row's draws
+    therefore do not depend on how a batch is split between processes (``run_parallel.ParallelSampler`` passes each
+    block's ``first_row``), nor on the batch around it, up to floating-point round-off of its logits.
     """
 
     def __init__(self, model, *, eos_id: int, pad_id: int):
@@ -51,12 +58,13 @@ class LocalSampler:
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
                  max_new_tokens: Union[int, torch.Tensor], temperature: float = 1.0, top_p: float = 1.0,
-                 seed: Optional[int] = None) -> Generation:
+                 seed: Optional[int] = None, first_row: int = 0) -> Generation:
         """One response per row of LEFT-padded ``prompt_ids`` [B, P].
 
         ``max_new_tokens``: int or [B] tensor, the per-row budget (EOS included). A row stops at EOS or at its budget
         (then ``truncated``). ``seed`` fixes the draws (None: drawn from torch's global RNG, so seeding that
-        reproduces it too). Returns responses [B, R] right-padded with ``pad_id``, R = the longest response.
+        reproduces it too); ``first_row``: the index of row 0 in the whole batch this call is a block of (see the
+        class docstring). Returns responses [B, R] right-padded with ``pad_id``, R = the longest response.
         """
         if prompt_ids.dim() != 2 or prompt_ids.shape != prompt_mask.shape:
             raise ValueError(f"prompt_ids {tuple(prompt_ids.shape)} and prompt_mask {tuple(prompt_mask.shape)} "
@@ -70,16 +78,15 @@ class LocalSampler:
         budget = _budget(max_new_tokens, B)
         if seed is None:
             seed = int(torch.randint(0, 2 ** 62, (1,)).item())
-        # decoding runs on the model's device (the draws too: a CPU generator cannot drive a CUDA multinomial); the
-        # result comes back on the prompts' device. On the CPU the draws are those of torch.Generator() for the seed.
+        # decoding runs on the model's device; the result comes back on the prompts' device
         device = next(self.model.parameters()).device
-        gen = torch.Generator(device=device).manual_seed(int(seed))
+        streams = [random.Random(mix_seed(int(seed), int(first_row) + i)) for i in range(B)]
         budget = budget.to(device)
         was_training = self.model.training
         self.model.eval()
         try:
             tokens, logps, lengths, hit_eos = self._decode(prompt_ids.to(device), prompt_mask.to(device).long(),
-                                                           budget, temperature, top_p, gen)
+                                                           budget, temperature, top_p, streams)
         finally:
             self.model.train(was_training)
         width = int(lengths.max().item()) if B else 0
@@ -88,7 +95,7 @@ class LocalSampler:
         return Generation(response_ids=tokens[:, :width].to(out), response_mask=mask.to(out),
                           truncated=(~hit_eos & (lengths >= budget)).to(out), logprobs=logps[:, :width].to(out))
 
-    def _decode(self, prompt_ids, prompt_mask, budget, temperature, top_p, gen):
+    def _decode(self, prompt_ids, prompt_mask, budget, temperature, top_p, streams):
         from nemo_dapo.local.kv_cache import InPlaceCache
 
         B, limit = prompt_ids.shape[0], int(budget.max().item()) if prompt_ids.shape[0] else 0
@@ -108,7 +115,7 @@ class LocalSampler:
         # finished rows ride along until the next compaction
         alive = torch.ones(rows.numel(), dtype=torch.bool, device=device)
         for t in range(limit):
-            tok, lp = sample_next(self.model.lm_head(hidden).float(), temperature, top_p, gen)
+            tok, lp = _draw(self.model.lm_head(hidden).float(), temperature, top_p, [streams[r] for r in rows.tolist()])
             live = rows[alive]
             tokens[live, t], logps[live, t] = tok[alive], lp[alive]
             lengths[live] += 1
@@ -127,3 +134,14 @@ class LocalSampler:
                                    past_key_values=cache, use_cache=True)
             hidden, next_pos = out.last_hidden_state[:, -1], next_pos + 1
         return tokens, logps, lengths, hit_eos
+
+
+def _draw(logits: torch.Tensor, temperature: float, top_p: float, streams: list):
+    """One token per row of fp32 ``logits`` [N, V], row i drawing one uniform from ``streams[i]``. Returns (tokens [N],
+    log-probs [N]) with ``sample_next``'s meaning (greedy at temperature 0 reports the temperature-1 log-prob)."""
+    if temperature == 0:
+        return sample_next(logits, 0.0, 1.0, None)
+    logp = sampling_logp(logits, temperature, top_p, 0)
+    u = torch.tensor([s.random() for s in streams], dtype=torch.float64, device=logits.device)
+    tok = inverse_cdf(logp, u)
+    return tok, logp.gather(1, tok[:, None]).squeeze(1)
