@@ -16,6 +16,8 @@ generated tokens, the stop/EOS token included when one ended it; ``logprobs[t]``
 """
 from __future__ import annotations
 
+import math
+import operator
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Iterable, Optional, Protocol, Sequence
@@ -23,6 +25,7 @@ from typing import Iterable, Optional, Protocol, Sequence
 import torch
 
 FINISH_REASONS = ("stop", "length", "aborted")
+MAX_SAMPLES_PER_REQUEST = 1024  # n of one request (DAPO's groups are 16; pass@k evaluations use up to a few hundred)
 
 
 class EngineError(RuntimeError):
@@ -55,29 +58,67 @@ class Request:
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks: lengths set by the workload)
 
     def __post_init__(self):
-        if not isinstance(self.id, str) or not self.id:
-            raise ValueError(f"request id must be a non-empty string, got {self.id!r}")
-        self.prompt_ids = [int(t) for t in self.prompt_ids]
-        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        if not isinstance(self.id, str) or not 0 < len(self.id) <= 256:
+            raise ValueError(f"request id must be a non-empty string of at most 256 characters, got {self.id!r:.80}")
+        self.prompt_ids = _token_ids(self.id, "prompt_ids", self.prompt_ids)
+        self.stop_token_ids = _token_ids(self.id, "stop_token_ids", self.stop_token_ids)
         if not self.prompt_ids:
             raise ValueError(f"request {self.id}: empty prompt (every request needs at least one token)")
-        if int(self.n) < 1 or int(self.max_new_tokens) < 1:
-            raise ValueError(f"request {self.id}: need n >= 1 and max_new_tokens >= 1, got n={self.n}, "
-                             f"max_new_tokens={self.max_new_tokens}")
+        self.n, self.max_new_tokens, self.top_k = (_integer(self.id, k, getattr(self, k))
+                                                   for k in ("n", "max_new_tokens", "top_k"))
+        if not 1 <= self.n <= MAX_SAMPLES_PER_REQUEST or self.max_new_tokens < 1:
+            raise ValueError(f"request {self.id}: need 1 <= n <= {MAX_SAMPLES_PER_REQUEST} and max_new_tokens >= 1, "
+                             f"got n={self.n}, max_new_tokens={self.max_new_tokens}")
+        self.temperature, self.top_p = (_number(self.id, k, getattr(self, k)) for k in ("temperature", "top_p"))
         if self.temperature < 0 or not 0.0 < self.top_p <= 1.0 or self.top_k < 0:
             raise ValueError(f"request {self.id}: need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got "
                              f"{self.temperature}, {self.top_p}, {self.top_k}")
+        if self.seed is not None and not 0 <= _integer(self.id, "seed", self.seed) < 2 ** 63:
+            raise ValueError(f"request {self.id}: seed must be an int in [0, 2**63) or null, got {self.seed}")
 
     def to_wire(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_wire(cls, d: dict) -> "Request":
+        if not isinstance(d, dict):
+            raise ValueError(f"a request must be a JSON object, got {type(d).__name__}")
         known = {f for f in cls.__dataclass_fields__}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"request has unknown fields {unknown}; client and server protocol versions differ?")
         return cls(**d)
+
+
+def _integer(rid: str, field: str, value) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"request {rid}: {field} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"request {rid}: {field} must be an int, got {value!r:.40}") from None
+
+
+def _number(rid: str, field: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"request {rid}: {field} must be a finite number, got {value!r:.40}")
+    return float(value)
+
+
+def _token_ids(rid: str, field: str, ids) -> list:
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"request {rid}: {field} must be a list of token ids, got {type(ids).__name__}")
+    ids = [_integer(rid, field, t) for t in ids]
+    if ids and min(ids) < 0:
+        raise ValueError(f"request {rid}: {field} holds a negative token id ({min(ids)})")
+    return ids
+
+
+def check_token_ids(request: "Request", vocab_size: Optional[int], engine: str) -> None:
+    """Refuse a request whose prompt holds a token id the engine's vocabulary does not have."""
+    if vocab_size and request.prompt_ids and max(request.prompt_ids) >= vocab_size:
+        raise ValueError(f"engine {engine!r}: request {request.id}: token id {max(request.prompt_ids)} is outside "
+                         f"the vocabulary [0, {vocab_size}); the trainer and the engine use different tokenizers?")
 
 
 @dataclass
@@ -153,6 +194,17 @@ def check_weight(name: str, tensor: torch.Tensor, target: Optional[torch.Tensor]
     if not (tensor.dtype.is_floating_point and target.dtype.is_floating_point) and tensor.dtype != target.dtype:
         raise EngineWeightError(f"engine {engine!r}: weight {name!r} has dtype {tensor.dtype}, the engine's is "
                                 f"{target.dtype}", name)
+
+
+def check_finite(name: str, tensor: torch.Tensor, engine: str, chunk: int = 1 << 24) -> None:
+    """Raise EngineWeightError if a floating-point weight holds NaN or inf (checked in chunks: no full-size mask)."""
+    if not tensor.dtype.is_floating_point:
+        return
+    flat = tensor.reshape(-1)
+    for start in range(0, flat.numel(), chunk):
+        if not bool(torch.isfinite(flat[start:start + chunk]).all()):
+            raise EngineWeightError(f"engine {engine!r}: weight {name!r} holds NaN or inf values; refusing it (the "
+                                    "trainer's weights diverged, or a conversion overflowed the dtype)", name)
 
 
 def checkpoint_shapes(model_dir: str, engine: str) -> dict:

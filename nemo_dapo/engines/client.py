@@ -28,20 +28,35 @@ class EngineDied(EngineError):
     """The engine's connection dropped (process killed or crashed)."""
 
 
+class EngineBusy(EngineError):
+    """The engine server is serving another client (it serves one at a time)."""
+
+
+class EngineRefused(EngineError):
+    """The server refuses this client (key, permissions, protocol): retrying does not help."""
+
+
 class EngineClient:
     """One connection to one engine server.
 
-    connect_timeout_s: how long to keep trying to connect (an engine may take a minute to load);
-    request_timeout_s: the longest wait for a command's reply or for the next completion.
+    connect_timeout_s: the longest time to connect, authenticate and say hello (an engine may take minutes to load;
+    it listens once loaded); request_timeout_s: the longest wait for a command's reply or for the next completion.
+    authkey: the engine key; None = the key of ``process`` (a server we started), else ``protocol.read_authkey()``
+    (``$NEMO_DAPO_ENGINE_AUTHKEY`` or ``$NEMO_DAPO_ENGINE_AUTHKEY_FILE``). wait_if_busy: a server that serves another
+    client is retried until the connect time-out (False: EngineBusy at once). check_shared_memory: prove at hello that
+    the server sees this process's /dev/shm (the weight updates need it).
     """
 
     def __init__(self, address: str, *, authkey: Optional[bytes] = None, name: str = "engine",
                  connect_timeout_s: float = 120.0, request_timeout_s: float = 600.0,
-                 process: Optional["EngineProcess"] = None):
+                 process: Optional["EngineProcess"] = None, wait_if_busy: bool = True,
+                 check_shared_memory: bool = True):
         self.address, self.name, self.request_timeout_s = address, name, request_timeout_s
-        self.process = process
-        authkey = authkey or os.environ.get("NEMO_DAPO_ENGINE_AUTHKEY", "").encode() or P.DEFAULT_AUTHKEY
-        self._conn = self._connect(address, authkey, connect_timeout_s)
+        self.process, self.wait_if_busy = process, wait_if_busy
+        P.parse_address(address)  # AddressError (a ValueError) for a malformed one
+        deadline = time.monotonic() + connect_timeout_s
+        key = self._key(authkey)
+        self._ch = self._connect(key, deadline, connect_timeout_s)
         self._cmd = itertools.count(1)
         self._replies: dict = {}
         self._cv = threading.Condition()
@@ -49,37 +64,86 @@ class EngineClient:
         self._dead: Optional[str] = None
         self._reader = threading.Thread(target=self._read, daemon=True, name=f"{name}-reader")
         self._reader.start()
-        hello = self.call("hello", version=P.PROTOCOL_VERSION, timeout_s=min(60.0, request_timeout_s))
-        if hello.get("version") != P.PROTOCOL_VERSION:
+        try:
+            hello = self._hello(check_shared_memory, max(0.5, deadline - time.monotonic()))
+        except BaseException:
             self.close()
-            raise EngineError(f"engine {name!r} at {address} speaks protocol {hello.get('version')}, this trainer "
-                              f"{P.PROTOCOL_VERSION}: install the same nemo_dapo in both environments")
+            raise
         self.engine, self.info = hello.get("engine", name), hello.get("info", {})
 
-    def _connect(self, address: str, authkey: bytes, timeout_s: float):
-        deadline, last = time.monotonic() + timeout_s, None
+    def _key(self, authkey: Optional[bytes]) -> Optional[bytes]:
+        if authkey is None and self.process is not None:
+            authkey = self.process.authkey
+        if authkey is None:
+            try:
+                authkey = P.read_authkey()
+            except P.KeyConfigError as e:
+                raise EngineRefused(f"engine {self.name!r}: {e}") from None
+        if not authkey:
+            why = P.keyless_problem(self.address)
+            if why is not None:
+                raise EngineRefused(f"engine {self.name!r} at {self.address}: no engine key, and {why}: set "
+                                  f"${P.AUTHKEY_ENV} (or ${P.AUTHKEY_FILE_ENV}) to the engine server's key")
+        return authkey
+
+    def _hello(self, check_shared_memory: bool, timeout_s: float) -> dict:
+        token = P.ShmToken() if check_shared_memory else None
+        try:
+            hello = self.call("hello", version=P.PROTOCOL_VERSION, shm_token=token and token.name,
+                              timeout_s=timeout_s)
+        finally:
+            if token is not None:
+                token.close()
+        if hello.get("version") != P.PROTOCOL_VERSION:
+            raise EngineError(f"engine {self.name!r} at {self.address} speaks protocol {hello.get('version')}, this "
+                              f"trainer {P.PROTOCOL_VERSION}: install the same nemo_dapo in both environments")
+        if token is not None and not token.matches(hello.get("shm_token")):
+            raise EngineError(f"engine {self.name!r} at {self.address} did not read back the shared-memory token "
+                              f"/dev/shm/{token.name}: {P._IPC_HINT}")
+        return hello
+
+    def _connect(self, key: Optional[bytes], deadline: float, timeout_s: float) -> P.Channel:
+        """Connect and authenticate by ``deadline``; a missing, refusing or busy server is retried until then."""
+        last: Optional[BaseException] = None
         while True:
             if self.process is not None and self.process.poll() is not None:
                 raise EngineError(f"engine {self.name!r} exited with code {self.process.poll()} before it accepted "
                                   f"connections; its log: {self.process.log_path}\n{self.process.log_tail()}")
             try:
-                return P.connect(address, authkey)
-            except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError) as e:
+                sock = P.connect_socket(self.address, min(5.0, deadline - time.monotonic()))
+                try:
+                    return P.client_handshake(sock, key, max(0.01, deadline - time.monotonic()))
+                except BaseException:
+                    sock.close()
+                    raise
+            except P.ServerBusy as e:
+                if not self.wait_if_busy:
+                    raise EngineBusy(f"engine {self.name!r} at {self.address} is busy: {e}") from None
                 last = e
-            except P.connection.AuthenticationError as e:
-                raise EngineError(f"engine {self.name!r} at {address} rejected the authkey: set the same "
-                                  "NEMO_DAPO_ENGINE_AUTHKEY for the trainer and the engine") from e
-            if time.monotonic() > deadline:
-                raise EngineError(f"engine {self.name!r} not reachable at {address} after {timeout_s:.0f} s "
+            except P.AuthenticationError as e:
+                raise EngineRefused(f"engine {self.name!r} at {self.address}: {e}: give the trainer and the engine the "
+                                  f"same key (${P.AUTHKEY_ENV} or ${P.AUTHKEY_FILE_ENV})") from None
+            except PermissionError as e:
+                raise EngineRefused(f"engine {self.name!r} at {self.address}: permission denied ({e.strerror}): the "
+                                  "socket belongs to another user") from None
+            except P.ProtocolError as e:
+                raise EngineRefused(f"engine {self.name!r} at {self.address} does not speak the nemo_dapo engine "
+                                  f"protocol {P.PROTOCOL_VERSION} ({e}); is it an older nemo_dapo?") from None
+            except (OSError, EOFError) as e:  # absent, refused, reset, timed out: retried until the deadline
+                last = e
+            if time.monotonic() >= deadline:
+                raise EngineError(f"engine {self.name!r} not reachable at {self.address} after {timeout_s:.0f} s "
                                   f"({last!r}): start it (python -m nemo_dapo.engines.server ...) or raise the "
                                   "connect time-out")
-            time.sleep(0.2)
+            time.sleep(max(0.0, min(0.2, deadline - time.monotonic())))
 
     # ---- the reader thread ----------------------------------------------------------------------------------------
     def _read(self) -> None:
         try:
-            while True:
-                msg = P.recv(self._conn)
+            while self._dead is None:
+                if not self._ch.readable(0.5):
+                    continue
+                msg = self._ch.recv(P.IO_TIMEOUT_S)
                 op = msg["op"]
                 if op == "completion":
                     self.completions.put(Completion.from_wire(msg))
@@ -121,12 +185,14 @@ class EngineClient:
         """Send one command and wait for its reply; an ``error`` reply raises (EngineWeightError for weights)."""
         self._check()
         cmd = next(self._cmd)
+        timeout = self.request_timeout_s if timeout_s is None else timeout_s
         try:
-            P.send(self._conn, {"op": op, "cmd": cmd, **fields})
+            self._ch.send({"op": op, "cmd": cmd, **fields}, timeout)
+        except P.FrameTooLarge as e:  # refused before a byte was sent: the connection is intact
+            raise EngineError(f"engine {self.name!r}: {e}") from None
         except (OSError, ValueError) as e:
             self._die(f"cannot send {op!r} to engine {self.name!r} ({e!r})")
             self._check()
-        timeout = self.request_timeout_s if timeout_s is None else timeout_s
         with self._cv:
             ok = self._cv.wait_for(lambda: cmd in self._replies or self._dead is not None, timeout=timeout)
             msg = self._replies.pop(cmd, None)
@@ -162,27 +228,31 @@ class EngineClient:
     def abort(self, ids: Sequence[str]) -> int:
         return int(self.call("abort", ids=list(ids)).get("aborted", 0))
 
-    def update_weights(self, buckets: Iterable[list], buffer: Optional[P.WeightBuffer] = None) -> dict:
+    def update_weights(self, buckets: Iterable[list]) -> dict:
         """Send (name, tensor) buckets one by one through one shared-memory block, then ``update_weights_done``.
 
-        Extra memory: one block of the largest bucket. A failure part-way raises; the engine then refuses to
-        generate until a whole update succeeds."""
-        own = buffer is None
-        buffer = buffer or P.WeightBuffer()
+        Extra memory: one block of the largest bucket. A new block is attached (the server maps it and removes its
+        name) before it is filled, so a trainer killed mid-update leaves nothing in /dev/shm. A failure part-way
+        raises; the engine then refuses to generate until a whole update succeeds."""
+        buffer = P.WeightBuffer()
         stats = {"buckets": 0, "tensors": 0, "bytes": 0, "seconds": 0.0}
         t0 = time.perf_counter()
         try:
             for bucket in buckets:
-                name, specs = buffer.pack(bucket)
-                self.call("update_weights", shm=name, tensors=specs)
+                bucket = list(bucket)
+                specs, size = P.weight_layout(bucket)
+                fresh = buffer.reserve(size)
+                if fresh is not None:
+                    self.call("update_weights", shm=fresh, tensors=[])
+                buffer.fill(bucket, specs)
+                self.call("update_weights", shm=buffer.name, tensors=specs)
                 stats["buckets"] += 1
                 stats["tensors"] += len(specs)
                 stats["bytes"] += sum(P.nbytes(P.dtype_of(s["dtype"]), s["shape"]) for s in specs)
             self.call("update_weights_done")
             stats["buffer_bytes"] = buffer.size
         finally:
-            if own:
-                buffer.close()
+            buffer.close()
         stats["seconds"] = time.perf_counter() - t0
         return stats
 
@@ -192,8 +262,8 @@ class EngineClient:
     def wake(self) -> None:
         self.call("wake")
 
-    def health(self) -> dict:
-        return self.call("health", timeout_s=min(30.0, self.request_timeout_s))
+    def health(self, timeout_s: Optional[float] = None) -> dict:
+        return self.call("health", timeout_s=min(30.0, self.request_timeout_s) if timeout_s is None else timeout_s)
 
     def shutdown(self) -> None:
         if self.alive:
@@ -204,55 +274,62 @@ class EngineClient:
         self.close()
 
     def close(self) -> None:
-        """End the session so that the SERVER sees it at once: it serves one client at a time, and the reader
-        thread blocked in a read keeps the socket open through ``Connection.close`` alone (the next client of that
-        server would wait for ever). ``shutdown`` ends the stream for both sides."""
+        """End the session so that the SERVER sees it at once (it serves one client at a time): the stream is shut
+        down for both sides, which also wakes the reader thread; the socket is closed once that thread is done."""
         with self._cv:
             if self._dead is None:
                 self._dead = f"the client of engine {self.name!r} was closed"
             self._cv.notify_all()
+        self.completions.put(None)  # wakes a waiting next_completion()
         try:
-            with socket.socket(fileno=os.dup(self._conn.fileno())) as s:
-                s.shutdown(socket.SHUT_RDWR)
-        except (OSError, ValueError):
-            pass
-        try:
-            self._conn.close()
+            self._ch.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+        if self._reader is not threading.current_thread():
+            self._reader.join(timeout=2.0)
+        self._ch.sock.close()
 
 
 class EngineProcess:
     """Starts ``python -m nemo_dapo.engines.server`` (possibly another environment's python) and owns it.
 
-    The server exits with its parent (``--parent-pid``); ``stop()`` shuts it down, then terminates it."""
+    The server gets a fresh random key (or ``authkey``, or ``env``'s ``$NEMO_DAPO_ENGINE_AUTHKEY``) in its environment, never on its command line
+    (``ps`` shows arguments); a client given ``process=`` uses it. The server exits with its parent
+    (``--parent-pid``); ``stop()`` shuts it down, then terminates it."""
 
     def __init__(self, *, engine: str, model_dir: str, address: str, python: Optional[str] = None,
                  options: Optional[dict] = None, log_path: Optional[str] = None, threads: Optional[int] = 1,
-                 env: Optional[dict] = None):
+                 env: Optional[dict] = None, authkey: Optional[bytes] = None):
         import json
+
+        from nemo_dapo.engines.server import install_hint
 
         self.engine, self.address = engine, address
         self.python = python or sys.executable
         if not os.path.exists(self.python):
-            raise EngineError(f"engine {engine!r}: python {self.python!r} does not exist; install the engine's "
-                              f"environment (bash scripts/install.sh VENV engine-{engine}) or fix the python path")
+            raise EngineError(f"engine {engine!r}: python {self.python!r} does not exist; {install_hint(engine)}, "
+                              "or fix the python path")
         addr, family = P.parse_address(address)
-        if family == "AF_UNIX" and os.path.exists(addr):
-            os.unlink(addr)  # a stale socket of an earlier run
         cmd = [self.python, "-m", "nemo_dapo.engines.server", "--engine", engine, "--model", model_dir,
                "--address", address, "--parent-pid", str(os.getpid())]
         if threads:
             cmd += ["--threads", str(threads)]
         for k, v in (options or {}).items():
             cmd += ["--option", f"{k}={json.dumps(v)}"]
-        self.log_path = log_path or os.path.join(os.path.dirname(addr) if family == "AF_UNIX" else ".",
+        self.log_path = log_path or os.path.join(os.path.dirname(addr) if family == socket.AF_UNIX else ".",
                                                  f"engine-{engine}.log")
-        self._log = open(self.log_path, "ab")
-        run_env = {**os.environ, **(env or {})}
+        given = (env or {}).get(P.AUTHKEY_ENV)
+        self.authkey = authkey or (os.fsencode(given) if given else P.new_authkey())
+        run_env = {**os.environ, **(env or {}), P.AUTHKEY_ENV: os.fsdecode(self.authkey)}
+        run_env.pop(P.AUTHKEY_FILE_ENV, None)
         run_env.setdefault("OMP_NUM_THREADS", str(threads or 1))
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=run_env,
-                                     start_new_session=True)
+        self._log = open(self.log_path, "ab")
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=run_env,
+                                         start_new_session=True)
+        except BaseException:
+            self._log.close()
+            raise
         log.info("started engine %s (pid %d) on %s; log %s", engine, self.proc.pid, address, self.log_path)
 
     @property

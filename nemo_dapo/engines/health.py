@@ -4,9 +4,11 @@
 
 Each ADDRESS is ``unix:/path`` or ``tcp://HOST:PORT`` (as given to ``nemo_dapo.engines.server --address``). A
 server listens only once its engine is loaded, so a successful ``hello`` + ``health`` means ready. The probe
-disconnects right away (a server takes one client at a time: the trainer connects after it). Exit code 0 when all
-are healthy within the time-out, 1 otherwise (the message names the servers that are not). Prints one JSON line
-per server. The authkey comes from ``$NEMO_DAPO_ENGINE_AUTHKEY``, as for the server.
+disconnects right away (a server takes one client at a time: the trainer connects after it); a server that is
+serving a client already answers ``busy`` at once, which counts as up. Exit code 0 when all are healthy within the
+time-out, 1 otherwise (the message names the servers that are not); the time-out is a real upper bound on the wait.
+Prints one JSON line per server. The key is read as the server reads it (``protocol.read_authkey``:
+``$NEMO_DAPO_ENGINE_AUTHKEY`` or ``$NEMO_DAPO_ENGINE_AUTHKEY_FILE``).
 """
 from __future__ import annotations
 
@@ -16,33 +18,48 @@ import sys
 import time
 
 from nemo_dapo.engines.base import EngineError
-from nemo_dapo.engines.client import EngineClient
+from nemo_dapo.engines.client import EngineBusy, EngineClient, EngineRefused
 
 
 def probe(address: str, *, timeout_s: float) -> dict:
-    """The server's health reply; raises EngineError when it is not reachable within ``timeout_s``."""
-    client = EngineClient(address, name=address, connect_timeout_s=timeout_s, request_timeout_s=min(60.0, timeout_s))
+    """The server's health reply, or ``{address, busy: true}`` when it serves another client, all within
+    ``timeout_s``; raises EngineError when it is not reachable in that time (EngineRefused: not with this key)."""
+    deadline = time.monotonic() + timeout_s
     try:
-        return {"address": address, **{k: v for k, v in client.health().items() if k not in ("op", "cmd")}}
+        client = EngineClient(address, name=address, connect_timeout_s=timeout_s, request_timeout_s=timeout_s,
+                              wait_if_busy=False)
+    except EngineBusy:
+        return {"address": address, "busy": True}
+    try:
+        reply = client.health(timeout_s=max(0.05, deadline - time.monotonic()))
+        return {"address": address, **{k: v for k, v in reply.items() if k not in ("op", "cmd")}}
     finally:
         client.close()
 
 
 def wait_healthy(addresses, *, timeout_s: float, interval_s: float = 5.0, out=sys.stdout) -> list:
     """Addresses still unhealthy at the deadline (empty: all healthy). Servers are probed in turn until each
-    answers with ``weights_ok``; a refused or absent socket is retried every ``interval_s``."""
+    answers with ``weights_ok`` (or ``busy``: it is up and serving a client); an absent or refusing socket is retried
+    every ``interval_s``. A server that refuses our key is reported at once. Returns within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    pending = list(dict.fromkeys(addresses))
+    pending, last = list(dict.fromkeys(addresses)), ""
     while pending:
         left = []
-        for address in pending:
+        for i, address in enumerate(pending):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                left.append(address)
+                continue
             try:
-                reply = probe(address, timeout_s=max(0.5, min(interval_s, deadline - time.monotonic())))
+                reply = probe(address, timeout_s=min(max(interval_s, 0.5), remaining))
+            except EngineRefused as e:  # a wrong or missing key: waiting does not help
+                print(f"engine health: {e}", file=sys.stderr)
+                return left + pending[i:]
             except (EngineError, OSError, ValueError) as e:
                 left.append(address)
                 last = str(e)
                 continue
-            if not reply.get("weights_ok", False):
+            if not (reply.get("weights_ok") or reply.get("busy")):
                 left.append(address)
                 last = f"{address}: weights not ok"
                 continue

@@ -1,15 +1,26 @@
 """The rollout-engine server: one engine adapter behind the protocol of ``protocol.py``, in its own process.
 
     python -m nemo_dapo.engines.server --engine local|vllm|trtllm --model HF_DIR --address unix:/tmp/engine.sock \
-        [--options-file FILE] [--option key=value ...] [--parent-pid PID] [--threads N]
+        [--options-file FILE] [--option key=value ...] [--parent-pid PID] [--threads N] [--allow-remote-clients] \
+        [--handshake-timeout-s S] [--max-samples-in-flight N]
 
 One thread does everything: it reads a command when one is waiting, otherwise advances the engine (``adapter.step``)
 and streams each finished request back as a ``completion``. One client at a time (the trainer rank that owns this
-engine); when it disconnects, its requests are aborted and the server waits for the next. The authkey comes from
-``$NEMO_DAPO_ENGINE_AUTHKEY`` (default: a fixed key, fine for a Unix socket or loopback; set one on shared nodes).
+engine); a connection that arrives meanwhile is told ``busy`` and closed; when the client disconnects, its requests
+are aborted and the server waits for the next. A connection that fails the handshake (no key, wrong key, silence past
+``--handshake-timeout-s``), a malformed frame or a refused request never stops the server.
 
-Safety rules: weights are only updated while no request runs (the client drains or aborts first), and after an update
-that did not reach ``update_weights_done`` the server refuses to generate: it never samples from mixed weights.
+The key (``protocol.read_authkey``): ``$NEMO_DAPO_ENGINE_AUTHKEY``, or a chmod-600 file named by
+``$NEMO_DAPO_ENGINE_AUTHKEY_FILE``; never an argument. Without one the server starts only on a Unix socket whose
+directory only its user can enter. A TCP address that is not loopback needs ``--allow-remote-clients`` and a key.
+
+Safety rules: weights are only updated while no request runs (the client drains or aborts first), NaN / inf weights
+are refused, and after an update that did not reach ``update_weights_done`` the server refuses to generate: it never
+samples from mixed weights.
+
+Exit codes: 0 shut down by its client; 1 the engine failed while serving; 2 a bad argument, address or key; 3 the
+engine could not be built (a dependency that does not import, or its constructor refused). 2 and 3 print one
+``error:`` line.
 """
 from __future__ import annotations
 
@@ -18,13 +29,15 @@ import importlib
 import json
 import logging
 import os
+import select
+import socket
 import sys
 import threading
 import time
 from typing import Optional
 
 from nemo_dapo.engines import protocol as P
-from nemo_dapo.engines.base import EngineWeightError, Request
+from nemo_dapo.engines.base import EngineError, EngineWeightError, Request, check_finite, check_token_ids
 
 log = logging.getLogger("nemo_dapo.engine")
 
@@ -34,24 +47,68 @@ ENGINES = {
     "vllm": "nemo_dapo.engines.vllm:VLLMEngine",
     "trtllm": "nemo_dapo.engines.trtllm:TRTLLMEngine",
 }
+_INSTALL = {
+    "local": "install nemo_dapo with its dependencies (bash scripts/install.sh VENV core)",
+    "vllm": "run the server with the python of the venv made by `bash scripts/install.sh VENV engine-vllm`",
+    "trtllm": "run the server in the engine image built from containers/Dockerfile.engine",
+}
+MAX_SAMPLES_IN_FLIGHT = 65536  # samples queued or running at once (the recipes hold at most a few thousand)
+
+
+def install_hint(engine: str) -> str:
+    return _INSTALL.get(engine, f"install what {engine.partition(':')[0]!r} needs into the engine's environment")
+
+
+class StartError(Exception):
+    """The server cannot start; ``code`` is its exit code (2 bad input, 3 engine not buildable)."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
 
 
 def make_engine(name: str, model_dir: str, options: dict):
     """``name``: a key of ENGINES, or ``package.module:factory`` for an engine of your own."""
     if name not in ENGINES and ":" not in name:
-        raise SystemExit(f"unknown engine {name!r}; choose one of {sorted(ENGINES)} or give module:factory")
+        raise StartError(f"--engine {name!r}: unknown; choose one of {sorted(ENGINES)} or give module:factory", 2)
+    if name in ENGINES and not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise StartError(f"--model {model_dir!r}: not a Hugging Face checkpoint directory (no config.json in it); "
+                         "give the directory that save_pretrained wrote", 2)
     module, _, attr = ENGINES.get(name, name).partition(":")
-    factory = importlib.import_module(module)
-    for part in attr.split("."):
-        factory = getattr(factory, part)
-    return factory(model_dir, **options)
+    try:
+        factory = importlib.import_module(module)
+        for part in attr.split("."):
+            factory = getattr(factory, part)
+    except ImportError as e:
+        raise _import_failed(name, e) from None
+    except AttributeError as e:
+        raise StartError(f"--engine {name!r}: {e}", 2) from None
+    try:
+        return factory(model_dir, **options)
+    except ImportError as e:  # ModuleNotFoundError too: a dependency the engine imports when it starts
+        raise _import_failed(name, e) from None
+    except TypeError as e:
+        if "unexpected keyword argument" not in str(e):
+            raise
+        raise StartError(f"--option: engine {name!r} does not take that option ({e})", 2) from None
+    except (EngineError, ValueError) as e:
+        raise StartError(f"engine {name!r} cannot start: {e}", 3) from None
+
+
+def _import_failed(name: str, e: ImportError) -> StartError:
+    return StartError(f"engine {name!r} cannot start: module {e.name or '?'!r} does not import "
+                      f"({type(e).__name__}: {e}); fix: {install_hint(name)}", 3)
 
 
 class EngineServer:
-    def __init__(self, adapter, listener, *, name: Optional[str] = None):
-        self.adapter, self.listener = adapter, listener
+    def __init__(self, adapter, listener: P.Listener, *, name: Optional[str] = None, authkey: Optional[bytes] = None,
+                 handshake_timeout_s: float = P.HANDSHAKE_TIMEOUT_S,
+                 max_samples_in_flight: int = MAX_SAMPLES_IN_FLIGHT):
+        self.adapter, self.listener, self.authkey = adapter, listener, authkey
         self.name = name or getattr(adapter, "name", "engine")
-        self.inflight: set = set()
+        self.handshake_timeout_s, self.max_samples_in_flight = handshake_timeout_s, max_samples_in_flight
+        self.vocab_size = adapter.info().get("vocab_size")
+        self.inflight: dict = {}  # request id -> its sample count
         self.weights_ok = True
         self.sleeping = False
         self.started = time.time()
@@ -61,66 +118,127 @@ class EngineServer:
     # ---- sessions -------------------------------------------------------------------------------------------------
     def serve(self) -> int:
         while not self._stop:
-            conn = self.listener.accept()
+            ch = self._accept()
+            if ch is None:
+                continue
             try:
-                self._session(conn)
-            except (EOFError, OSError, ConnectionError):
-                log.info("client disconnected")
+                self._session(ch)
             except _Fatal as e:
                 log.error("engine %s failed: %s", self.name, e)
                 return 1
+            except (EOFError, OSError, P.ProtocolError) as e:
+                log.info("client disconnected (%s)", e or type(e).__name__)
             finally:
-                if self.inflight:
-                    self.adapter.abort(sorted(self.inflight))
-                    self.inflight.clear()
-                conn.close()
+                self._end_session(ch)
         return 0
 
-    def _session(self, conn) -> None:
+    def _accept(self) -> Optional[P.Channel]:
+        """The next authenticated client, or None (nobody came within a moment, or a connection failed the
+        handshake: logged, closed, and the server goes on)."""
+        sock = self.listener.accept(0.5)
+        if sock is None:
+            return None
+        try:
+            return P.server_handshake(sock, self.authkey, self.handshake_timeout_s)
+        except Exception as e:  # noqa: BLE001 - whatever a peer does before it is authenticated, we serve on
+            log.warning("refused a connection: %s (%s)", e or "closed", type(e).__name__)
+            sock.close()
+            return None
+
+    def _end_session(self, ch: P.Channel) -> None:
+        try:
+            if self.inflight:
+                self.adapter.abort(sorted(self.inflight))
+        except Exception:  # noqa: BLE001 - a failing abort must not hide why the session ended
+            log.exception("aborting the requests of the closed session failed")
+        self.inflight.clear()
+        self._close_buffer()
+        ch.close()
+
+    def _session(self, ch: P.Channel) -> None:
+        poller = select.poll()
+        poller.register(ch.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+        poller.register(self.listener.fileno(), select.POLLIN)
         while not self._stop:
             busy = self.adapter.has_work()
-            if conn.poll(0 if busy else 0.05):
-                self._handle(conn, P.recv(conn))
+            ready = {fd for fd, _ in poller.poll(0 if busy else 50)}
+            if self.listener.fileno() in ready:
+                self._turn_away()
+            if ch.fileno() in ready:
+                try:
+                    body = ch.read_frame(P.IO_TIMEOUT_S)
+                except P.FrameTooLarge as e:  # the stream cannot be resynchronised: say why, then close
+                    self._try_send(ch, _error(None, "bad_request", f"{e}; closing the connection"))
+                    raise
+                self._handle_frame(ch, body)
             if self.adapter.has_work():
                 try:
                     done = self.adapter.step()
                 except Exception as e:  # noqa: BLE001 - reported to the client, then the server exits
-                    P.send(conn, {"op": "fatal", "message": f"engine {self.name!r} failed while generating: {e!r}"})
+                    self._try_send(ch, {"op": "fatal",
+                                        "message": f"engine {self.name!r} failed while generating: {e!r}"})
                     raise _Fatal(repr(e)) from e
-                self._send_completions(conn, done)
+                self._send_completions(ch, done)
 
-    def _send_completions(self, conn, completions) -> None:
+    def _turn_away(self) -> None:
+        for _ in range(16):
+            sock = self.listener.accept(0)
+            if sock is None:
+                return
+            log.info("turned away a connection: another client is being served")
+            P.send_busy(sock)
+
+    def _send_completions(self, ch: P.Channel, completions) -> None:
         for c in completions:
-            self.inflight.discard(c.id)
-            P.send(conn, {"op": "completion", **c.to_wire()})
+            self.inflight.pop(c.id, None)
+            ch.send({"op": "completion", **c.to_wire()})
+
+    @staticmethod
+    def _try_send(ch: P.Channel, msg: dict) -> None:
+        try:
+            ch.send(msg, 1.0)
+        except (OSError, ValueError):
+            pass
 
     # ---- commands -------------------------------------------------------------------------------------------------
-    def _handle(self, conn, msg: dict) -> None:
-        op, cmd = msg.get("op"), msg.get("cmd")
+    def _handle_frame(self, ch: P.Channel, body) -> None:
+        try:
+            msg = P.decode(body)
+        except P.ProtocolError as e:
+            ch.send(_error(None, "bad_request", f"malformed frame: {e}"))
+            return
+        self._handle(ch, msg)
+
+    def _handle(self, ch: P.Channel, msg: dict) -> None:
+        op, cmd = msg["op"], msg.get("cmd")
+        cmd = cmd if isinstance(cmd, (int, str)) else None
         handler = getattr(self, f"_op_{op}", None)
         try:
             if handler is None:
-                raise _BadRequest(f"unknown op {op!r} (protocol version {P.PROTOCOL_VERSION})")
+                raise _BadRequest(f"unknown op {op[:40]!r} (protocol version {P.PROTOCOL_VERSION})")
             reply, after = handler(msg)
         except EngineWeightError as e:
-            P.send(conn, {"op": "error", "cmd": cmd, "type": "weight", "name": e.name, "message": str(e)})
+            ch.send({**_error(cmd, "weight", str(e)), "name": e.name})
             return
-        except (_BadRequest, ValueError, TypeError, KeyError) as e:
-            P.send(conn, {"op": "error", "cmd": cmd, "type": "bad_request", "message": str(e)})
+        except (ValueError, TypeError, KeyError, OverflowError) as e:  # _BadRequest and ProtocolError too
+            ch.send(_error(cmd, "bad_request", f"{type(e).__name__}: {e}" if isinstance(e, KeyError) else str(e)))
             return
         except Exception as e:  # noqa: BLE001 - the client gets the error; the server keeps serving
             log.exception("op %s failed", op)
-            P.send(conn, {"op": "error", "cmd": cmd, "type": "engine", "message": f"{op} failed: {e!r}"})
+            ch.send(_error(cmd, "engine", f"{op} failed: {e!r}"))
             return
-        P.send(conn, {"op": "reply", "cmd": cmd, **reply})
-        self._send_completions(conn, after)
+        ch.send({"op": "reply", "cmd": cmd, **reply})
+        self._send_completions(ch, after)
 
     def _op_hello(self, msg):
         if msg.get("version") != P.PROTOCOL_VERSION:
             raise _BadRequest(f"protocol version mismatch: client speaks {msg.get('version')}, engine server "
                               f"{self.name!r} speaks {P.PROTOCOL_VERSION}; install the same nemo_dapo version in "
                               "the trainer's and the engine's environments")
-        return {"version": P.PROTOCOL_VERSION, "engine": self.name, "info": self.adapter.info()}, []
+        reply = {"version": P.PROTOCOL_VERSION, "engine": self.name, "info": self.adapter.info()}
+        if msg.get("shm_token") is not None:
+            reply["shm_token"] = P.read_token(msg["shm_token"])
+        return reply, []
 
     def _op_submit(self, msg):
         if not self.weights_ok:
@@ -128,17 +246,37 @@ class EngineServer:
                               "on mixed weights; send the whole update again")
         if self.sleeping:
             raise _BadRequest("engine is asleep: send wake before submitting requests")
+        if not isinstance(msg.get("requests"), list):
+            raise _BadRequest("submit needs 'requests': a list of requests")
         requests = [Request.from_wire(r) for r in msg["requests"]]
         dup = [r.id for r in requests if r.id in self.inflight]
         if dup or len({r.id for r in requests}) != len(requests):
             raise _BadRequest(f"request ids already in flight or repeated: {dup[:5]}")
         for r in requests:
-            self.adapter.add(r)
-            self.inflight.add(r.id)
+            check_token_ids(r, self.vocab_size, self.name)
+        held, want = sum(self.inflight.values()), sum(r.n for r in requests)
+        if held + want > self.max_samples_in_flight:
+            raise _BadRequest(f"submit of {want} samples refused: {held} are in flight and this engine server holds at "
+                              f"most {self.max_samples_in_flight} (--max-samples-in-flight); wait for completions, "
+                              "abort, or submit fewer at once")
+        added = []
+        try:
+            for r in requests:
+                self.adapter.add(r)
+                added.append(r.id)
+                self.inflight[r.id] = r.n
+        except BaseException:
+            if added:  # all or nothing: the client is told the submit failed, so none of it may run
+                self.adapter.abort(added)
+                for rid in added:
+                    self.inflight.pop(rid, None)
+            raise
         return {"queued": len(requests)}, []
 
     def _op_abort(self, msg):
-        ids = [i for i in msg["ids"] if i in self.inflight]
+        if not isinstance(msg.get("ids"), list):
+            raise _BadRequest("abort needs 'ids': a list of request ids")
+        ids = [i for i in msg["ids"] if isinstance(i, str) and i in self.inflight]
         done = self.adapter.abort(ids) if ids else []
         return {"aborted": len(done)}, done
 
@@ -146,13 +284,18 @@ class EngineServer:
         if self.inflight:
             raise _BadRequest(f"{len(self.inflight)} requests are still running: let them finish or abort them "
                               "before updating weights")
+        if not isinstance(msg.get("tensors"), list):
+            raise _BadRequest("update_weights needs 'tensors': a list of weight specs")
         self.weights_ok = False
-        if self._buffer is None or self._buffer.name != msg["shm"]:
+        if self._buffer is None or self._buffer.name != msg.get("shm"):
             self._close_buffer()
-            self._buffer = P.AttachedBuffer(msg["shm"])
+            self._buffer = P.AttachedBuffer(msg.get("shm"))  # maps the block and removes its name
         named = self._buffer.tensors(msg["tensors"])
         try:
-            self.adapter.load_weights(named)
+            for name, t in named:  # the whole bucket before any of it is loaded: a refused bucket changes nothing
+                check_finite(name, t, self.name)
+            if named:
+                self.adapter.load_weights(named)
         finally:
             del named  # the adapter copied them; drop the views before the block can be closed
         return {"loaded": len(msg["tensors"])}, []
@@ -164,9 +307,9 @@ class EngineServer:
         return {}, []
 
     def _op_sleep(self, msg):
-        level = int(msg.get("level", 1))
-        if level not in (1, 2):
-            raise _BadRequest(f"sleep level must be 1 (KV cache) or 2 (KV cache and weights), got {level}")
+        level = msg.get("level", 1)
+        if level not in (1, 2) or isinstance(level, bool):
+            raise _BadRequest(f"sleep level must be 1 (KV cache) or 2 (KV cache and weights), got {level!r:.40}")
         if self.inflight:
             raise _BadRequest("cannot sleep with requests running; abort or finish them first")
         self.adapter.sleep(level)
@@ -193,6 +336,10 @@ class EngineServer:
             self._buffer = None
 
 
+def _error(cmd, kind: str, message: str) -> dict:
+    return {"op": "error", "cmd": cmd, "type": kind, "message": message}
+
+
 class _BadRequest(ValueError):
     pass
 
@@ -217,8 +364,8 @@ def _options(pairs) -> dict:
     out = {}
     for pair in pairs or []:
         key, sep, value = pair.partition("=")
-        if not sep:
-            raise SystemExit(f"--option {pair!r}: expected key=value")
+        if not sep or not key:
+            raise StartError(f"--option {pair!r}: expected key=value", 2)
         try:
             out[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -235,22 +382,40 @@ def _options_file(path, engine: str) -> dict:
         with open(path) as f:
             data = json.load(f)
     except OSError as e:
-        raise SystemExit(f"--options-file {path!r}: cannot read it ({e.strerror})") from None
-    except json.JSONDecodeError as e:
-        raise SystemExit(f"--options-file {path!r}: not valid JSON ({e})") from None
+        raise StartError(f"--options-file {path!r}: cannot read it ({e.strerror})", 2) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise StartError(f"--options-file {path!r}: not valid JSON ({e})", 2) from None
     if isinstance(data, dict) and isinstance(data.get("options"), dict) and "engine" in data:
         if data["engine"] != engine:
-            raise SystemExit(f"--options-file {path!r} holds options for engine {data['engine']!r}, not for "
-                             f"--engine {engine!r}; write it for the same engine")
+            raise StartError(f"--options-file {path!r} holds options for engine {data['engine']!r}, not for "
+                             f"--engine {engine!r}; write it for the same engine", 2)
         data = data["options"]
     if not isinstance(data, dict):
-        raise SystemExit(f"--options-file {path!r}: expected a JSON object of engine options, got "
-                         f"{type(data).__name__}")
+        raise StartError(f"--options-file {path!r}: expected a JSON object of engine options, got "
+                         f"{type(data).__name__}", 2)
     return data
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m nemo_dapo.engines.server", description=__doc__.split("\n\n")[0])
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, as every other refusal of this command
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _positive(kind):
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
+        return value
+    return parse
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m nemo_dapo.engines.server", description=__doc__.split("\n\n")[0])
     p.add_argument("--engine", required=True, help=f"one of {sorted(ENGINES)}, or module:factory")
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory (config.json + weights)")
     p.add_argument("--address", required=True, help="unix:/path/to.sock or tcp://127.0.0.1:PORT")
@@ -258,28 +423,69 @@ def main(argv=None) -> int:
                    "overrides the same key of --options-file")
     p.add_argument("--options-file", default=None, help="JSON object of engine constructor arguments (or the "
                    "{engine, engine_gpus, options} file of nemo_dapo.cluster.engine_options)")
-    p.add_argument("--parent-pid", type=int, default=None, help="exit when this process exits")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads of the engine process")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="[engine %(asctime)s] %(message)s", stream=sys.stderr)
+    p.add_argument("--parent-pid", type=_positive(int), default=None, help="exit when this process exits")
+    p.add_argument("--threads", type=_positive(int), default=None, help="torch intra-op threads of the engine")
+    p.add_argument("--allow-remote-clients", action="store_true", help="allow a TCP address that is not loopback "
+                   "(clients on other machines); a key is required then")
+    p.add_argument("--handshake-timeout-s", type=_positive(float), default=P.HANDSHAKE_TIMEOUT_S,
+                   help="drop a connection that has not proved the key within this many seconds")
+    p.add_argument("--max-samples-in-flight", type=_positive(int), default=MAX_SAMPLES_IN_FLIGHT,
+                   help="refuse a submit that would hold more samples than this at once")
+    return p
+
+
+def _listen_plan(args) -> tuple:
+    """(key, what protects it): refused before the engine loads (loading may take minutes)."""
+    try:
+        key = P.read_authkey()
+        protection = P.server_key_policy(args.address, key, args.allow_remote_clients)
+    except (P.KeyConfigError, P.AddressError) as e:
+        raise StartError(str(e), 2) from None
+    os.environ.pop(P.AUTHKEY_ENV, None)  # not inherited by the engine's own worker processes
+    addr, family = P.parse_address(args.address)
+    if family == socket.AF_UNIX and os.path.isdir(addr):
+        raise StartError(f"--address {args.address}: {addr!r} is a directory; give a socket path inside it, e.g. "
+                         f"unix:{os.path.join(addr, 'engine.sock')}", 2)
+    return key, protection
+
+
+def _run(args) -> int:
+    key, protection = _listen_plan(args)
     if args.parent_pid:
         _watch_parent(args.parent_pid)
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    authkey = os.environ.get("NEMO_DAPO_ENGINE_AUTHKEY", "").encode() or P.DEFAULT_AUTHKEY
     t0 = time.time()
     options = {**_options_file(args.options_file, args.engine), **_options(args.option)}
     adapter = make_engine(args.engine, args.model, options)
-    listener = P.listen(args.address, authkey)  # listen only once the engine is up: connecting means ready
-    log.info("engine %s ready on %s in %.1f s (protocol %d)", args.engine, args.address, time.time() - t0,
-             P.PROTOCOL_VERSION)
     try:
-        return EngineServer(adapter, listener, name=args.engine).serve()
+        try:
+            listener = P.Listener(args.address)  # listen only once the engine is up: connecting means ready
+        except P.AddressError as e:
+            raise StartError(str(e), 2) from None
+        log.info("engine %s ready on %s in %.1f s (protocol %d; %s)", args.engine, args.address, time.time() - t0,
+                 P.PROTOCOL_VERSION, protection)
+        try:
+            return EngineServer(adapter, listener, name=args.engine, authkey=key,
+                                handshake_timeout_s=args.handshake_timeout_s,
+                                max_samples_in_flight=args.max_samples_in_flight).serve()
+        finally:
+            listener.close()
     finally:
-        listener.close()
         adapter.close()
+
+
+def main(argv=None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[engine %(asctime)s] %(message)s", stream=sys.stderr)
+    try:
+        return _run(args)
+    except StartError as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return e.code
 
 
 if __name__ == "__main__":

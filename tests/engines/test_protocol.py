@@ -140,11 +140,13 @@ def test_wrong_protocol_version_is_refused_at_connect(tmp_path):
     sock = f"unix:{tmp_path}/old.sock"
     code = ("import sys, nemo_dapo.engines.protocol as P; P.PROTOCOL_VERSION = 99; "
             "from nemo_dapo.engines.server import main; sys.exit(main(sys.argv[1:]))")
+    key = P.new_authkey()
     proc = subprocess.Popen([sys.executable, "-c", code, "--engine", TOY, "--model", "-", "--address", sock],
-                            env={**os.environ, **ENV}, stderr=subprocess.DEVNULL)
+                            env={**os.environ, **ENV, P.AUTHKEY_ENV: key.decode()}, stderr=subprocess.DEVNULL)
     try:
-        with pytest.raises(EngineError, match="protocol version mismatch: client speaks 1, .* speaks 99"):
-            EngineClient(sock, name="old", connect_timeout_s=60)
+        with pytest.raises(EngineError, match=f"protocol version mismatch: client speaks {P.PROTOCOL_VERSION}, .* "
+                                              "speaks 99"):
+            EngineClient(sock, name="old", connect_timeout_s=60, authkey=key)
     finally:
         proc.kill()
         proc.wait()
@@ -215,16 +217,19 @@ def test_weight_buffer_roundtrip_of_mixed_dtypes_and_reuse():
                ("c", torch.randn(2, 2).to(torch.bfloat16)), ("d", torch.zeros(0, 4))]
     try:
         name, specs = buf.pack(tensors)
+        assert os.path.exists(f"/dev/shm/{name}")
         peer = P.AttachedBuffer(name)
+        assert not os.path.exists(f"/dev/shm/{name}")  # the engine removes the name as soon as it has mapped it
         got = dict(peer.tensors(specs))
         for n, t in tensors:
             assert got[n].dtype == t.dtype and torch.equal(got[n], t)
-        del got
-        peer.close()
         size = buf.size
         assert buf.pack([("a", torch.ones(2))])[0] == name and buf.size == size  # reused, not re-allocated
+        assert torch.equal(dict(peer.tensors(specs[:1]))["a"][0, :2], torch.ones(2))  # both map the same memory
+        del got
+        peer.close()
     finally:
-        buf.close()
+        buf.close()  # the name is gone already: closing must not fail
 
 
 def test_closing_a_client_frees_the_server_for_the_next_one(tmp_path):

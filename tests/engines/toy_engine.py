@@ -4,7 +4,9 @@ Sample j of a request emits, per ``step()``, one token ``(seed + 7 j + 3 t + pro
 ``offset = int(w.sum())`` of its one weight ``w`` [4]; it stops at a stop token or at max_new_tokens. The log-prob
 of every token is ``-0.5``. Options: ``step_delay_s`` (sleep per step, so tests can kill or abort mid-generation),
 ``lengths`` (a list: sample j of the k-th request ever added stops after lengths[(k + j) % len] tokens, for long-
-tailed workloads), ``fail_after_steps`` (raise inside step() after that many steps: an engine crash).
+tailed workloads), ``fail_after_steps`` (raise inside step() after that many steps: an engine crash),
+``load_delay_s`` (sleep per weight bucket, so tests can kill a trainer mid-transfer).
+``needs_missing_dependency`` is an engine factory whose dependency does not import.
 """
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ class ToyEngine:
     name = "toy"
 
     def __init__(self, model_dir: str = "", *, vocab: int = 50, step_delay_s: float = 0.0, lengths=None,
-                 fail_after_steps: int = 0, max_batch_size: int = 1 << 30):
+                 fail_after_steps: int = 0, max_batch_size: int = 1 << 30, load_delay_s: float = 0.0):
         self.vocab, self.step_delay_s, self.lengths = vocab, step_delay_s, lengths
+        self.load_delay_s = load_delay_s
         self.fail_after_steps, self.max_batch_size = fail_after_steps, max_batch_size
         self.w = torch.zeros(4)
         self.running: dict = {}  # id -> (request, [tokens per sample], [done flags], [stop len])
@@ -93,6 +96,7 @@ class ToyEngine:
         return out
 
     def load_weights(self, named) -> None:
+        time.sleep(self.load_delay_s)
         params = {"w": self.w}
         for name, t in named:
             check_weight(name, t, params.get(name), self.name)
@@ -109,3 +113,10 @@ class ToyEngine:
 
     def close(self) -> None:
         pass
+
+
+def needs_missing_dependency(model_dir: str = "", **options):
+    """An engine whose runtime dependency is not installed (as vLLM or TensorRT-LLM outside their environment)."""
+    import nemo_dapo_missing_dependency  # noqa: F401 - no such module
+
+    return ToyEngine(model_dir, **options)
