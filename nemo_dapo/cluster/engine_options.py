@@ -78,10 +78,13 @@ def _refuse(engine: str, key: str, value, why: str):
 
 
 def _trtllm(s: dict) -> dict:
-    """nemo_dapo/engines/trtllm.py TRTLLMEngine; it has no pipeline parallelism."""
+    """nemo_dapo/engines/trtllm.py TRTLLMEngine; it has no pipeline parallelism. Several TP engines in one run get
+    ``allreduce_strategy="NCCL"``: TensorRT-LLM's own AsyncLLM (llmapi/async_llm.py) forces it for RL, whose default
+    AllReduce gave wrong log-probs at large batch with several rollout instances (nvbugs/5727691); verl does the same."""
     if s["pipeline_parallel_size"] != 1:
         _refuse("trtllm", "pipeline_parallel_size", s["pipeline_parallel_size"], "TRTLLMEngine has no PP option")
-    return {"prompt_budget": s["max_input_len"], "response_budget": s["max_seq_len"] - s["max_input_len"],
+    nccl = {"allreduce_strategy": "NCCL"} if s["tensor_parallel_size"] > 1 and s["num_engines"] > 1 else {}
+    return {**nccl, "prompt_budget": s["max_input_len"], "response_budget": s["max_seq_len"] - s["max_input_len"],
             "max_input_len": s["max_input_len"], "max_batch_size": s["max_batch_size"],
             "max_num_tokens": s["max_num_tokens"], "free_gpu_memory_fraction": s["free_gpu_memory_fraction"],
             "enable_block_reuse": bool(s["enable_block_reuse"]), "capacity_scheduler": s["capacity_scheduler"],
@@ -124,6 +127,7 @@ def engine_options(cfg: dict) -> dict:
     if problems:
         raise EngineOptionsError("; ".join(problems))
     s = read_server(cfg)
+    s["num_engines"] = max(1, sizes(cfg)["world"] // (s["tensor_parallel_size"] * s["pipeline_parallel_size"]))
     return {"engine": engine, "engine_gpus": s["tensor_parallel_size"] * s["pipeline_parallel_size"],
             "options": MAPPERS[engine](s)}
 

@@ -1,7 +1,9 @@
 """TensorRT-LLM as a rollout engine: ``TRTLLMEngine`` drives ``tensorrt_llm.LLM(backend="pytorch")`` (in-flight batching).
 
-Every TensorRT-LLM name used here is recorded, with the file it was read from, in
-``tests/engines/trtllm_api_snapshot.json``; the contract tests run this adapter against a fake that enforces it.
+Written against ONE release, the one ``containers/Dockerfile.engine`` pins (TensorRT-LLM v1.3.0rc1): every name used
+here is recorded, with the file of that release it comes from, in ``trtllm_api_snapshot.json`` (next to this file);
+``trtllm_check`` verifies the installed package against it when the image is built, and the contract tests run this
+adapter against a fake shaped like that release (tests/engines/fake_trtllm.py).
 
 * Async engine, single-threaded server: ``LLM.generate_async`` returns a ``RequestOutput`` whose ``aresult()`` is
   awaitable only when created inside an event loop. The adapter runs one asyncio loop in a helper thread: ``add``
@@ -17,13 +19,24 @@ Every TensorRT-LLM name used here is recorded, with the file it was read from, i
 * Log-probs: ``logprobs=0`` (the sampled token only) with ``logprobs_mode="processed"``: log-probabilities after
   temperature / top-k / top-p (``sampling_params.LogprobMode.PROCESSED``), our convention (``base.py``).
 * Weights: TensorRT-LLM's RL hook ``rlhf_utils.WorkerExtension.update_weights`` through ``LLM._collective_rpc`` (Ray
-  orchestrator). A bucket is copied to each engine GPU, CUDA IPC handles (``reduce_tensor``) keyed by that GPU's UUID
-  go to ``update_weights(handles)`` (``model_loader.reload(..., allow_partial_loading=True)``); ``finish_weights``
-  sends ``update_weights(None)``: ``process_weights_after_loading`` / ``post_load_weights`` per module, MoE
-  load-balancer finalisation, ``reset_prefix_cache``. TRT-LLM skips unknown names silently, so names and shapes are
-  checked against the checkpoint's safetensors headers first, and the parts of a fused module (q/k/v, gate/up,
-  an expert's w1/w3) are held back on the GPU until the bucket that completes them.
-* Sleep: ``_collective_rpc("sleep", (tags,))`` / ``("wakeup", (tags,))`` with ``enable_sleep=True``; level 1 frees
+  orchestrator). The release's cycle: the first ``update_weights(handles)`` runs every module's
+  ``pre_reload_weights`` (PR #10456), each bucket is loaded with ``model_loader.reload(...,
+  allow_partial_loading=True)`` (PR #9224), and ``finish_weights`` sends ``update_weights(None)``:
+  ``process_weights_after_loading`` / ``post_load_weights`` per module, MoE load-balancer finalisation,
+  ``reset_prefix_cache``. ``handles`` maps each engine GPU's UUID to CUDA IPC handles (``reduce_tensor``); with
+  ``refit_copy="shared"`` (default) a bucket is copied to the engine's first GPU ONCE and every rank opens that copy
+  (each rank's loader reads its own slice over the GPUs' peer link), so the host-to-device bytes of a refit are the
+  model's size, not TP times it; ``"per_rank"`` copies it to every GPU. TRT-LLM skips unknown names silently, so
+  names and shapes are checked against the checkpoint's safetensors headers first, and the parts of a fused module
+  (q/k/v, gate/up, an expert's w1/w3) are held back on the GPU until the bucket that completes them.
+* CUDA graphs are off (``cuda_graph_config=None``): at this release ``pre_reload_weights`` is incompatible with CUDA
+  graphs when a module rebuilds its tensors (PR #10456; the release's sleep test builds its LLM the same way; the
+  graph-safe reload, PR #11267, is later).
+* Several TP engines in one run: ``allreduce_strategy="NCCL"`` (``nemo_dapo.cluster.engine_options`` sets it), the
+  workaround TensorRT-LLM's own ``AsyncLLM`` (llmapi/async_llm.py) and verl apply: the default AllReduce gave wrong
+  log-probs at large batch with several rollout instances (nvbugs/5727691).
+* Sleep, this release's API: ``enable_sleep=True`` at construction, then ``_collective_rpc("sleep", (tags,))`` /
+  ``("wakeup", (tags,))`` (executor/ray_gpu_worker.py; no ``SleepConfig`` / ``LLM.release()`` yet); level 1 frees
   the KV cache, level 2 the model memory too (tags configurable).
 """
 from __future__ import annotations
@@ -65,8 +78,10 @@ class TRTLLMEngine:
     """EngineAdapter over TensorRT-LLM's PyTorch-backend ``LLM``. ``model_dir``: a local HF checkpoint.
 
     ``prompt_budget`` + ``response_budget`` = ``max_seq_len`` (DAPO: 2,048 + 20,480); ``max_input_len`` defaults to
-    the prompt budget (TRT-LLM's own default is 1,024). ``devices``: the engine's GPUs, one per TP rank (weight
-    buckets are copied to each). ``llm_kwargs``: further ``LLM`` arguments (checked against the recorded API)."""
+    the prompt budget (TRT-LLM's own default is 1,024). ``devices``: the engine's GPUs, one per TP rank.
+    ``allreduce_strategy``: passed to ``LLM`` when set ("NCCL" for several TP engines in a run). ``refit_copy``:
+    "shared" (one device copy of a bucket for all ranks) or "per_rank". ``llm_kwargs``: further ``LLM`` arguments
+    (checked against the recorded API)."""
 
     def __init__(self, model_dir, *, prompt_budget: int = DAPO_PROMPT_BUDGET,
                  response_budget: int = DAPO_RESPONSE_BUDGET, max_input_len: Optional[int] = None,
@@ -74,6 +89,7 @@ class TRTLLMEngine:
                  enable_block_reuse: bool = True, capacity_scheduler: str = "max_utilization",
                  tensor_parallel_size: int = 1, moe_expert_parallel_size: int = 1,
                  dtype: str = "auto", enable_sleep: bool = True, sleep_tags: Optional[dict] = None,
+                 allreduce_strategy: Optional[str] = None, refit_copy: str = "shared",
                  devices: Optional[Sequence[str]] = None, poll_s: float = 0.002, abort_wait_s: float = 2.0,
                  submit_timeout_s: float = 60.0, llm_kwargs: Optional[dict] = None, name: str = "trtllm",
                  **unknown):
@@ -110,6 +126,12 @@ class TRTLLMEngine:
         self._max_seq_len, self._max_batch_size = int(prompt_budget + response_budget), int(max_batch_size)
         self._max_input_len = int(max_input_len or prompt_budget)
         self._devices = list(devices or [f"cuda:{i}" for i in range(int(tensor_parallel_size))])
+        if refit_copy not in ("shared", "per_rank"):
+            raise EngineError(f"engine {name!r}: refit_copy={refit_copy!r}; use shared or per_rank")
+        if len(self._devices) != int(tensor_parallel_size):
+            raise EngineError(f"engine {name!r}: {len(self._devices)} devices for tensor_parallel_size="
+                              f"{tensor_parallel_size}; give one device per TP rank")
+        self._refit_copy = refit_copy
         self._sleep_tags = {1: ["kv_cache"], 2: ["kv_cache", "model"], **{int(k): list(v) for k, v in
                                                                             (sleep_tags or {}).items()}}
         self._poll_s, self._abort_wait_s, self._submit_timeout_s = poll_s, abort_wait_s, submit_timeout_s
@@ -130,9 +152,11 @@ class TRTLLMEngine:
                                                   enable_block_reuse=bool(enable_block_reuse)),
                     scheduler_config=SchedulerConfig(
                         capacity_scheduler_policy=getattr(CapacitySchedulerPolicy, policy)),
-                    orchestrator_type="ray", ray_worker_extension_cls=WORKER_EXTENSION)
+                    orchestrator_type="ray", ray_worker_extension_cls=WORKER_EXTENSION, cuda_graph_config=None)
         if enable_sleep:
             args["enable_sleep"] = True
+        if allreduce_strategy is not None:
+            args["allreduce_strategy"] = str(allreduce_strategy)
         clash = sorted(set(llm_kwargs or {}) & set(args))
         if clash:
             raise EngineError(f"engine {name!r}: llm_kwargs {clash} are set by the adapter; use its own options")
@@ -140,6 +164,9 @@ class TRTLLMEngine:
             self._llm = LLM(**args, **(llm_kwargs or {}))
         except (TypeError, ValueError) as e:
             raise EngineError(f"engine {name!r}: TensorRT-LLM {self._version} rejected the LLM arguments: {e}") from e
+        except ImportError as e:  # ray (optional in TensorRT-LLM) is imported when the Ray executor starts
+            raise EngineError(f"engine {name!r}: a TensorRT-LLM dependency is not importable ({e}); the engine image "
+                              "must provide it (containers/Dockerfile.engine installs and checks ray)") from e
         self._done: queue.Queue = queue.Queue()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="trtllm-results")
@@ -153,7 +180,8 @@ class TRTLLMEngine:
         return {"engine": "trtllm", "name": self.name, "model": self.model_dir, "trtllm_version": self._version,
                 "vocab_size": int(self._config["vocab_size"]), "max_seq_len": self._max_seq_len,
                 "max_input_len": self._max_input_len, "max_batch_size": self._max_batch_size,
-                "dtype": str(self._dtype).replace("torch.", ""), "devices": self._devices, "sleep_frees_memory": True}
+                "dtype": str(self._dtype).replace("torch.", ""), "devices": self._devices, "sleep_frees_memory": True,
+                "refit_copy": self._refit_copy}
 
     # ---- generation -----------------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -275,7 +303,8 @@ class TRTLLMEngine:
                 if self._updating:
                     self._broken = f"a weight update was interrupted by the rejected tensor {name!r}"
                 raise
-            copies = [tensor.detach().to(device=d, dtype=self._dtype, copy=True) for d in self._devices]
+            targets = self._devices[:1] if self._refit_copy == "shared" else self._devices
+            copies = [tensor.detach().to(device=d, dtype=self._dtype, copy=True) for d in targets]
             group = fused_group(name)
             if group is None:
                 ready.append((name, copies))
@@ -295,9 +324,11 @@ class TRTLLMEngine:
         from tensorrt_llm._torch.utils import get_device_uuid
         from torch.multiprocessing.reductions import reduce_tensor
         handles = {}
+        shared = [(n, reduce_tensor(copies[0])) for n, copies in ready] if self._refit_copy == "shared" else None
         for i, device in enumerate(self._devices):
-            index = torch.device(device).index or 0
-            handles[get_device_uuid(index)] = [(n, reduce_tensor(copies[i])) for n, copies in ready]
+            # a device's UUID by its index among the engine's GPUs (the Ray workers see all of them)
+            uuid = get_device_uuid(i if torch.device(device).index is None else torch.device(device).index)
+            handles[uuid] = shared if shared is not None else [(n, reduce_tensor(copies[i])) for n, copies in ready]
         for _, copies in ready:
             for c in copies:
                 if c.is_cuda:

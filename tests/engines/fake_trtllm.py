@@ -1,40 +1,40 @@
-"""A fake ``tensorrt_llm`` that enforces ``trtllm_api_snapshot.json``: only the recorded modules, constructor keywords,
-attributes and RPC methods exist (anything else: TypeError / AttributeError). It proves our side of the contract only.
+"""A fake ``tensorrt_llm`` shaped like the pinned release (``nemo_dapo/engines/trtllm_api_snapshot.json``): the same
+modules, classes, fields, enum members, method signatures and RPC cycle, and nothing more (an unrecorded keyword is a
+TypeError / ValueError, an unrecorded attribute an AttributeError). It proves our side of the contract only.
+
+Its API is declared here, not read from the snapshot: ``nemo_dapo.engines.trtllm_check`` run against this fake
+(tests/engines/test_trtllm_check.py) is what keeps the snapshot, the fake and the checker from drifting apart.
+
+What it enforces from the release: ``LLM(**kw)`` validates ``TorchLlmArgs`` (extra keys refused, as llm.py does);
+``update_weights`` (rlhf_utils.WorkerExtension) runs ``pre_reload_weights`` before the first bucket, reloads with
+``allow_partial_loading=True``, and ``update_weights(None)`` runs ``process_weights_after_loading`` /
+``post_load_weights`` / ``reset_prefix_cache``; a reload with CUDA graphs on is refused (PR #10456); sleep needs
+``enable_sleep`` and known memory tags; ``TLLM_RAY_FORCE_LOCAL_CLUSTER`` selects the Ray cluster.
 
 The toy model: sample token t of a request is ``(seed + 3 t + prompt[-1] + W) % vocab`` with W the rounded sum of
 ``model.norm.weight`` (so a weight update changes the outputs); log-prob ``-0.1 (t + 1)``. Calls are appended as JSON
 lines to ``$FAKE_TRTLLM_LOG``; ``$FAKE_TRTLLM_FAIL`` names a weight whose bucket makes ``update_weights`` raise.
-Use ``make_engine`` as the server's ``--engine tests.engines.fake_trtllm:make_engine``.
+Use ``make_engine`` as the server's ``--engine tests.engines.fake_trtllm:make_engine``; ``write_package(dir)`` puts an
+importable ``tensorrt_llm`` package (re-exporting this module) under ``dir``.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
+import functools
 import json
 import os
 import sys
 import types
+from pathlib import Path
+from typing import Literal, NamedTuple, Optional
 
 import torch
+from pydantic import BaseModel, ConfigDict
 
-SNAPSHOT = json.load(open(os.path.join(os.path.dirname(__file__), "trtllm_api_snapshot.json")))
-# What this fake implements; a test checks it equals the snapshot, so neither can change alone.
-IMPLEMENTED = {
-    "LLM.kwargs": {"model", "backend", "skip_tokenizer_init", "dtype", "tensor_parallel_size",
-                   "moe_expert_parallel_size", "max_seq_len", "max_input_len", "max_batch_size", "max_num_tokens",
-                   "kv_cache_config", "orchestrator_type", "ray_worker_extension_cls", "enable_sleep",
-                   "cuda_graph_config", "disable_overlap_scheduler", "pipeline_parallel_size", "enable_attention_dp",
-                   "trust_remote_code", "scheduler_config"},
-    "SamplingParams.kwargs": {"max_tokens", "temperature", "top_p", "top_k", "seed", "end_id", "pad_id",
-                              "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "detokenize", "logprobs",
-                              "logprobs_mode", "n"},
-    "KvCacheConfig.kwargs": {"free_gpu_memory_fraction", "enable_block_reuse", "max_tokens"},
-    "SchedulerConfig.kwargs": {"capacity_scheduler_policy"},
-    "CapacitySchedulerPolicy.members": {"MAX_UTILIZATION", "GUARANTEED_NO_EVICT", "STATIC_BATCH"},
-    "RequestOutput.attributes": {"outputs", "finished", "request_id", "sampling_params", "aresult", "abort"},
-    "CompletionOutput.attributes": {"index", "token_ids", "logprobs", "finish_reason", "stop_reason"},
-    "rpc": {"update_weights", "check_weights_updated", "sleep", "wakeup"},
-}
+__version__ = "1.3.0rc1"
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("w1", "w3"))
 
 
 def _log(**event):
@@ -44,88 +44,114 @@ def _log(**event):
             f.write(json.dumps(event) + "\n")
 
 
-class _Strict:
-    """Public attributes are those recorded for the class; fake internals start with ``_f_``."""
-    _f_public: frozenset = frozenset()
-
-    def __getattribute__(self, name):
-        if not name.startswith("__") and not name.startswith("_f_") and name not in type(self)._f_public:
-            raise AttributeError(f"{type(self).__name__}.{name} is not in the recorded TensorRT-LLM API")
-        return object.__getattribute__(self, name)
-
-
-def _check_kwargs(cls: str, kw: dict, allowed) -> None:
-    bad = sorted(set(kw) - set(allowed))
-    if bad:
-        raise TypeError(f"{cls}() got keyword(s) {bad} not in the recorded API (snapshot)")
-
-
-class KvCacheConfig(_Strict):
-    _f_public = frozenset(SNAPSHOT["KvCacheConfig"]["kwargs"])
-
-    def __init__(self, **kw):
-        _check_kwargs("KvCacheConfig", kw, SNAPSHOT["KvCacheConfig"]["kwargs"])
-        for k, v in kw.items():
-            object.__setattr__(self, k, v)
-
-
-class SchedulerConfig(_Strict):
-    _f_public = frozenset(SNAPSHOT["SchedulerConfig"]["kwargs"])
-
-    def __init__(self, **kw):
-        _check_kwargs("SchedulerConfig", kw, SNAPSHOT["SchedulerConfig"]["kwargs"])
-        policy = kw.get("capacity_scheduler_policy")
-        if policy is not None and not isinstance(policy, CapacitySchedulerPolicy):
-            raise TypeError(f"capacity_scheduler_policy must be a CapacitySchedulerPolicy, got {policy!r}")
-        for k, v in kw.items():
-            object.__setattr__(self, k, v)
-
-
-class CapacitySchedulerPolicy(str, enum.Enum):  # the recorded members, nothing else
+# ---- tensorrt_llm/llmapi/llm_args.py ---------------------------------------------------------------------------
+class CapacitySchedulerPolicy(str, enum.Enum):
     MAX_UTILIZATION = "MAX_UTILIZATION"
     GUARANTEED_NO_EVICT = "GUARANTEED_NO_EVICT"
     STATIC_BATCH = "STATIC_BATCH"
 
 
-class SamplingParams(_Strict):
-    _f_public = frozenset(SNAPSHOT["SamplingParams"]["kwargs"])
-
-    def __init__(self, **kw):
-        _check_kwargs("SamplingParams", kw, SNAPSHOT["SamplingParams"]["kwargs"])
-        if kw.get("logprobs_mode", "raw") not in SNAPSHOT["SamplingParams"]["values"]["logprobs_mode"]:
-            raise ValueError(f"logprobs_mode {kw['logprobs_mode']!r}")
-        defaults = dict(max_tokens=32, temperature=None, top_p=None, top_k=None, seed=None, end_id=None, pad_id=None,
-                        stop_token_ids=None, include_stop_str_in_output=False, ignore_eos=False, detokenize=True,
-                        logprobs=None, logprobs_mode="raw", n=1)
-        for k, v in {**defaults, **kw}.items():
-            object.__setattr__(self, k, v)
-        _log(op="SamplingParams", **kw)
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
 
-class Logprob(_Strict):
-    _f_public = frozenset(SNAPSHOT["Logprob"]["attributes"])
-
-    def __init__(self, logprob, rank=None):
-        object.__setattr__(self, "logprob", logprob)
-        object.__setattr__(self, "rank", rank)
+class KvCacheConfig(_Strict):
+    free_gpu_memory_fraction: Optional[float] = None
+    enable_block_reuse: bool = True
+    max_tokens: Optional[int] = None
 
 
-class CompletionOutput(_Strict):
-    _f_public = frozenset(SNAPSHOT["CompletionOutput"]["attributes"])
-
-    def __init__(self):
-        for k, v in dict(index=0, token_ids=[], logprobs=[], finish_reason=None, stop_reason=None).items():
-            object.__setattr__(self, k, v)
+class SchedulerConfig(_Strict):
+    capacity_scheduler_policy: CapacitySchedulerPolicy = CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
 
 
-class RequestOutput(_Strict):
-    _f_public = frozenset(SNAPSHOT["RequestOutput"]["attributes"]) | set(SNAPSHOT["RequestOutput"]["methods"])
+class TorchLlmArgs(_Strict):
+    model: str
+    skip_tokenizer_init: bool = False
+    dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    moe_expert_parallel_size: Optional[int] = None
+    enable_attention_dp: bool = False
+    trust_remote_code: bool = False
+    max_seq_len: Optional[int] = None
+    max_input_len: int = 1024
+    max_batch_size: int = 2048
+    max_num_tokens: int = 8192
+    kv_cache_config: KvCacheConfig = KvCacheConfig()
+    scheduler_config: SchedulerConfig = SchedulerConfig()
+    orchestrator_type: Optional[Literal["rpc", "ray"]] = None
+    ray_worker_extension_cls: Optional[str] = None
+    enable_sleep: bool = False
+    cuda_graph_config: Optional[dict] = {}  # the release's default is CudaGraphConfig(): graphs on
+    allreduce_strategy: Optional[Literal["AUTO", "NCCL", "UB", "MINLATENCY", "ONESHOT", "TWOSHOT", "LOWPRECISION",
+                                         "MNNVL", "NCCL_SYMMETRIC"]] = "AUTO"
+    disable_overlap_scheduler: bool = False
+
+
+# ---- tensorrt_llm/sampling_params.py ---------------------------------------------------------------------------
+class LogprobMode(str, enum.Enum):
+    RAW = "raw"
+    PROCESSED = "processed"
+
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class SamplingParams:
+    max_tokens: int = 32
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    seed: Optional[int] = None
+    end_id: Optional[int] = None
+    pad_id: Optional[int] = None
+    stop_token_ids: Optional[list] = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    detokenize: bool = True
+    logprobs: Optional[int] = None
+    logprobs_mode: LogprobMode = LogprobMode.RAW
+    n: int = 1
+
+    def __post_init__(self):
+        self.logprobs_mode = LogprobMode(self.logprobs_mode)  # ValueError for a mode the release lacks
+        _log(op="SamplingParams", **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                                     if f.name != "logprobs_mode"}, logprobs_mode=self.logprobs_mode.value)
+
+
+# ---- tensorrt_llm/executor/result.py + llmapi/llm.py -----------------------------------------------------------
+class Logprob(NamedTuple):
+    logprob: float
+    rank: Optional[int] = None
+
+
+@dataclasses.dataclass(slots=True)
+class CompletionOutput:
+    index: int = 0
+    token_ids: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int] = None
+
+
+class GenerationResultBase:
+    __slots__ = ()
+
+    @staticmethod
+    def _f_finish(out: CompletionOutput, reason: str, stop=None) -> None:
+        assert reason in ("stop", "length", "timeout", "cancelled")  # result.py's finish reasons
+        out.finish_reason, out.stop_reason = reason, stop
+
+
+class RequestOutput(GenerationResultBase):
+    __slots__ = ("request_id", "sampling_params", "outputs", "finished", "_f_cancel", "_f_event", "_f_task")
 
     def __init__(self, llm, rid, prompt, params):
-        for k, v in dict(request_id=rid, sampling_params=params, outputs=[CompletionOutput()], finished=False,
-                         _f_cancel=False, _f_event=asyncio.Event()).items():
-            object.__setattr__(self, k, v)
-        object.__setattr__(self, "_f_task", asyncio.ensure_future(self._f_run(llm, prompt, params)))
+        self.request_id = rid
+        self.sampling_params = params
+        self.outputs = [CompletionOutput()]
+        self.finished = False
+        self._f_cancel, self._f_event = False, asyncio.Event()
+        self._f_task = asyncio.ensure_future(self._f_run(llm, prompt, params))
 
     async def _f_run(self, llm, prompt, p):
         out, w = self.outputs[0], llm._f_w
@@ -133,21 +159,21 @@ class RequestOutput(_Strict):
         for t in range(p.max_tokens):
             await asyncio.sleep(0.002)
             if self._f_cancel:
-                out.finish_reason = "cancelled"
+                self._f_finish(out, "cancelled")
                 break
             tok = ((p.seed or 0) + 3 * t + prompt[-1] + w) % llm._f_vocab
             out.token_ids.append(tok)
             if p.logprobs == 0:
                 out.logprobs.append({tok: Logprob(-0.1 * (t + 1), 1)})
             if (tok == p.end_id and not p.ignore_eos) or tok in stops:
-                out.finish_reason, out.stop_reason = "stop", (None if tok == p.end_id else tok)
+                self._f_finish(out, "stop", None if tok == p.end_id else tok)
                 if tok in stops and not p.include_stop_str_in_output:  # what result.py does
                     out.token_ids.pop()
                     out.logprobs and out.logprobs.pop()
                 break
         else:
-            out.finish_reason = "length"
-        object.__setattr__(self, "finished", True)
+            self._f_finish(out, "length")
+        self.finished = True
         self._f_event.set()
 
     async def aresult(self):
@@ -155,110 +181,283 @@ class RequestOutput(_Strict):
         return self
 
     def abort(self):
-        object.__setattr__(self, "_f_cancel", True)
+        self._f_cancel = True
 
 
+# ---- tensorrt_llm/_torch/utils.py, virtual_memory.py, models ---------------------------------------------------
 def get_device_uuid(device_id: int) -> str:
     return f"GPU-fake-{int(device_id)}"
 
 
+class ExecutorMemoryType(str, enum.Enum):
+    SAMPLER = "sampler"
+    DRAFTER = "drafter"
+    GUIDED_DECODER = "guided_decoder"
+    SPEC_RESOURCES = "spec_resource_manager"
+    MODEL_EXTRA = "model_extra"
+    EXTRA_RESOURCES = "executor_extra"
+    KV_CACHE = "kv_cache"
+    MODEL_ENGINE_MAIN = "model"
+    MODEL_ENGINE_DRAFT = "draft_model"
+
+
+MODEL_CLASS_MAPPING = {a: object for a in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM",
+                                           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")}
+REDUCED: list = []  # bytes of every tensor the adapter handed to reduce_tensor (one entry per device copy)
+
+
 def fake_reduce_tensor(t: torch.Tensor):
     """Shaped like torch's CUDA reduction: (rebuild_fn, args) with the device index at args[6]."""
+    REDUCED.append(t.numel() * t.element_size())
     return (lambda tensor, *rest: tensor), (t, None, None, None, None, None, t.device.index or 0)
 
 
-class LLM(_Strict):
-    _f_public = frozenset(SNAPSHOT["LLM"]["methods"])
+# ---- the model a worker holds -------------------------------------------------------------------------------------
+class _Module:
+    """A fused module (q/k/v, gate/up, an expert's w1/w3): its parts must all arrive between pre_reload and finalize."""
 
-    def __init__(self, **kw):
-        _check_kwargs("LLM", kw, SNAPSHOT["LLM"]["kwargs"])
-        ext = SNAPSHOT["WorkerExtension"]["class_path"]
-        if kw.get("backend") != "pytorch" or kw.get("orchestrator_type") != "ray" or \
-                kw.get("ray_worker_extension_cls") != ext or not isinstance(kw.get("kv_cache_config"), KvCacheConfig):
+    def __init__(self, parts):
+        self.parts, self.got = set(parts), set()
+
+    def pre_reload_weights(self):
+        self.got = set()
+
+    def process_weights_after_loading(self):
+        if self.got and self.got != self.parts:
+            raise RuntimeError(f"fused module got only {sorted(self.got)} of {sorted(self.parts)}")
+
+    def post_load_weights(self):
+        pass
+
+
+class _Model:
+    def __init__(self, weights: dict):
+        self.weights = weights
+        groups: dict = {}
+        for name in weights:
+            p = name.split(".")
+            for g in FUSED:
+                if len(p) >= 3 and p[-2] in g:
+                    groups.setdefault((".".join(p[:-2]), g, p[-1]), set()).add(name)
+        self._modules = {key: _Module(names) for key, names in groups.items()}
+        self.first_pre_reload_weights = False
+
+    def modules(self):
+        return list(self._modules.values())
+
+    def module_of(self, name):
+        return next((m for m in self._modules.values() if name in m.parts), None)
+
+
+class _Loader:
+    def reload(self, model: _Model, weights: dict, allow_partial_loading: bool = False):
+        if not allow_partial_loading and set(weights) != set(model.weights):
+            raise ValueError("reload without allow_partial_loading needs every weight")
+        if os.environ.get("FAKE_TRTLLM_FAIL") in weights:
+            raise RuntimeError(f"reload failed on {os.environ['FAKE_TRTLLM_FAIL']}")
+        for name, t in weights.items():
+            if name in model.weights:  # TRT-LLM skips unknown names silently
+                model.weights[name] = t.clone()
+                if model.module_of(name):
+                    model.module_of(name).got.add(name)
+
+
+class _Engine:
+    def __init__(self, llm, weights):
+        self.model_engine = types.SimpleNamespace(model=_Model(weights), model_loader=_Loader())
+        self.llm = llm
+
+    def reset_prefix_cache(self):
+        _log(op="reset_prefix_cache")
+
+    def control_action(self):
+        import contextlib
+        return contextlib.nullcontext()
+
+
+def control_action_decorator(f):
+    @functools.wraps(f)
+    def wrapper(self, *args, **kwargs):
+        with self.engine.control_action():
+            return f(self, *args, **kwargs)
+    return wrapper
+
+
+# ---- tensorrt_llm/llmapi/rlhf_utils.py --------------------------------------------------------------------------
+class WorkerExtension:
+    @control_action_decorator
+    def update_weights(self, ipc_handles: Optional[dict] = None):
+        if self.llm_args.cuda_graph_config is not None:
+            raise RuntimeError("pre_reload_weights is incompatible with CUDA graphs (PR #10456)")
+        model = self.engine.model_engine.model
+        if not model.first_pre_reload_weights:
+            for module in model.modules():
+                module.pre_reload_weights()
+            model.first_pre_reload_weights = True
+        if ipc_handles is not None:
+            device_uuid = get_device_uuid(self.device_id)
+            if device_uuid not in ipc_handles:
+                raise ValueError(f"Device UUID {device_uuid} not found in ipc_handles")
+            weights = {}
+            for name, (func, args) in ipc_handles[device_uuid]:
+                list_args = list(args)
+                list_args[6] = self.device_id
+                weights[name] = func(*list_args)
+            self.engine.model_engine.model_loader.reload(model, weights, allow_partial_loading=True)
+            _log(op="update_weights", rank=self.device_id, names=sorted(weights))
+        else:
+            for module in model.modules():
+                module.process_weights_after_loading()
+                module.post_load_weights()
+            self.engine.reset_prefix_cache()
+            model.first_pre_reload_weights = False
+            _log(op="update_weights", rank=self.device_id, final=True)
+
+    def check_weights_updated(self) -> bool:
+        return all(bool((t == 0).all()) for t in self.engine.model_engine.model.weights.values())
+
+
+# ---- tensorrt_llm/executor/ray_gpu_worker.py, ray_executor.py ---------------------------------------------------
+class RayGPUWorker:
+    @control_action_decorator
+    def sleep(self, sleep_tags: list):
+        self._f_memory(sleep_tags, asleep=True)
+
+    @control_action_decorator
+    def wakeup(self, wakeup_tags: list):
+        self._f_memory(wakeup_tags, asleep=False)
+
+    def _f_memory(self, tags, asleep):
+        if not self.llm_args.enable_sleep:
+            raise ValueError("Sleep feature is not enabled, please set enable_sleep=True in the LLM arguments.")
+        [ExecutorMemoryType(t) for t in tags]  # ValueError for an unknown tag
+        self.engine.llm._f_asleep = asleep
+        if self.device_id == 0:
+            _log(op="sleep" if asleep else "wakeup", tags=list(tags))
+
+
+class RayExecutor:
+    def __init__(self, world_size: int):
+        local = os.environ.get("TLLM_RAY_FORCE_LOCAL_CLUSTER", "0") == "1"
+        self.address = "local" if local else "auto"  # "auto" attaches to a Ray cluster already on the node
+        _log(op="ray_init", address=self.address, world_size=world_size)
+
+
+class _Worker(WorkerExtension, RayGPUWorker):  # RayGPUWorker with ray_worker_extension_cls mixed in
+    def __init__(self, llm, rank, weights, llm_args):
+        self.device_id, self.llm_args = rank, llm_args
+        self.engine = _Engine(llm, weights)
+
+
+# ---- tensorrt_llm/llmapi/llm.py -----------------------------------------------------------------------------------
+class LLM:
+    def __init__(self, model, **kwargs):
+        backend = kwargs.pop("backend", "pytorch")  # _TorchLLM pops backend before building TorchLlmArgs
+        try:
+            args = TorchLlmArgs(model=model, **kwargs)
+        except Exception as e:  # pydantic's ValidationError; llm.py raises ValueError "got invalid argument"
+            raise ValueError(f"got invalid argument: {e}") from None
+        if backend != "pytorch" or args.orchestrator_type != "ray" or \
+                args.ray_worker_extension_cls != "tensorrt_llm.llmapi.rlhf_utils.WorkerExtension":
             raise ValueError("the fake models the PyTorch backend with the Ray RL worker extension only")
-        config = json.load(open(os.path.join(kw["model"], "config.json")))
+        config = json.load(open(os.path.join(model, "config.json")))
         from safetensors.torch import load_file
         weights = {}
-        for f in sorted(os.listdir(kw["model"])):
+        for f in sorted(os.listdir(model)):
             if f.endswith(".safetensors"):
-                weights.update(load_file(os.path.join(kw["model"], f)))
-        for k, v in dict(_f_vocab=int(config["vocab_size"]), _f_weights=weights, _f_tp=kw.get("tensor_parallel_size", 1),
-                         _f_asleep=False, _f_n=0).items():
-            object.__setattr__(self, k, v)
+                weights.update(load_file(os.path.join(model, f)))
+        self._f_vocab, self._f_asleep, self._f_n, self._f_args = int(config["vocab_size"]), False, 0, args
+        self._f_executor = RayExecutor(args.tensor_parallel_size)
+        self._f_workers = [_Worker(self, r, dict(weights), args) for r in range(args.tensor_parallel_size)]
         self._f_reweigh()
-        _log(op="LLM", **{k: (v if isinstance(v, (int, float, str, bool, type(None))) else type(v).__name__)
-                          for k, v in kw.items() if k not in ("kv_cache_config", "scheduler_config")},
-             kv_cache_config=dict(vars(kw["kv_cache_config"])),
-             scheduler_config={k: getattr(v, "value", v) for k, v in vars(kw["scheduler_config"]).items()}
-             if "scheduler_config" in kw else None)
+        dumped = args.model_dump(exclude_unset=True, exclude={"kv_cache_config", "scheduler_config"})
+        _log(op="LLM", backend=backend, **dumped,
+             kv_cache_config=args.kv_cache_config.model_dump(exclude_unset=True),
+             scheduler_config={k: getattr(v, "value", v)
+                               for k, v in args.scheduler_config.model_dump(exclude_unset=True).items()}
+             if "scheduler_config" in kwargs else None)
 
     def _f_reweigh(self):
-        object.__setattr__(self, "_f_w", int(round(float(self._f_weights["model.norm.weight"].sum()))))
+        w = self._f_workers[0].engine.model_engine.model.weights["model.norm.weight"]
+        self._f_w = int(round(float(w.sum())))
 
-    def generate_async(self, inputs, sampling_params=None, **kw):
-        _check_kwargs("LLM.generate_async", kw, SNAPSHOT["LLM"]["methods"]["generate_async"]["params"][2:])
+    def generate_async(self, inputs, sampling_params=None, streaming: bool = False):
         asyncio.get_running_loop()  # RequestOutput.aresult needs the loop it was made in (result.py)
         if self._f_asleep:
             raise RuntimeError("engine is asleep")
-        object.__setattr__(self, "_f_n", self._f_n + 1)
+        if any(w.engine.model_engine.model.first_pre_reload_weights for w in self._f_workers):
+            raise RuntimeError("generation during an unfinished weight update")
+        self._f_n += 1
         return RequestOutput(self, self._f_n, list(inputs), sampling_params)
 
-    def _collective_rpc(self, method, args=(), **kw):
-        allowed = set(SNAPSHOT["WorkerExtension"]["methods"]) | set(SNAPSHOT["sleep"]["rpc_methods"])
-        if method not in allowed:
-            raise AttributeError(f"worker has no RPC method {method!r} in the recorded API")
-        if method in ("sleep", "wakeup"):
-            (tags,) = args
-            bad = [t for t in tags if t not in SNAPSHOT["sleep"]["tags"]]
-            if bad:
-                raise ValueError(f"Unknown memory tag {bad}")
-            object.__setattr__(self, "_f_asleep", method == "sleep")
-            _log(op=method, tags=list(tags))
-            return [None] * self._f_tp
-        (handles,) = args
-        if handles is None:
+    def _collective_rpc(self, method, args=(), kwargs=None, non_block=False, unique_reply_rank=None,
+                        target_ranks=None):
+        public = {n for k in (WorkerExtension, RayGPUWorker) for n in vars(k) if not n.startswith("_")}
+        if method not in public:
+            raise AttributeError(f"worker has no RPC method {method!r}")
+        if method == "update_weights" and args[0] is not None:
+            expect = {get_device_uuid(w.device_id) for w in self._f_workers}
+            if set(args[0]) != expect:
+                raise ValueError(f"Device UUID set {sorted(args[0])} != workers {sorted(expect)}")
+        out = [getattr(w, method)(*args, **(kwargs or {})) for w in self._f_workers]
+        if method == "update_weights" and args[0] is None:
             self._f_reweigh()
-            _log(op="update_weights", final=True)
-            return [None] * self._f_tp
-        expect = {get_device_uuid(i) for i in range(self._f_tp)}
-        if set(handles) != expect:
-            raise ValueError(f"Device UUID set {sorted(handles)} != workers {sorted(expect)}")
-        names = [n for n, _ in handles[get_device_uuid(0)]]
-        if os.environ.get("FAKE_TRTLLM_FAIL") in names:
-            raise RuntimeError(f"reload failed on {os.environ['FAKE_TRTLLM_FAIL']}")
-        for name, (fn, fargs) in handles[get_device_uuid(0)]:
-            fargs = list(fargs)
-            fargs[6] = 0  # the worker's own device id, as rlhf_utils does
-            t = fn(*fargs)
-            if name in self._f_weights:  # TRT-LLM skips unknown names silently
-                self._f_weights[name] = t.clone()
-        _log(op="update_weights", names=names, devices=sorted(handles))
-        return [None] * self._f_tp
+        return out
 
     def shutdown(self):
         _log(op="shutdown")
 
 
+# ---- the package -------------------------------------------------------------------------------------------------
+MODULES = {
+    "tensorrt_llm": ["LLM", "SamplingParams", "__version__"],
+    "tensorrt_llm.llmapi": ["LLM", "SamplingParams", "KvCacheConfig", "SchedulerConfig", "CapacitySchedulerPolicy"],
+    "tensorrt_llm.llmapi.llm_args": ["TorchLlmArgs", "KvCacheConfig", "SchedulerConfig", "CapacitySchedulerPolicy"],
+    "tensorrt_llm.llmapi.llm": ["LLM", "RequestOutput"],
+    "tensorrt_llm.llmapi.rlhf_utils": ["WorkerExtension"],
+    "tensorrt_llm.sampling_params": ["SamplingParams", "LogprobMode"],
+    "tensorrt_llm.executor": [],
+    "tensorrt_llm.executor.result": ["CompletionOutput", "Logprob", "GenerationResultBase"],
+    "tensorrt_llm.executor.ray_executor": ["RayExecutor"],
+    "tensorrt_llm.executor.ray_gpu_worker": ["RayGPUWorker"],
+    "tensorrt_llm._torch": [],
+    "tensorrt_llm._torch.utils": ["get_device_uuid"],
+    "tensorrt_llm._torch.virtual_memory": ["ExecutorMemoryType"],
+    "tensorrt_llm._torch.models": [],
+    "tensorrt_llm._torch.models.modeling_utils": ["MODEL_CLASS_MAPPING"],
+}
+
+
 def install() -> None:
-    """Put the fake package into sys.modules with exactly the recorded module attributes."""
-    objs = {"LLM": LLM, "SamplingParams": SamplingParams, "KvCacheConfig": KvCacheConfig,
-            "SchedulerConfig": SchedulerConfig, "CapacitySchedulerPolicy": CapacitySchedulerPolicy,
-            "get_device_uuid": get_device_uuid, "__version__": "fake-" + SNAPSHOT["version"]["release_tag_nearest"]}
-    for mod, names in SNAPSHOT["modules"].items():
-        m = types.ModuleType(mod)
+    """Put the fake package into sys.modules (this process only)."""
+    me = sys.modules[__name__]
+    for name, names in MODULES.items():
+        m = types.ModuleType(name)
+        m.__path__ = []  # a package, so that submodules resolve
         for n in names:
-            setattr(m, n, objs[n])
-        sys.modules[mod] = m
-    sys.modules.setdefault("tensorrt_llm._torch", types.ModuleType("tensorrt_llm._torch"))
-    for parent, child in (("tensorrt_llm", "llmapi"), ("tensorrt_llm", "_torch"), ("tensorrt_llm._torch", "utils")):
-        sys.modules.setdefault(parent, types.ModuleType(parent))
-        setattr(sys.modules[parent], child, sys.modules[f"{parent}.{child}"])
+            setattr(m, n, getattr(me, n))
+        sys.modules[name] = m
+    for name in MODULES:
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(sys.modules[parent], child, sys.modules[name])
     import torch.multiprocessing.reductions as red
     red.reduce_tensor = fake_reduce_tensor  # CPU tensors stand in for CUDA ones in this process only
+
+
+def write_package(root) -> Path:
+    """An importable ``tensorrt_llm`` under ``root`` whose modules re-export this fake (for a subprocess)."""
+    root = Path(root)
+    for name, names in MODULES.items():
+        d = root.joinpath(*name.split("."))
+        d.mkdir(parents=True, exist_ok=True)
+        text = f"from {__name__} import {', '.join(names)}  # noqa: F401\n" if names else ""
+        (d / "__init__.py").write_text(text)
+    return root
 
 
 def make_engine(model_dir, **options):
     install()
     from nemo_dapo.engines.trtllm import TRTLLMEngine
-    options.setdefault("devices", ["cpu"])
+    options.setdefault("devices", ["cpu"] * int(options.get("tensor_parallel_size", 1)))
     return TRTLLMEngine(model_dir, **options)

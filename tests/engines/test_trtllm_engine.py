@@ -1,6 +1,8 @@
-"""Contract tests: the trtllm adapter through the real engine server and client, against a fake TensorRT-LLM that
-enforces the recorded API snapshot (``trtllm_api_snapshot.json``). They prove our side of the contract only."""
+"""Contract tests: the trtllm adapter (through the real engine server and client, or in process) against a fake
+TensorRT-LLM shaped like the pinned release (``nemo_dapo/engines/trtllm_api_snapshot.json``; the fake's own shape is
+checked against that record by tests/engines/test_trtllm_check.py). They prove our side of the contract only."""
 import ast
+import inspect
 import json
 import os
 
@@ -70,6 +72,8 @@ def test_llm_built_with_the_budgets_kv_config_and_rl_hook(engine):
     client, _, log = engine
     (llm,) = events(log, "LLM")
     assert llm["backend"] == "pytorch" and llm["max_seq_len"] == 2048 + 20480 and llm["max_input_len"] == 2048
+    assert llm["cuda_graph_config"] is None and llm["enable_sleep"] is True  # the release: no graphs with reload
+    assert "allreduce_strategy" not in llm  # one TP-1 engine: TensorRT-LLM's default
     assert llm["kv_cache_config"] == {"free_gpu_memory_fraction": 0.85, "enable_block_reuse": True}
     assert llm["scheduler_config"] == {"capacity_scheduler_policy": "MAX_UTILIZATION"}
     assert llm["ray_worker_extension_cls"] == "tensorrt_llm.llmapi.rlhf_utils.WorkerExtension"
@@ -113,8 +117,8 @@ def test_weight_update_in_buckets_holds_fused_parts_and_makes_the_final_call(eng
     client.update_weights(buckets)
     sent = events(log, "update_weights")
     # bucket 1 (q alone) is held back until bucket 2 completes q/k/v; then one partial call, then the final one
-    assert len(sent) == 2 and set(sent[0]["names"]) == set(names) and sent[1] == {"op": "update_weights",
-                                                                                   "final": True}
+    assert len(sent) == 2 and set(sent[0]["names"]) == set(names)
+    assert sent[1] == {"op": "update_weights", "rank": 0, "final": True} and events(log, "reset_prefix_cache")
     r = Request(id="w", prompt_ids=[2], n=1, max_new_tokens=6, seed=3)
     client.submit([r])
     assert client.next_completion().samples[0].token_ids == expect(r, 0, w=H)  # norm weight now sums to H
@@ -168,39 +172,122 @@ def test_registered_as_trtllm():
     assert S.ENGINES["trtllm"] == "nemo_dapo.engines.trtllm:TRTLLMEngine"
 
 
-def test_fake_and_adapter_agree_with_the_snapshot():
-    snap = F.SNAPSHOT
-    assert F.IMPLEMENTED["LLM.kwargs"] == set(snap["LLM"]["kwargs"])
-    assert F.IMPLEMENTED["SamplingParams.kwargs"] == set(snap["SamplingParams"]["kwargs"])
-    assert F.IMPLEMENTED["KvCacheConfig.kwargs"] == set(snap["KvCacheConfig"]["kwargs"])
-    assert F.IMPLEMENTED["SchedulerConfig.kwargs"] == set(snap["SchedulerConfig"]["kwargs"])
-    assert F.IMPLEMENTED["CapacitySchedulerPolicy.members"] == set(snap["CapacitySchedulerPolicy"]["members"]) \
-        == {m.name for m in F.CapacitySchedulerPolicy}
-    assert F.IMPLEMENTED["RequestOutput.attributes"] == set(snap["RequestOutput"]["attributes"]) | set(
-        snap["RequestOutput"]["methods"])
-    assert F.IMPLEMENTED["CompletionOutput.attributes"] == set(snap["CompletionOutput"]["attributes"])
-    assert F.IMPLEMENTED["rpc"] == set(snap["WorkerExtension"]["methods"]) | set(snap["sleep"]["rpc_methods"])
-    # every keyword the adapter passes to a TensorRT-LLM constructor, and every RPC it names, is recorded
+def _adapter_calls():
+    """Keywords the adapter passes to each TensorRT-LLM constructor, its LLM arguments and the RPCs it names."""
     src = ast.parse(open(os.path.join(ROOT, "nemo_dapo/engines/trtllm.py")).read())
-    calls = {"SamplingParams": set(), "KvCacheConfig": set(), "SchedulerConfig": set()}
+    calls = {"SamplingParams": set(), "KvCacheConfig": set(), "SchedulerConfig": set(), "LLM": set()}
     rpcs = set()
     for node in ast.walk(src):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and \
+                getattr(node.value.func, "id", "") == "dict" and [getattr(x, "id", "") for x in node.targets] == ["args"]:
+            calls["LLM"] |= {k.arg for k in node.value.keywords}
+        if isinstance(node, ast.Subscript) and getattr(node.value, "id", "") == "args" and \
+                isinstance(node.slice, ast.Constant):
+            calls["LLM"].add(node.slice.value)
         if isinstance(node, ast.Call):
             fn = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-            key = fn.lstrip("_")
-            if key in calls:
-                calls[key] |= {k.arg for k in node.keywords if k.arg}
+            if fn.lstrip("_") in calls and fn.lstrip("_") != "LLM":
+                calls[fn.lstrip("_")] |= {k.arg for k in node.keywords if k.arg}
             if fn in ("_collective_rpc", "_rpc") and node.args and isinstance(node.args[0], ast.Constant):
                 rpcs.add(node.args[0].value)
-    assert calls["SamplingParams"] and calls["SamplingParams"] <= set(snap["SamplingParams"]["kwargs"])
-    assert calls["KvCacheConfig"] <= set(snap["KvCacheConfig"]["kwargs"])
-    assert calls["SchedulerConfig"] and calls["SchedulerConfig"] <= set(snap["SchedulerConfig"]["kwargs"])
-    assert rpcs and rpcs <= F.IMPLEMENTED["rpc"]
+    return calls, rpcs
+
+
+def test_adapter_uses_only_what_the_snapshot_records():
+    snap = json.load(open(os.path.join(ROOT, "nemo_dapo/engines/trtllm_api_snapshot.json")))
+    calls, rpcs = _adapter_calls()
+    assert calls["SamplingParams"] and calls["SamplingParams"] <= set(snap["SamplingParams"]["fields"])
+    assert calls["KvCacheConfig"] <= set(snap["KvCacheConfig"]["fields"])
+    assert calls["SchedulerConfig"] and calls["SchedulerConfig"] <= set(snap["SchedulerConfig"]["fields"])
+    assert {"cuda_graph_config", "allreduce_strategy", "enable_sleep"} <= calls["LLM"]
+    assert calls["LLM"] <= set(snap["TorchLlmArgs"]["fields"]) | set(snap["LLM"]["kwargs_besides_fields"])
+    assert rpcs == set(snap["sleep"]["rpc_methods"]) | {"update_weights"}
+    assert rpcs <= set(snap["WorkerExtension"]["methods"]) | set(snap["sleep"]["rpc_methods"])
+    from nemo_dapo.engines import trtllm as T
+    assert T.WORKER_EXTENSION == snap["WorkerExtension"]["class_path"]
+    src = open(T.__file__).read()
+    assert f'logprobs_mode="{snap["LogprobMode"]["adapter_value"]}"' in src
+    assert "cuda_graph_config=None" in src and snap["cuda_graphs"]["adapter_value"] is None
+    defaults = inspect.signature(T.TRTLLMEngine).parameters
+    assert defaults["sleep_tags"].default is None and \
+        {str(k): v for k, v in {1: ["kv_cache"], 2: ["kv_cache", "model"]}.items()} == snap["sleep"]["adapter_tags"]
+    assert "_sleep_tags = {1: [\"kv_cache\"], 2: [\"kv_cache\", \"model\"]" in src
+
+
+@pytest.fixture
+def local_ckpt(tmp_path):
+    d = tmp_path / "c"
+    d.mkdir()
+    return d, checkpoint(d)
+
+
+@pytest.mark.parametrize("mode,copies", [("shared", 1), ("per_rank", 2)])
+def test_refit_moves_the_model_once_per_engine_when_shared(local_ckpt, mode, copies):
+    """TP=2: with refit_copy=shared every bucket is materialised on the engine's devices once and both ranks open
+    that copy; per_rank copies it to each rank. Counted: the bytes of the tensors handed to reduce_tensor."""
+    d, weights = local_ckpt
+    eng = F.make_engine(str(d), tensor_parallel_size=2, refit_copy=mode)
+    try:
+        F.REDUCED.clear()
+        new = {n: torch.full_like(t, 2.0) for n, t in weights.items()}
+        names = sorted(new)
+        eng.load_weights((n, new[n]) for n in names[:5])
+        eng.load_weights((n, new[n]) for n in names[5:])
+        eng.finish_weights()
+        model_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+        moved = sum(F.REDUCED)
+        assert moved == copies * model_bytes, (moved, model_bytes)
+        for w in eng._llm._f_workers:  # both ranks loaded every weight
+            assert all(torch.equal(w.engine.model_engine.model.weights[n], new[n]) for n in names)
+    finally:
+        eng.close()
+
+
+def test_tp_engines_of_a_multi_engine_run_get_nccl_allreduce(local_ckpt, tmp_path, monkeypatch):
+    d, _ = local_ckpt
+    log = tmp_path / "l.jsonl"
+    monkeypatch.setenv("FAKE_TRTLLM_LOG", str(log))
+    F.make_engine(str(d), tensor_parallel_size=2, allreduce_strategy="NCCL").close()
+    (llm,) = events(log, "LLM")
+    assert llm["allreduce_strategy"] == "NCCL" and llm["tensor_parallel_size"] == 2
+    with pytest.raises(EngineError, match="rejected the LLM arguments"):
+        F.make_engine(str(d), allreduce_strategy="FASTEST")
+
+
+def test_a_missing_engine_dependency_is_a_clean_engine_error(local_ckpt, monkeypatch):
+    d, _ = local_ckpt
+
+    def no_ray(self, world_size):
+        raise ModuleNotFoundError("No module named 'ray'")
+    monkeypatch.setattr(F.RayExecutor, "__init__", no_ray)
+    with pytest.raises(EngineError, match=r"dependency is not importable \(No module named 'ray'\).*installs and "
+                                          "checks ray"):
+        F.make_engine(str(d))
+
+
+def test_bad_refit_options_are_refused(local_ckpt):
+    d, _ = local_ckpt
+    with pytest.raises(EngineError, match="refit_copy='twice'; use shared or per_rank"):
+        F.make_engine(str(d), refit_copy="twice")
+    with pytest.raises(EngineError, match="1 devices for tensor_parallel_size=2"):
+        F.make_engine(str(d), tensor_parallel_size=2, devices=["cpu"])
+
+
+def test_the_fake_refuses_a_reload_with_cuda_graphs_on(local_ckpt):
+    """What the release says (PR #10456): the fake's update_weights refuses graphs, so the adapter must turn them off."""
+    d, weights = local_ckpt
+    F.install()
+    llm = F.LLM(str(d), backend="pytorch", orchestrator_type="ray",
+                ray_worker_extension_cls="tensorrt_llm.llmapi.rlhf_utils.WorkerExtension")
+    with pytest.raises(RuntimeError, match="incompatible with CUDA graphs"):
+        llm._collective_rpc("update_weights", args=(None,))
 
 
 def test_strict_fake_rejects_unrecorded_names():
     with pytest.raises(TypeError, match="beam_width"):
         F.SamplingParams(beam_width=2)
+    with pytest.raises(ValueError, match="'log_softmax' is not a valid LogprobMode"):
+        F.SamplingParams(logprobs_mode="log_softmax")
     out = F.CompletionOutput()
     with pytest.raises(AttributeError, match="text"):
         out.text
