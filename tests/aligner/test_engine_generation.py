@@ -94,7 +94,7 @@ def test_aligner_step_through_a_local_engine_server(tok_dir, tmp_path):
     dump = tmp_path / "dump"
     dump.mkdir()
     sock_dir = tmp_path / "s"
-    sock_dir.mkdir()
+    sock_dir.mkdir(mode=0o700)  # a key-less engine socket must not be reachable by other users
     address = f"unix:{sock_dir}/e.sock"
     proc = EngineProcess(engine="tests.aligner.workers.engine_dump:DumpingEngine.from_path", model_dir=str(hf_dir),
                          address=address, options={"max_batch_size": 16}, log_path=str(tmp_path / "engine.log"),
