@@ -1,7 +1,10 @@
 """Checkpoint conversion between Hugging Face causal LMs and megatron-core ``GPTModel`` state dicts.
 
-Families (HF ``model_type``): ``llama`` (incl. SmolLM2), ``qwen2`` (QKV bias), ``mixtral`` (MoE) and ``qwen2_moe``
-(MoE + a sigmoid-gated shared expert, QKV bias). Everything here is torch only; sharding for TP/PP/EP is in
+Families (HF ``model_type``): ``llama`` (incl. SmolLM2), ``qwen2`` (QKV bias), ``mixtral`` (MoE), ``qwen2_moe``
+(MoE + a sigmoid-gated shared expert, QKV bias), ``qwen3`` (QK-norm: an RMSNorm over ``head_dim`` on every query and
+key head, ``head_dim`` independent of hidden / heads) and ``qwen3_moe`` (QK-norm + MoE, no shared expert). A config
+is a transformers ``PretrainedConfig`` or, where the installed transformers lacks the family (4.47 has no Qwen3),
+:func:`load_hf_config`'s reading of ``config.json``. Everything here is torch only; sharding for TP/PP/EP is in
 ``convert_shard``, building the matching megatron model in ``convert_build``.
 
 Megatron names are those of a model built on ONE rank (TP = PP = EP = 1; layer and expert indices global), as
@@ -18,6 +21,8 @@ Layouts (``h`` hidden, ``d`` head dim, ``nq`` query heads, ``ng`` key/value head
 * ``linear_qkv.weight`` ``[(nq + 2 ng) d, h]``: per query group g, its ``nq/ng`` query heads, then k_g, then v_g
   (TP splits whole groups, ``ng % tp == 0``, so rank r's shard is the r-th contiguous row block). Biases alike.
 * ``linear_fc1.weight`` ``[2 f, h]`` = ``[gate; up]`` for SwiGLU (megatron: ``silu(x W_gate) * (x W_up)``).
+* QK-norm: ``self_attention.q_layernorm.weight`` / ``k_layernorm.weight`` ``[d]`` = HF ``self_attn.q_norm`` /
+  ``k_norm`` (the same names under both specs; replicated over TP: every head shares them).
 * experts: ``mlp.experts.local_experts.{j}.linear_fc{1,2}.weight`` (SequentialMLP), router ``mlp.router.weight``
   ``[E, h]``; Qwen2-MoE's shared expert ``mlp.shared_experts.linear_fc{1,2}.weight`` and its gate
   ``mlp.shared_experts.gate_weight`` ``[1, h]`` (output scaled by ``sigmoid(x . gate)``, as in HF).
@@ -28,14 +33,18 @@ Layouts (``h`` hidden, ``d`` head dim, ``nq`` query heads, ``ng`` key/value head
 """
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Iterable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
 
 SPECS = ("local", "te")
-_FAMILIES = ("llama", "qwen2", "mixtral", "qwen2_moe")
+_FAMILIES = ("llama", "qwen2", "mixtral", "qwen2_moe", "qwen3", "qwen3_moe")
+_QK_NORM = ("qwen3", "qwen3_moe")
 _EXTRA_STATE = "_extra_state"
 
 
@@ -55,12 +64,18 @@ class HFArch:
     linear_bias: bool  # o_proj and MLP biases (megatron's add_bias_linear)
     num_experts: int = 0
     shared_expert: bool = False
+    qk_norm: bool = False
 
 
 def _biases(hf_config, family: str) -> tuple:
     """(QKV bias, o_proj + MLP bias) of ``family``."""
     if family in ("qwen2", "qwen2_moe"):
         return True, False
+    if family in _QK_NORM:
+        if getattr(hf_config, "attention_bias", False):
+            raise ValueError(f"hf_config: {family} with attention_bias=True (biased q/k/v AND o_proj, unbiased MLP) "
+                             "has no megatron equivalent (add_bias_linear covers o_proj and the MLP together)")
+        return False, False
     if family != "llama":
         return False, False
     qkv_bias, linear_bias = bool(hf_config.attention_bias), bool(getattr(hf_config, "mlp_bias", False))
@@ -74,11 +89,13 @@ def _experts(hf_config, family: str) -> tuple:
     """(number of routed experts, has a shared expert) of ``family``; (0, False) for dense models."""
     if family == "mixtral":
         return hf_config.num_local_experts, False
-    if family != "qwen2_moe":
+    if family not in ("qwen2_moe", "qwen3_moe"):
         return 0, False
-    if hf_config.mlp_only_layers or hf_config.decoder_sparse_step != 1:
-        raise ValueError("hf_config: Qwen2-MoE with dense layers (mlp_only_layers / decoder_sparse_step != 1) is "
+    if getattr(hf_config, "mlp_only_layers", None) or getattr(hf_config, "decoder_sparse_step", 1) != 1:
+        raise ValueError(f"hf_config: {family} with dense layers (mlp_only_layers / decoder_sparse_step != 1) is "
                          "not supported: megatron-core 0.10.0's SequentialMLP needs one FFN size for all layers")
+    if family == "qwen3_moe":
+        return hf_config.num_experts, False
     return hf_config.num_experts, bool(getattr(hf_config, "shared_expert_intermediate_size", 0))
 
 
@@ -100,7 +117,39 @@ def hf_arch(hf_config) -> HFArch:
                   num_heads=heads, num_groups=groups,
                   head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
                   vocab_size=hf_config.vocab_size, tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
-                  qkv_bias=qkv_bias, linear_bias=linear_bias, num_experts=experts, shared_expert=shared)
+                  qkv_bias=qkv_bias, linear_bias=linear_bias, num_experts=experts, shared_expert=shared,
+                  qk_norm=family in _QK_NORM)
+
+
+# transformers' defaults (Qwen3Config / Qwen3MoeConfig, 4.51+) for keys a Qwen3 config.json may leave out
+_JSON_DEFAULTS = {"qwen3": dict(attention_bias=False, hidden_act="silu", tie_word_embeddings=False,
+                                use_sliding_window=False, attention_dropout=0.0, initializer_range=0.02,
+                                rms_norm_eps=1e-6),
+                  "qwen3_moe": dict(attention_bias=False, hidden_act="silu", tie_word_embeddings=False,
+                                    use_sliding_window=False, attention_dropout=0.0, initializer_range=0.02,
+                                    rms_norm_eps=1e-6, decoder_sparse_step=1, mlp_only_layers=[],
+                                    norm_topk_prob=False)}
+
+
+def load_hf_config(path: str):
+    """The HF config of checkpoint directory (or ``config.json`` file) ``path`` as an attribute namespace, with
+    transformers' defaults for the keys that Qwen3 configs may omit; needs no transformers (4.47 has no Qwen3).
+    ``num_local_experts`` is read as ``num_experts`` (transformers 5 writes both)."""
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(file) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{file}: no config.json; pass a Hugging Face checkpoint directory") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    family = raw.get("model_type")
+    if family not in _FAMILIES:
+        raise ValueError(f"{file}: model_type={family!r} is not supported; use one of {_FAMILIES}")
+    values = dict(_JSON_DEFAULTS.get(family, {}), **raw)
+    if family == "qwen3_moe" and "num_experts" not in raw and "num_local_experts" in raw:
+        values["num_experts"] = raw["num_local_experts"]
+    return SimpleNamespace(**values)
 
 
 def padded_vocab_size(vocab_size: int, tp: int = 1, divisible_by: int = 128) -> int:
@@ -159,11 +208,11 @@ def megatron_config_from_hf(hf_config) -> dict:
               normalization="RMSNorm", layernorm_epsilon=float(hf_config.rms_norm_eps), gated_linear_unit=True,
               activation_func=F.silu, add_bias_linear=arch.linear_bias, add_qkv_bias=arch.qkv_bias,
               attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)), hidden_dropout=0.0,
-              init_method_std=float(getattr(hf_config, "initializer_range", 0.02)))
+              init_method_std=float(getattr(hf_config, "initializer_range", 0.02)), qk_layernorm=arch.qk_norm)
     if arch.family == "mixtral":
         kw.update(num_moe_experts=arch.num_experts, moe_router_topk=hf_config.num_experts_per_tok,
                   moe_router_pre_softmax=False, moe_ffn_hidden_size=hf_config.intermediate_size)
-    elif arch.family == "qwen2_moe":
+    elif arch.family in ("qwen2_moe", "qwen3_moe"):
         pre_softmax = not hf_config.norm_topk_prob
         if not pre_softmax and hf_config.num_experts_per_tok == 1:
             pre_softmax = True  # top-1 renormalised is weight 1 either way; megatron demands pre-softmax for k=1
@@ -225,6 +274,8 @@ def _layer_rules(arch: HFArch, i: int, spec: str) -> list:
              Rule(f"{mc}.self_attention.linear_qkv.weight", tuple(f"{attn}.{p}_proj.weight" for p in "qkv"), "qkv"),
              Rule(f"{mc}.self_attention.linear_proj.weight", (f"{attn}.o_proj.weight",), "copy"),
              Rule(mlp_norm, (f"{hf}.post_attention_layernorm.weight",), "copy")]
+    if arch.qk_norm:
+        rules += [Rule(f"{mc}.self_attention.{p}_layernorm.weight", (f"{attn}.{p}_norm.weight",), "copy") for p in "qk"]
     if arch.qkv_bias:
         qkv_bias = tuple(f"{attn}.{p}_proj.bias" for p in "qkv")
         rules.append(Rule(f"{mc}.self_attention.linear_qkv.bias", qkv_bias, "qkv"))

@@ -12,10 +12,10 @@ import dataclasses
 import torch
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from nemo_dapo.megatron.convert import gpt_model_kwargs_from_hf, hf_arch, megatron_config_from_hf
+from nemo_dapo.megatron.model import gpt_layer_spec
 
 _HAS_GATE_FIELD = "moe_shared_expert_gate" in {f.name for f in dataclasses.fields(TransformerConfig)}
 
@@ -39,17 +39,12 @@ def transformer_config_from_hf(hf_config, **overrides) -> TransformerConfig:
 
 
 def layer_spec_from_hf(hf_config):
-    """megatron-core's local layer spec for ``hf_config`` (SequentialMLP experts, gated shared expert if any)."""
+    """megatron-core's local layer spec for ``hf_config`` (SequentialMLP experts, gated shared expert if any,
+    QK-norm for Qwen3; ``model.gpt_layer_spec``)."""
     arch = hf_arch(hf_config)
+    spec = gpt_layer_spec(num_experts=arch.num_experts or None, qk_layernorm=arch.qk_norm)
     if not arch.num_experts:
-        return get_gpt_layer_local_spec()
-    try:
-        spec = get_gpt_layer_local_spec(num_experts=arch.num_experts, moe_grouped_gemm=False)
-    except NameError:  # megatron-core 0.10.0
-        from megatron.core.models.gpt.gpt_layer_specs import _get_moe_module_spec
-        spec = get_gpt_layer_local_spec()
-        spec.submodules.mlp = _get_moe_module_spec(use_te=False, num_experts=arch.num_experts,
-                                                   moe_grouped_gemm=False)
+        return spec
     shared = getattr(spec.submodules.mlp.submodules, "shared_experts", None)
     if arch.shared_expert and not _HAS_GATE_FIELD and shared is not None:
         spec.submodules.mlp.submodules.shared_experts = dataclasses.replace(shared, params={**shared.params,

@@ -22,6 +22,7 @@ expert-parallel (EP) group, and each expert over the expert-tensor-parallel grou
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
@@ -31,7 +32,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                      get_gpt_layer_with_transformer_engine_spec)
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -86,6 +88,38 @@ def transformer_config(spec: GPTSpec) -> TransformerConfig:
                   moe_router_load_balancing_type="aux_loss" if spec.moe_aux_loss_coeff > 0 else "none",
                   moe_grouped_gemm=False)
     return TransformerConfig(**kw)
+
+
+def gpt_layer_spec(*, num_experts: Optional[int] = None, moe_grouped_gemm: bool = False, qk_layernorm: bool = False,
+                   use_te: bool = False, fp8=None):
+    """megatron-core 0.10's GPT layer spec, Transformer Engine's (``use_te``) or its local one, with ``qk_layernorm``
+    (Qwen3: a norm over ``head_dim`` on each query / key head, after the QKV projection, before RoPE).
+
+    The QK-norm class is megatron-core's choice, which follows ``TransformerConfig.normalization``: TE spec ->
+    ``TENorm`` (``te.pytorch.RMSNorm`` for "RMSNorm"; TE < 1.9 gets apex's ``FusedLayerNorm``, which refuses
+    RMSNorm at build time); local spec -> ``LNImpl`` = ``WrappedTorchNorm`` without apex (``torch.nn.RMSNorm``),
+    apex's ``FusedLayerNorm`` with it (again refuses RMSNorm). Both are built with ``hidden_size = kv_channels``.
+    Two fixes to 0.10's local spec: with experts it asks for TE's grouped linear (NameError without TE), so its MoE
+    block is built with ``use_te=False``; and its checkpoint rename ``pre_mlp_layernorm. ->
+    mlp.linear_fc1.layer_norm_`` (for TE's fused dense MLP) is dropped for MoE layers, whose TE spec keeps
+    ``pre_mlp_layernorm`` as a module of its own, so a local-spec MoE checkpoint loads into the TE spec.
+    """
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec(num_experts, moe_grouped_gemm, qk_layernorm=qk_layernorm,
+                                                          fp8=fp8)
+    if not num_experts:
+        return get_gpt_layer_local_spec(qk_layernorm=qk_layernorm)
+    try:
+        layer = get_gpt_layer_local_spec(num_experts, moe_grouped_gemm, qk_layernorm=qk_layernorm)
+    except NameError:  # megatron-core 0.10.0 without TE
+        from megatron.core.models.gpt.gpt_layer_specs import _get_moe_module_spec
+        layer = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm)
+        layer.submodules.mlp = _get_moe_module_spec(use_te=False, num_experts=num_experts,
+                                                    moe_grouped_gemm=moe_grouped_gemm)
+    keys = {k: v for k, v in (layer.submodules.sharded_state_dict_keys_map or {}).items()
+            if k != "pre_mlp_layernorm."}
+    layer.submodules = dataclasses.replace(layer.submodules, sharded_state_dict_keys_map=keys)
+    return layer
 
 
 def layer_spec(spec: GPTSpec):
