@@ -11,7 +11,8 @@ if [ "$(cat "$VENV/.nemo_dapo_install" 2>/dev/null)" != "$want" ]; then
   bash scripts/install.sh "$VENV" full || exit 1
 fi
 export OMP_NUM_THREADS=1
-"$VENV/bin/python" -m pytest "$@"
+# --durations: the slowest tests are where the suite's time goes; the list is printed at the end of every run.
+"$VENV/bin/python" -m pytest --durations=25 "$@"
 rc=$?
 # pytest exit code 5 means "no tests collected": an empty run is a failure here, never a silent pass.
 [ $rc -eq 5 ] && echo "pytest collected no tests: failing on purpose" >&2
