@@ -15,7 +15,13 @@ is no ``lm_head.weight``, which an engine built from a config with ``tie_word_em
 embedding; vLLM's Llama / Qwen2 ``load_weights`` skip it then). Experts carry their GLOBAL index, e.g.
 ``model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight`` (Mixtral; ``w3`` gate-up partner, ``w2`` down) and
 ``model.layers.{i}.mlp.experts.{j}.gate_proj.weight`` (Qwen2-MoE, plus ``mlp.shared_expert.*`` and
-``mlp.shared_expert_gate.weight``).
+``mlp.shared_expert_gate.weight``; Qwen3-MoE the same without the shared expert, router ``mlp.gate.weight``).
+Qwen3 / Qwen3-MoE QK-norm: megatron-core 0.10's ``self_attention.q_layernorm.weight`` / ``k_layernorm.weight``
+(``get_gpt_layer_local_spec(qk_layernorm=True)``; ``[head_dim]``, replicated over TP) -> ``self_attn.q_norm.weight``
+/ ``k_norm.weight``. These are the names vLLM 0.32's loaders take: ``Qwen3MoeModel.hf_to_vllm_mapper`` stacks
+``q/k/v_proj`` into ``qkv_proj`` and the dense ``mlp.gate/up_proj`` into ``gate_up_proj``, its MoE runner maps
+``experts.{e}.gate_proj / up_proj / down_proj`` (Mixtral: ``w1 / w3 / w2``) by global expert index, and the
+norms load by name (tests/megatron/test_refit_vllm.py loads them into vLLM's CPU engine).
 """
 from __future__ import annotations
 
@@ -150,8 +156,9 @@ def hf_weight_buckets(model, hf_config, *, bucket_bytes: int, spec: str = "local
     """Yield buckets ``[(HF name, tensor), ...]`` holding the WHOLE model under Hugging Face names and shapes.
 
     ``model``: this rank's GPTModel (any TP x PP x EP layout, DDP / Float16Module wrappers looked through) built
-    for ``hf_config`` (Llama, Qwen2, Mixtral or Qwen2-MoE; see ``convert``) with layer spec ``spec`` (``"local"``
-    or ``"te"``; :func:`layer_spec_name` tells). ``dtype``: cast every tensor (e.g. the engine's bf16).
+    for ``hf_config`` (Llama, Qwen2, Mixtral, Qwen2-MoE, Qwen3 or Qwen3-MoE; see ``convert``) with layer spec
+    ``spec`` (``"local"`` or ``"te"``; :func:`layer_spec_name` tells). ``dtype``: cast every tensor (e.g. the
+    engine's bf16).
 
     Collectives: EVERY training rank must call it and consume it to the end, in step (TP all-gathers, per-expert
     EP broadcasts, PP broadcasts). Every rank receives the full model (``infer_tp_size=1``: no engine-TP cut; an

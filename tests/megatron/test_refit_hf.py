@@ -1,7 +1,9 @@
 """HF-named refit stream (refit_hf): the re-bucketing of a converted state dict (fast, one process) and
 ``hf_weight_buckets`` on sharded models under TP=2, PP=2 and EP=2 (slow: tests/megatron/workers/refit_hf_worker.py,
 one torchrun for every layout and family). Contract tests against TensorRT-LLM's loaders: the names and shapes the
-stream yields are exactly those recorded in tests/engines/trtllm_api_snapshot.json for that architecture."""
+stream yields are exactly those recorded in nemo_dapo/engines/trtllm_api_snapshot.json for that architecture (Qwen3 /
+Qwen3-MoE: names only, their tiny configs being plain config.json dicts: transformers 4.47 has no Qwen3). The same
+names loaded by vLLM's CPU engine: tests/megatron/test_refit_vllm.py."""
 import json
 import re
 from functools import lru_cache
@@ -19,8 +21,9 @@ from tests.megatron.workers.convert_models import PADDED_VOCAB, configs, randomi
 from tests.support.dist import run_torchrun  # noqa: E402
 
 WORKER = Path(__file__).parent / "workers" / "refit_hf_worker.py"
-SNAPSHOT = Path(__file__).resolve().parents[1] / "engines" / "trtllm_api_snapshot.json"
-ENGINE_ARCH = {"qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+SNAPSHOT = Path(__file__).resolve().parents[2] / "nemo_dapo" / "engines" / "trtllm_api_snapshot.json"
+ENGINE_ARCH = {"qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+               "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 FAMILIES = ("llama", "qwen2", "mixtral", "qwen2_moe")
 CASES = [f"tp2/{f}" for f in FAMILIES] + [f"pp2/{f}" for f in FAMILIES] + ["ep2/mixtral", "ep2/qwen2_moe"]
 LAYOUTS = ("tp2", "pp2", "ep2")
@@ -194,14 +197,15 @@ def _fused_groups(cfg, full):
 # TensorRT-LLM's loader names (contract: the recorded snapshot)
 # ---------------------------------------------------------------------------------------------------------------
 
-def engine_contract(family):
-    """(names, shapes) TensorRT-LLM's loader of ``family`` takes for the tiny config: the snapshot's name patterns
-    expanded over layers {i} and GLOBAL experts {e}, lm_head dropped when tied; shapes of the snapshot's
-    ``shapes`` entries evaluated on the HF config (``moe_intermediate_size`` etc.)."""
+def engine_contract(family, cfg=None):
+    """(names, shapes) TensorRT-LLM's loader of ``family`` takes for the tiny config (``cfg``, default
+    convert_models'): the snapshot's name patterns expanded over layers {i} and GLOBAL experts {e}, lm_head dropped
+    when tied; shapes of the snapshot's ``shapes`` entries evaluated on the HF config (``moe_intermediate_size``
+    etc.)."""
     if not SNAPSHOT.is_file():
         pytest.skip(f"{SNAPSHOT} (the recorded TensorRT-LLM API) is missing")
     entry = json.loads(SNAPSHOT.read_text())["hf_weight_names"][ENGINE_ARCH[family]]
-    cfg = configs()[family]
+    cfg = cfg or configs()[family]
     experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", 0)
     names = set()
     for pattern in entry["names"]:
@@ -231,6 +235,33 @@ def test_contract_converted_names_are_the_engine_loader_names(family):
                 assert list(t.shape) == dims, (n, list(t.shape), dims)
                 checked += 1
     assert checked >= len(shapes) * configs()[family].num_hidden_layers
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_contract_qwen3_refit_names_are_the_engine_loader_names(family):
+    """The refit's HF names of Qwen3 (q_layernorm / k_layernorm -> self_attn.q_norm / k_norm) and Qwen3-MoE (router
+    -> mlp.gate, experts -> mlp.experts.{e}.gate_proj / up_proj / down_proj with GLOBAL e, no shared expert) for
+    the tiny configs that vLLM loads in test_refit_vllm, against TensorRT-LLM's recorded loader names; the tied
+    Qwen3 sends no lm_head."""
+    from types import SimpleNamespace
+
+    from nemo_dapo.megatron.convert import conversion_rules, hf_arch
+    from tests.support.hf_tiny import CONFIGS
+
+    cfg = SimpleNamespace(**CONFIGS[family])
+    names, _ = engine_contract(family, cfg)
+    rules = conversion_rules(hf_arch(cfg))
+    got = [n for r in rules for n in r.hf]
+    assert len(got) == len(set(got)) and set(got) == names, (sorted(set(got) ^ names)[:6])
+    by_mc = {r.mc: r.hf for r in rules}
+    assert by_mc["decoder.layers.1.self_attention.q_layernorm.weight"] == ("model.layers.1.self_attn.q_norm.weight",)
+    assert by_mc["decoder.layers.1.self_attention.k_layernorm.weight"] == ("model.layers.1.self_attn.k_norm.weight",)
+    if family == "qwen3_moe":
+        assert by_mc["decoder.layers.1.mlp.router.weight"] == ("model.layers.1.mlp.gate.weight",)
+        assert by_mc["decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"] == (
+            "model.layers.1.mlp.experts.3.gate_proj.weight", "model.layers.1.mlp.experts.3.up_proj.weight")
+    else:
+        assert "lm_head.weight" not in got and cfg.tie_word_embeddings
 
 
 # ---------------------------------------------------------------------------------------------------------------
