@@ -286,10 +286,10 @@ class EngineServer:
                               "before updating weights")
         if not isinstance(msg.get("tensors"), list):
             raise _BadRequest("update_weights needs 'tensors': a list of weight specs")
-        self.weights_ok = False
         if self._buffer is None or self._buffer.name != msg.get("shm"):
             self._close_buffer()
             self._buffer = P.AttachedBuffer(msg.get("shm"))  # maps the block and removes its name
+        self.weights_ok = False  # an update has begun (a refused block name above changes nothing)
         named = self._buffer.tensors(msg["tensors"])
         try:
             for name, t in named:  # the whole bucket before any of it is loaded: a refused bucket changes nothing
