@@ -96,3 +96,15 @@ def test_cli_writes_the_json_file_and_fails_clearly(tmp_path):
                          cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and f"{ES}.capacity_scheduler='fifo' must be one of" in bad.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_several_tp_engines_get_nccl_allreduce_and_a_single_one_keeps_the_default():
+    """TensorRT-LLM's AsyncLLM (llmapi/async_llm.py) forces allreduce_strategy NCCL for RL with several instances."""
+    many = engine_options(cfg_of("qwen2.5-32b_h100", "trainer.num_nodes=2", "trainer.devices=8"))["options"]
+    assert many["tensor_parallel_size"] == 8 and many["allreduce_strategy"] == "NCCL"
+    one = engine_options(cfg_of("qwen2.5-32b_h100", "trainer.num_nodes=1", "trainer.devices=8"))["options"]
+    assert "allreduce_strategy" not in one  # one engine: TensorRT-LLM's default
+    tp1 = engine_options(cfg_of("qwen2.5-32b_h100", "trainer.num_nodes=1", "trainer.devices=8",
+                                f"{ES}.tensor_parallel_size=1", f"{ES}.expert_parallel_size=1"))["options"]
+    assert "allreduce_strategy" not in tp1  # no TP all-reduce at all
+    assert accepted(TRTLLMEngine.__init__, many) == []
