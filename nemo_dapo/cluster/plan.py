@@ -1,238 +1,89 @@
-"""Per-GPU memory and step-time arithmetic for a DAPO run on Megatron + TensorRT-LLM (NeMo-Aligner path).
+"""Per-GPU memory of every phase and the step time of a DAPO run on Megatron + TensorRT-LLM (NeMo-Aligner path).
 
 Everything here is an ESTIMATE from closed-form arithmetic, not a measurement; it imports nothing of NeMo, Megatron
-or torch, so ``nemo-dapo plan`` runs anywhere. The formulas follow the project's sizing notes (SCALE.md sections 2-3):
+or torch, so ``nemo-dapo plan`` runs anywhere. The pieces:
 
-* Training state per GPU (Megatron, bf16 params): weights 2 B/param, main grads 4 B/param (2 with a bf16
-  ``grad_sync_dtype``), Adam (fp32 master + m + v) 12 B/param, divided by d with the distributed optimizer:
-  d = DP x CP for dense params, d = expert-DP = world / (EP x ETP x PP) for expert params (Megatron-LM's
-  distributed-optimizer note: "6 + 12/d" bytes per param). The worst pipeline stage holds ceil(L / PP) layers and
-  one vocab matrix (both when PP = 1 and the embeddings are untied).
-* Activations of one micro-batch of s tokens: with full recompute only each layer's input, 2 s h / (t CP) bytes
-  (t = TP with sequence parallelism, else 1), times the micro-batches in flight on pipeline stage 0 under 1F1B
-  (min(PP, micro-batches)); plus one layer's working set c s h / (t CP) (c ~ 48 dense, ~ 66 MoE; an estimate);
-  plus the unchunked fp32 logits s / CP x V / TP x 4 bytes. Without recompute every layer keeps its working set.
-* TRT-LLM engine per GPU: bf16 weights / (gen TP x gen PP); KV cache 2 x layers x KV heads x head dim x 2 bytes per
-  token, with the KV heads of a GPU = ceil(groups / gen TP) (heads are replicated when TP exceeds them), reserved
-  for batch x (max input + max generation) tokens because a static batch must be able to run to the cap.
-* Decode: a step of one engine at batch b costs max(latency floor, bytes / (eta x HBM bandwidth), FLOPs / (0.5 x
-  peak)) per pipeline stage, stages in sequence; bytes = engine weights (for MoE only the experts a batch touches)
-  + b x context x KV/token. Generation time comes from ONE response-length model (mean, share truncated at the
-  cap, the rest a truncated exponential) for three engines: static batches (the legacy NeMo-Aligner path: each
-  batch waits for its longest sample), in-flight batching (throughput of the same KV pool, plus the long tail) and
-  streaming with early stop (the dynamic-sampling filler aborts what it no longer needs); formulas in
-  ``nemo_dapo/cluster/plan_generation.py``. ``trainer.dapo.rollout_engine`` says which one the run uses.
-* The engine servers (rollout_engine trtllm | vllm) take their layout, KV pool, concurrency, refit and sleep / wake
-  from ``trainer.dapo.engine_server`` instead (``nemo_dapo/cluster/plan_engine_server.py``); the legacy engine's
-  ``trt_llm.*`` keys then play no part.
-* Training FLOPs per token: old log-prob 2N, update 8N (forward 2N + backward 4N + recompute 2N), N = active params,
-  plus causal attention 4 L heads d (S / 2) per forward; time = FLOPs / (GPUs x peak x HFU).
-Lines marked GUESS in ``DEFAULT_ASSUMPTIONS`` are judgement calls; override them under ``plan.assume``.
+* ``plan_model.py``: GPUs, architectures (``plan.arch``, or ``plan.arch.preset``), training memory and FLOPs
+  (6N per trained token, 8N with full recompute; a forward 2N per log-prob pass: the old policy, plus a KL
+  reference policy when ``plan.reference_logprob_pass`` is set; DAPO has none).
+* ``plan_engine_server.py``: the engine servers' layout and the three colocated phases (train with the engine
+  asleep, refit with the KV asleep, generate), the results-gather buffer, concurrency, refit and sleep / wake time.
+* ``plan_generation.py``: decode steps from the bytes each GPU reads (its weight shard + the KV it attends over) at
+  its memory bandwidth, and the generation time of one step under static, in-flight and streaming engines.
+* ``plan_calibration.py``: the same planner run on published runs (benchmarks/calibration/); the error band it
+  finds is printed beside every estimate.
+
+Training state while the engine refits and generates: Adam states are on the host only when the run offloads them
+(``model.dapo.offload_adam_states`` with apex distributed Adam, what NeMo-Aligner's actor honours);
+``plan.generate_offload: training_state`` plans a whole-policy offload (weights, grads, Adam: what NeMo-RL and verl
+do colocated; this stack does not). What is not modelled is refused with the key: an engine that spans nodes,
+an unknown GPU, a missing architecture value. Every assumption is printed with its reason; override under
+``plan.assume``.
 """
 from __future__ import annotations
 
 import math
 import sys
 import textwrap
-from dataclasses import dataclass
-from typing import Optional
 
-from nemo_dapo.cluster.plan_engine_server import (SERVER_ENGINES, concurrency, format_server,
+from nemo_dapo.cluster.plan_engine_server import (SERVER_ENGINES, concurrency, format_server, gather_buffer_bytes,
                                                  server_layout, server_overhead, server_phases)
 from nemo_dapo.cluster.plan_generation import (ENGINE_MODEL, MODEL_LABELS, PlanError, ResponseLengths,
                                               decode_step_seconds, engine_memory, format_generation, generation_times,
                                               inflight_tokens_per_s_per_gpu, needed_fraction)
+from nemo_dapo.cluster.plan_model import (ARCH_KEYS, ARCH_PRESETS, GPUS, Arch, Gpu, Layout, default_hfu,
+                                         params_per_gpu, training_memory, training_seconds)
 
-__all__ = ["PlanError", "make_plan", "format_plan", "run_cli"]
+__all__ = ["PlanError", "make_plan", "format_plan", "run_cli", "Arch", "Gpu", "GPUS", "Layout", "ARCH_PRESETS",
+           "params_per_gpu", "training_memory", "training_seconds", "engine_memory", "decode_step_seconds",
+           "inflight_tokens_per_s_per_gpu"]
 
 GB = 1e9
 KIB = 1024
 
-
-@dataclass(frozen=True)
-class Gpu:
-    name: str
-    memory_gb: float
-    hbm_tb_s: float
-    bf16_tflops: float  # dense
-
-
-# Vendor figures (H100 SXM) and third-party spec pages (H20), as collected in SCALE.md section 3.1.
-GPUS = {
-    "h100": Gpu("H100 SXM 80GB", 80.0, 3.35, 989.0),
-    "h20": Gpu("H20 96GB", 96.0, 4.0, 148.0),
+# (default, reason). One set for every recipe and for every calibration row; the calibrated ones were chosen on
+# benchmarks/calibration/ (3 published runs) and are checked there by tests/cluster/test_plan_calibration.py.
+ASSUMPTIONS = {
+    "mean_prompt_tokens": (250, "GUESS: DAPO-Math-17k prompts with the template"),
+    "mean_response_tokens": (6000, "GUESS: mid-run mean response of DAPO at 20k tokens (paper Fig. 7a: ~1-4k early)"),
+    "truncated_fraction": (0.05, "GUESS: share of responses that hit the generation cap"),
+    "oversample": (3.0, "the reference's 3x generation batch (verl / NeMo-RL DAPO recipes)"),
+    "pass_rate": (None, "null: model.dapo.algorithm.dynamic_sampling.prior_pass_rate (share of groups kept)"),
+    "hfu": (None, "null: 0.40 dense (calibrated: the NeMo-RL H100 rows and the verl H20 row), 0.25 MoE (GUESS: "
+                  "no MoE row)"),
+    "logprob_hfu": (None, "null: half the update's (calibrated: verl 7B H20, old log-prob 54 s = 2N vs update "
+                          "114 s = 8N; forward-only passes use the GPU about half as well)"),
+    "decode_efficiency": (0.75, "achieved fraction of HBM bandwidth while decoding (SCALE.md 3.3)"),
+    "decode_step_overhead_ms": (3.0, "calibrated: fixed cost of a decode step (scheduling, sampling, launches); "
+                                     "the verl row's generation is mostly the 28.7k steps of its longest response"),
+    "allreduce_us": (15.0, "GUESS: latency of one small NVLink all-reduce (2 per layer per decode step at TP > 1)"),
+    "decode_step_floor_ms": (None, "null: no floor (the step follows bytes / bandwidth + overhead)"),
+    "refit_gb_per_s": (5.0, "GUESS: legacy engine weight refit per GPU (convert + trt.Refitter)"),
+    "handover_gb_per_s": (5.0, "GUESS: engine servers: HF-named gather over TP/PP/EP + shared-memory handover"),
+    "sleep_wake_s": (5.0, "GUESS: engine servers: one sleep + wake of a colocated engine"),
+    "pcie_gb_per_s": (25.0, "host <-> device copies (PCIe Gen5 x16 achieved) for offload and reload"),
+    "engine_workspace_gb": (3.0, "GUESS: TRT-LLM activations and workspace"),
+    "cuda_reserved_gb": (3.0, "GUESS: CUDA context, NCCL buffers"),
+    "usable_fraction": (0.95, "GUESS: allocator fragmentation margin"),
 }
-
-DEFAULT_ASSUMPTIONS = {
-    "mean_prompt_tokens": 250,  # GUESS: DAPO-Math-17k prompts with the template
-    "mean_response_tokens": 6000,  # GUESS: mid-run mean response length
-    "truncated_fraction": 0.05,  # GUESS: share of responses that hit the generation cap
-    "oversample": 3.0,  # generated groups per kept group (the reference's 3x generation batch)
-    "pass_rate": None,  # None: model.dapo.algorithm.dynamic_sampling.prior_pass_rate (share of groups the filler keeps)
-    "hfu": None,  # None: 0.40 dense / 0.25 MoE on H100, 0.42 / 0.27 on H20 (mid of SCALE.md 3.3 ranges)
-    "decode_efficiency": 0.75,  # eta: achieved fraction of HBM bandwidth while decoding
-    "decode_step_floor_ms": None,  # None: 10 ms dense, 25 ms MoE (GUESS: per-token latency of one engine)
-    "refit_gb_per_s": 5.0,  # GUESS: engine weight refit throughput per GPU (convert + trt.Refitter)
-    "handover_gb_per_s": 5.0,  # GUESS: engine servers: HF-named gather over TP/PP/EP + shared-memory handover
-    "sleep_wake_s": 5.0,  # GUESS: engine servers: one sleep + wake of a colocated engine
-    "pcie_gb_per_s": 25.0,  # host <-> device copies for Adam offload and engine reload
-    "engine_workspace_gb": 3.0,  # GUESS: TRT-LLM activations and workspace
-    "cuda_reserved_gb": 3.0,  # GUESS: CUDA context, NCCL buffers
-    "usable_fraction": 0.95,  # GUESS: allocator fragmentation margin
-}
+DEFAULT_ASSUMPTIONS = {k: v for k, (v, _) in ASSUMPTIONS.items()}
 # The range of each assumption as (low, low allowed, high or None): rates, lengths and utilisations must be > 0
 # (they divide), fractions lie in [0, 1] or (0, 1], overheads may be 0, and a null takes the default above.
 ASSUMPTION_RANGES = {
     "mean_prompt_tokens": (0, False, None), "mean_response_tokens": (0, False, None),
     "truncated_fraction": (0, True, 1), "oversample": (1, True, None), "pass_rate": (0, False, 1),
-    "hfu": (0, False, 1), "decode_efficiency": (0, False, 1), "decode_step_floor_ms": (0, True, None),
-    "refit_gb_per_s": (0, False, None), "handover_gb_per_s": (0, False, None), "sleep_wake_s": (0, True, None),
-    "pcie_gb_per_s": (0, False, None), "engine_workspace_gb": (0, True, None), "cuda_reserved_gb": (0, True, None),
-    "usable_fraction": (0, False, 1),
+    "hfu": (0, False, 1), "logprob_hfu": (0, False, 1), "decode_efficiency": (0, False, 1),
+    "decode_step_overhead_ms": (0, True, None), "allreduce_us": (0, True, None),
+    "decode_step_floor_ms": (0, True, None), "refit_gb_per_s": (0, False, None),
+    "handover_gb_per_s": (0, False, None), "sleep_wake_s": (0, True, None), "pcie_gb_per_s": (0, False, None),
+    "engine_workspace_gb": (0, True, None), "cuda_reserved_gb": (0, True, None), "usable_fraction": (0, False, 1),
 }
+GENERATE_OFFLOADS = (None, "training_state")
+LOGPROB_HFU_RATIO = 0.5  # logprob_hfu when null: this share of the update's HFU (ASSUMPTIONS["logprob_hfu"])
+PHASE_LABELS = {"train": "train", "refit": "refit", "generate": "generate"}
 
 
-@dataclass(frozen=True)
-class Arch:
-    """Model shape. SwiGLU MLPs (3 matrices); MoE layers have a router and no shared expert."""
-
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    kv_channels: int
-    vocab_size: int
-    tied_embeddings: bool = False
-    qkv_bias: bool = False
-    num_moe_experts: Optional[int] = None
-    moe_ffn_hidden_size: Optional[int] = None
-    moe_router_topk: Optional[int] = None
-    name: str = ""
-
-    @property
-    def is_moe(self) -> bool:
-        return bool(self.num_moe_experts)
-
-    def attention_params(self) -> int:
-        h, d = self.hidden_size, self.kv_channels
-        q_and_o = 2 * h * self.num_attention_heads * d
-        kv = 2 * h * self.num_query_groups * d
-        bias = (self.num_attention_heads + 2 * self.num_query_groups) * d if self.qkv_bias else 0
-        return q_and_o + kv + bias
-
-    def dense_layer_params(self) -> int:
-        """Params of one layer that are not experts: attention, norms, and the MLP or the router."""
-        h = self.hidden_size
-        mlp = h * self.num_moe_experts if self.is_moe else 3 * h * self.ffn_hidden_size
-        return self.attention_params() + 2 * h + mlp
-
-    def expert_params(self) -> int:
-        """Params of one expert (SwiGLU)."""
-        return 3 * self.hidden_size * self.moe_ffn_hidden_size if self.is_moe else 0
-
-    def expert_layer_params(self) -> int:
-        return self.num_moe_experts * self.expert_params() if self.is_moe else 0
-
-    def embedding_params(self) -> int:
-        return self.vocab_size * self.hidden_size
-
-    def num_embedding_matrices(self) -> int:
-        return 1 if self.tied_embeddings else 2
-
-    def total_params(self) -> int:
-        per_layer = self.dense_layer_params() + self.expert_layer_params()
-        return self.num_layers * per_layer + self.num_embedding_matrices() * self.embedding_params() + self.hidden_size
-
-    def active_params(self) -> int:
-        """Params touched per token (all non-expert params + top-k experts per layer)."""
-        if not self.is_moe:
-            return self.total_params()
-        inactive = self.num_layers * (self.num_moe_experts - self.moe_router_topk) * self.expert_params()
-        return self.total_params() - inactive
-
-    def kv_bytes_per_token(self, layers: Optional[int] = None, kv_heads: Optional[int] = None) -> int:
-        """bf16 K and V of one token over ``layers`` layers with ``kv_heads`` heads (defaults: the whole model)."""
-        layers = self.num_layers if layers is None else layers
-        kv_heads = self.num_query_groups if kv_heads is None else kv_heads
-        return 2 * layers * kv_heads * self.kv_channels * 2
-
-    def attention_flops_per_token(self, seq_len: float) -> float:
-        """Forward FLOPs of causal attention scores and values for one token, averaged over a ``seq_len`` sequence."""
-        return 4.0 * self.num_layers * self.num_attention_heads * self.kv_channels * seq_len / 2
-
-
-@dataclass(frozen=True)
-class Layout:
-    world: int
-    tp: int
-    pp: int
-    cp: int = 1
-    ep: int = 1
-    sequence_parallel: bool = False
-
-    @property
-    def dp(self) -> int:
-        return self.world // (self.tp * self.pp * self.cp)
-
-    @property
-    def expert_dp(self) -> int:
-        """Expert data-parallel size with ETP = TP (NeMo 1.x cannot set ETP), Megatron: world / (ETP x EP x PP)."""
-        return self.world // (self.tp * self.ep * self.pp)
-
-
-def params_per_gpu(arch: Arch, layout: Layout) -> tuple[float, float]:
-    """(dense, expert) params held by one GPU of the worst pipeline stage."""
-    layers = math.ceil(arch.num_layers / layout.pp)
-    embeddings = arch.num_embedding_matrices() if layout.pp == 1 else 1
-    dense = (layers * arch.dense_layer_params() + embeddings * arch.embedding_params()) / layout.tp
-    expert = layers * arch.expert_layer_params() / (layout.ep * layout.tp)
-    return dense, expert
-
-
-def training_memory(arch: Arch, layout: Layout, *, seq_tokens: int, in_flight: int, recompute: Optional[str],
-                    distributed_optimizer: bool, grad_bytes: int) -> dict:
-    """Bytes per GPU of the training state and one step's activations (see the module docstring)."""
-    dense, expert = params_per_gpu(arch, layout)
-    params = dense + expert
-    if distributed_optimizer:
-        optimizer = 12 * (dense / (layout.dp * layout.cp) + expert / layout.expert_dp)
-    else:
-        optimizer = 12 * params
-    t = layout.tp if layout.sequence_parallel else 1
-    per_token_hidden = seq_tokens * arch.hidden_size / (t * layout.cp)
-    c = 66 if arch.is_moe else 48
-    layers = math.ceil(arch.num_layers / layout.pp)
-    if recompute == "full":
-        activations = layers * 2 * per_token_hidden * in_flight + c * per_token_hidden
-    else:
-        activations = layers * c * per_token_hidden * in_flight
-    logits = seq_tokens / layout.cp * arch.vocab_size / layout.tp * 4
-    return {"weights": 2 * params, "grads": grad_bytes * params, "optimizer": optimizer,
-            "activations": activations, "logits": logits}
-
-
-def default_hfu(arch: Arch, gpu_key: str) -> float:
-    if gpu_key == "h20":
-        return 0.27 if arch.is_moe else 0.42
-    return 0.25 if arch.is_moe else 0.40
-
-
-def training_seconds(arch: Arch, gpu: Gpu, *, world: int, tokens: float, seq_len: float, hfu: float) -> dict:
-    """Old log-prob (2N) and update (8N) time for ``tokens`` trained tokens of sequences of mean length ``seq_len``."""
-    attention = arch.attention_flops_per_token(seq_len)
-    n = arch.active_params()
-    rate = world * gpu.bf16_tflops * 1e12 * hfu
-    return {"old_logprob": tokens * (2 * n + attention) / rate,
-            "training": tokens * (8 * n + 4 * attention) / rate}
-
-
-# ---- from a config to a report ----------------------------------------------------------------------------------
-ARCH_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-             "vocab_size", "tied_embeddings", "qkv_bias", "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk")
-
-
-def _range_text(low: float, closed: bool, high: Optional[float]) -> str:
+def _range_text(low: float, closed: bool, high):
     if high is None:
         return f"a number {'>=' if closed else '>'} {low}"
     return f"a number in {'[' if closed else '('}{low}, {high}]"
@@ -274,8 +125,22 @@ def _need(value, key: str):
 
 
 def arch_from_config(cfg: dict) -> Arch:
-    spec = cfg.get("plan", {}).get("arch", {}) or {}
+    """``plan.arch``: explicit values, or ``preset`` (ARCH_PRESETS) whose values explicit ones must agree with."""
+    spec = dict(cfg.get("plan", {}).get("arch", {}) or {})
+    preset_name = spec.pop("preset", None)
     kw = {k: spec.get(k) for k in ARCH_KEYS}
+    if preset_name is not None:
+        if preset_name not in ARCH_PRESETS:
+            raise PlanError(f"plan.arch.preset={preset_name!r} is not one of {sorted(ARCH_PRESETS)}; fix: pick one "
+                            "or set plan.arch.* from the model's config.json")
+        preset = ARCH_PRESETS[preset_name]
+        for k in ARCH_KEYS:
+            ours, theirs = kw[k], getattr(preset, k)
+            if ours not in (None, False, 0) and ours != theirs:
+                raise PlanError(f"plan.arch.{k}={ours!r} disagrees with plan.arch.preset={preset_name} ({theirs!r}); "
+                                "fix: drop one of them")
+            kw[k] = theirs
+        spec["name"] = spec.get("name") or preset.name
     for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
               "kv_channels", "vocab_size", *(("moe_ffn_hidden_size", "moe_router_topk") if kw["num_moe_experts"]
                                              else ())):
@@ -302,40 +167,70 @@ def make_plan(cfg: dict) -> dict:
     gpu, arch = GPUS[gpu_key], arch_from_config(cfg)
     a = {**DEFAULT_ASSUMPTIONS, **{k: v for k, v in (select(cfg, "plan.assume", {}) or {}).items() if v is not None}}
     layout = Layout(world=s["world"], tp=s["tp"], pp=s["pp"], cp=s["cp"], ep=s["ep"],
-                    sequence_parallel=bool(select(cfg, "model.sequence_parallel", False)))
+                    sequence_parallel=bool(select(cfg, "model.sequence_parallel", False)),
+                    etp=select(cfg, "model.expert_tensor_parallel_size"))
     engine = _need(select(cfg, "trainer.dapo.rollout_engine"), "trainer.dapo.rollout_engine")
     if engine not in ENGINE_MODEL:
         raise PlanError(f"trainer.dapo.rollout_engine={engine!r}: `nemo-dapo plan` models "
                         f"{sorted(ENGINE_MODEL)} ('local', the project's small-model engine, is not sized here)")
+    offload = select(cfg, "plan.generate_offload")
+    if offload not in GENERATE_OFFLOADS:
+        raise PlanError(f"plan.generate_offload={offload!r} must be null (what this stack does) or 'training_state'")
     budget = a["usable_fraction"] * gpu.memory_gb * GB
     phases, gen = _memory_phases(cfg, arch, layout, a, gpu=gpu, budget=budget)
     plan = {"gpu": gpu, "gpu_key": gpu_key, "arch": arch, "layout": layout, "assume": a, "phases": phases,
             "budget": budget, "fits": all(sum(p.values()) <= budget for p in phases.values()), "gen": gen}
-    plan["time"] = _step_time(cfg, plan, gpu_key)
+    plan["time"] = _step_time(cfg, plan)
     return plan
 
 
+def _offloaded(cfg: dict, optim: str) -> dict:
+    """Which training-state parts are on the host while the engine refits and generates (module docstring)."""
+    from nemo_dapo.cluster.config_validate import select
+
+    if select(cfg, "plan.generate_offload") == "training_state":
+        return {"weights": True, "grads": True, "optimizer": True}
+    return {"optimizer": bool(select(cfg, "model.dapo.offload_adam_states")) and optim == "distributed_fused_adam"}
+
+
+def _gen_rows_per_dp(cfg: dict, dp: int) -> float:
+    """Responses one data-parallel rank asks for in one generate call: the largest generation batch of prompts
+    (dynamic sampling's max_gen_batch_size, else prompts_per_step) x group_size, split over DP."""
+    from nemo_dapo.cluster.config_validate import select
+
+    ds = "model.dapo.algorithm.dynamic_sampling"
+    prompts = select(cfg, "trainer.dapo.prompts_per_step")
+    if select(cfg, f"{ds}.enabled", True):
+        prompts = max(prompts, select(cfg, f"{ds}.max_gen_batch_size") or select(cfg, f"{ds}.gen_batch_size") or 0)
+    return prompts * select(cfg, "model.dapo.algorithm.group_size") / dp
+
+
 def _memory_phases(cfg: dict, arch: Arch, layout: Layout, a: dict, *, gpu: Gpu, budget: float) -> tuple:
-    """({"train": {part: bytes}, "generate": {part: bytes}}, generation settings) per GPU."""
+    """({phase: {part: bytes}}, generation settings) per GPU."""
     from nemo_dapo.cluster.config_validate import DISTRIBUTED_OPTIMIZERS, select
 
     mbs, gbs = select(cfg, "model.micro_batch_size"), select(cfg, "model.global_batch_size")
-    seq = select(cfg, "model.encoder_seq_length")  # micro-batches are padded up to the longest sample: worst case
+    seq = select(cfg, "model.encoder_seq_length")
+    tokens = select(cfg, "model.dapo.micro_batch_tokens") or mbs * seq  # packed micro-batches, worst case
     optim = select(cfg, "model.optim.name")
-    train = training_memory(arch, layout, seq_tokens=mbs * seq, in_flight=min(layout.pp, gbs // (mbs * layout.dp)),
+    train = training_memory(arch, layout, seq_tokens=tokens, in_flight=min(layout.pp, max(1, gbs // (mbs * layout.dp))),
                             recompute=select(cfg, "model.activations_checkpoint_granularity"),
                             distributed_optimizer=optim in DISTRIBUTED_OPTIMIZERS,
-                            grad_bytes=2 if select(cfg, "model.optim.grad_sync_dtype") in ("bf16", "fp16") else 4)
+                            grad_bytes=2 if select(cfg, "model.optim.grad_sync_dtype") in ("bf16", "fp16") else 4,
+                            logprob_chunk=select(cfg, "model.dapo.logprob_chunk_size"))
     trt = select(cfg, "trainer.dapo.trt_llm", {})
+    offloaded = _offloaded(cfg, optim)
     gen = {"tp": layout.tp, "pp": 1 if trt.get("reshard") else layout.pp, "trt": bool(trt.get("enable")),
            "engine": _need(select(cfg, "trainer.dapo.rollout_engine"), "trainer.dapo.rollout_engine"),
            "batch": select(cfg, "model.dapo.rollout_micro_batch_size"),
            "max_seq": trt.get("max_input_len", 0) + select(cfg, "model.dapo.length_params.max_length"),
-           # NeMo-Aligner offloads only apex distributed-Adam states while generating
-           "offloaded": bool(select(cfg, "model.dapo.offload_adam_states")) and optim == "distributed_fused_adam"}
+           "offloaded": offloaded}
     if gen["engine"] in SERVER_ENGINES:
         srv = server_layout(cfg, arch, layout.world)
-        phases, kv = server_phases(arch, srv, train, offloaded=gen["offloaded"], gpu=gpu, budget=budget, a=a)
+        mp = layout.tp * layout.pp * layout.cp
+        gather = gather_buffer_bytes(rows=_gen_rows_per_dp(cfg, layout.dp), owners=max(1, mp // (srv["tp"] * srv["pp"])),
+                                     l_max=select(cfg, "model.dapo.length_params.max_length"))
+        phases, kv = server_phases(arch, srv, train, offloaded=offloaded, gpu=gpu, budget=budget, a=a, gather=gather)
         gen.update(tp=srv["tp"], pp=srv["pp"], trt=True, max_seq=srv["max_seq"], server=srv, kv=kv,
                    kv_per_token=kv["kv_per_token"])
         return phases, gen
@@ -345,11 +240,9 @@ def _memory_phases(cfg: dict, arch: Arch, layout: Layout, a: dict, *, gpu: Gpu, 
         gen["kv_per_token"] = engine.pop("kv_per_token")
         engine["engine_workspace"] = a["engine_workspace_gb"] * GB
     reserve = {"cuda_reserved": a["cuda_reserved_gb"] * GB}
-    phases = {
-        "train": {**train, **({} if trt.get("unload_engine_train") else engine), **reserve},
-        "generate": {"weights": train["weights"], "grads": train["grads"],
-                     "optimizer": 0.0 if gen["offloaded"] else train["optimizer"], **engine, **reserve},
-    }
+    resident = {k: 0.0 if offloaded.get(k) else train[k] for k in ("weights", "grads", "optimizer")}
+    phases = {"train": {**train, **({} if trt.get("unload_engine_train") else engine), **reserve},
+              "generate": {**resident, **engine, **reserve}}
     return phases, gen
 
 
@@ -358,6 +251,16 @@ def _response_lengths(a: dict, l_max: int) -> ResponseLengths:
         return ResponseLengths(l_max, min(a["mean_response_tokens"], l_max), a["truncated_fraction"])
     except ValueError as e:
         raise PlanError(f"plan.assume.mean_response_tokens / truncated_fraction: {e}") from None
+
+
+def decode_step_fn(plan: dict):
+    """``step_s(batch, context)`` of one engine of ``plan`` with its assumptions (plan_generation.py)."""
+    arch, gpu, a, g = plan["arch"], plan["gpu"], plan["assume"], plan["gen"]
+    floor = (a["decode_step_floor_ms"] or 0.0) / 1e3
+    return lambda b, ctx: decode_step_seconds(arch, gpu, gen_tp=g["tp"], gen_pp=g["pp"], batch=b, context=ctx,
+                                              efficiency=a["decode_efficiency"], floor_s=floor,
+                                              overhead_s=a["decode_step_overhead_ms"] / 1e3,
+                                              allreduce_s=a["allreduce_us"] / 1e6)
 
 
 def _generation(cfg: dict, plan: dict, *, generated: float, l_max: int, oversample: float) -> dict:
@@ -371,34 +274,42 @@ def _generation(cfg: dict, plan: dict, *, generated: float, l_max: int, oversamp
                                                   efficiency=a["decode_efficiency"])}
     if not g["trt"]:
         return t  # Megatron generation (debug path) is not estimated
-    floor = a["decode_step_floor_ms"]  # 0 is a valid choice: no latency floor
-    floor = (floor if floor is not None else (25.0 if arch.is_moe else 10.0)) / 1e3
-    step = lambda b, ctx: decode_step_seconds(arch, gpu, gen_tp=g["tp"], gen_pp=g["pp"], batch=b,  # noqa: E731
-                                              context=ctx, efficiency=a["decode_efficiency"], floor_s=floor)
     engines = plan["layout"].world // (g["tp"] * g["pp"])
+    group = select(cfg, "model.dapo.algorithm.group_size")
     max_slots = None
     if "server" in g:
         scheduler = g["server"]["capacity_scheduler"]
         g["concurrency"] = concurrency(g["server"], g["kv"], scheduler=scheduler, prompt=prompt, l_max=l_max,
                                        mean_context=lengths.mean_context(1, prompt), requests=generated / engines,
-                                       group_size=select(cfg, "model.dapo.algorithm.group_size"))
+                                       group_size=group)
         g["scheduler"], max_slots = scheduler, g["concurrency"]["slots"]
     pass_rate = a["pass_rate"] or _need(select(cfg, "model.dapo.algorithm.dynamic_sampling.prior_pass_rate"),
                                         "model.dapo.algorithm.dynamic_sampling.prior_pass_rate")
     if not 0 < pass_rate <= 1:
         raise PlanError(f"pass rate {pass_rate} (plan.assume.pass_rate or dynamic_sampling.prior_pass_rate) must be "
                         "in (0, 1]")
-    gen = generation_times(lengths, requests=generated / engines,
-                           group_size=select(cfg, "model.dapo.algorithm.group_size"), static_batch=g["batch"],
+    gen = generation_times(lengths, requests=generated / engines, group_size=group, static_batch=g["batch"],
                            pool_tokens=g["batch"] * g["max_seq"], prompt=prompt,
-                           needed=needed_fraction(oversample, pass_rate), step_s=step, pipeline_stages=g["pp"],
-                           max_slots=max_slots)
+                           needed=needed_fraction(oversample, pass_rate), step_s=decode_step_fn(plan),
+                           pipeline_stages=g["pp"], max_slots=max_slots)
     return {**t, "gen": gen, "engines": engines, "batches_per_engine": gen["batches"], "pass_rate": pass_rate,
             "steps_per_batch": gen["batch_max"], "step_ms": gen["static_step_s"] * 1e3,
             "generation": gen[ENGINE_MODEL[g["engine"]]]}
 
 
-def _step_time(cfg: dict, plan: dict, gpu_key: str) -> dict:
+def _pipeline_bubble(cfg: dict, layout: Layout, tokens_per_update: float) -> float:
+    """1F1B bubble fraction (PP - 1) / m, m = packed micro-batches per DP rank per optimizer step."""
+    from nemo_dapo.cluster.config_validate import select
+
+    if layout.pp == 1:
+        return 0.0
+    per_mb = select(cfg, "model.dapo.micro_batch_tokens") or \
+        select(cfg, "model.micro_batch_size") * select(cfg, "model.encoder_seq_length")
+    m = max(1.0, tokens_per_update / layout.dp / per_mb)
+    return (layout.pp - 1) / m
+
+
+def _step_time(cfg: dict, plan: dict) -> dict:
     from nemo_dapo.cluster.config_validate import select
 
     arch, gpu, layout, a, g = plan["arch"], plan["gpu"], plan["layout"], plan["assume"], plan["gen"]
@@ -409,82 +320,117 @@ def _step_time(cfg: dict, plan: dict, gpu_key: str) -> dict:
     t = {"generated_samples": generated, "oversample": oversample,
          **_generation(cfg, plan, generated=generated, l_max=l_max, oversample=oversample)}
     seq_len = a["mean_prompt_tokens"] + t["lengths"].mean
-    hfu = a["hfu"] or default_hfu(arch, gpu_key)
-    t.update(training_seconds(arch, gpu, world=layout.world, tokens=prompts * group * seq_len, seq_len=seq_len,
-                              hfu=hfu), hfu=hfu)
-    engine_bytes = plan["phases"]["generate"].get("engine_weights", 0.0)
-    adam = plan["phases"]["train"]["optimizer"] if g["offloaded"] else 0.0
-    parts = {"adam_offload": 2 * adam / (a["pcie_gb_per_s"] * GB)}
+    tokens = prompts * group * seq_len
+    recompute = select(cfg, "model.activations_checkpoint_granularity") == "full"
+    passes = 2 if select(cfg, "plan.reference_logprob_pass") else 1
+    hfu = a["hfu"] or default_hfu(arch)
+    logprob_hfu = a["logprob_hfu"] or LOGPROB_HFU_RATIO * hfu
+    bubble = _pipeline_bubble(cfg, layout, seq_len * select(cfg, "model.global_batch_size"))
+    t.update(training_seconds(arch, gpu, world=layout.world, tokens=tokens, seq_len=seq_len, hfu=hfu,
+                              logprob_hfu=logprob_hfu, recompute=recompute, logprob_passes=passes,
+                              bubble=bubble), hfu=hfu, logprob_hfu=logprob_hfu, recompute=recompute,
+             logprob_passes=passes, bubble=bubble)
+    train = plan["phases"]["train"]
+    moved = sum(train[k] for k, off in g["offloaded"].items() if off)
+    parts = {"offload": 2 * moved / (a["pcie_gb_per_s"] * GB)}
     if "server" in g:
         parts.update(server_overhead(arch, g["server"], a))
     else:
+        engine_bytes = plan["phases"]["generate"].get("engine_weights", 0.0)
         parts["refit"] = engine_bytes / (a["refit_gb_per_s"] * GB)
         if select(cfg, "trainer.dapo.trt_llm.unload_engine_train"):
             parts["engine_reload"] = engine_bytes / (a["pcie_gb_per_s"] * GB)
     other = sum(parts.values())
     t["refit_and_offload"], t["overhead"] = other, parts
-    t["total"] = t["old_logprob"] + t["training"] + other + (t["generation"] or 0.0)
+    t["total"] = t["old_logprob"] + t["reference_logprob"] + t["training"] + other + (t["generation"] or 0.0)
     if t["gen"]:  # the step under each engine model, everything but generation unchanged
         t["totals"] = {k: t["total"] - t["generation"] + t["gen"][k] for k in MODEL_LABELS}
     return t
 
 
-def _format_time(plan: dict) -> list:
+def _format_time(plan: dict, band) -> list:
     """The step-time block of the report: fixed phases, then generation and step total under each engine model."""
     t, g, lengths = plan["time"], plan["gen"], plan["time"]["lengths"]
-    lines = ["", f"step time, s (est.; {t['generated_samples']:.0f} samples generated, HFU {t['hfu']:.0%})",
+    n = "8N" if t["recompute"] else "6N"
+    lines = ["", f"step time, s (est.; {t['generated_samples']:.0f} samples generated, update HFU {t['hfu']:.0%}, "
+                 f"log-prob passes {t['logprob_hfu']:.1%}, PP bubble {t['bubble']:.1%})",
              *textwrap.wrap(f"response lengths (one model for every engine): mean {lengths.mean:.0f} tokens, "
                             f"{lengths.truncated_fraction:.0%} truncated at {lengths.l_max}, the rest a truncated "
                             f"exponential (shape {lengths.shape or 0:.2f}); see nemo_dapo/cluster/plan_generation.py",
                             117, initial_indent="  ", subsequent_indent="    "),
              f"  old log-probs (2N/token)          {t['old_logprob']:10.0f}",
-             f"  training (8N/token)               {t['training']:10.0f}",
-             f"  refit + Adam offload + reload     {t['refit_and_offload']:10.0f}",
+             f"  reference log-probs (2N/token)    {t['reference_logprob']:10.0f}"
+             + ("" if t["logprob_passes"] > 1 else "  (none: plan.reference_logprob_pass off, as DAPO)"),
+             f"  {'training (' + n + '/token, ' + ('full recompute)' if t['recompute'] else 'no recompute)'):<34}"
+             f"{t['training']:10.0f}",
+             f"  refit + offload + reload          {t['refit_and_offload']:10.0f}",
              "      " + ", ".join(f"{k.replace('_', ' ')} {v:.0f}" for k, v in t["overhead"].items())
              + (f" (model {2 * plan['arch'].total_params() / GB:.0f} GB / handover "
                 f"{plan['assume']['handover_gb_per_s']}"
                 f" GB/s; sleep + wake {plan['assume']['sleep_wake_s']} s)" if "server" in g else "")]
     if not t["gen"]:
         return lines + [f"  {'generation':<34}not estimated (Megatron generation, debug path)",
-                        f"  {'total':<45}{t['total']:10.0f} ({t['total'] / 60:3.0f} min)"]
-    return lines + format_generation(t["gen"], t["totals"], engine=g["engine"], batch=g["batch"],
-                                     gpus_per_engine=g["tp"] * g["pp"], ceiling=t["ceiling"],
-                                     oversample=t["oversample"], pass_rate=t["pass_rate"], total=t["total"])
+                        f"  {'total':<45}{t['total']:10.0f} ({t['total'] / 60:3.0f} min){_band_text(band)}"]
+    out = format_generation(t["gen"], t["totals"], engine=g["engine"], batch=g["batch"],
+                            gpus_per_engine=g["tp"] * g["pp"], ceiling=t["ceiling"], oversample=t["oversample"],
+                            pass_rate=t["pass_rate"], total=t["total"])
+    out[-1] += _band_text(band)
+    return lines + out
 
 
-def format_plan(plan: dict, title: str = "") -> str:
+def _band_text(band) -> str:
+    if band is None:
+        return ""
+    return f", {band['low']:+.0%} / {band['high']:+.0%} on published runs"
+
+
+def format_plan(plan: dict, title: str = "", band=None) -> str:
     arch, gpu, lay, g, t, a = plan["arch"], plan["gpu"], plan["layout"], plan["gen"], plan["time"], plan["assume"]
     gb = lambda x: f"{x / GB:7.1f}"  # noqa: E731
-    moe = (f", {arch.num_moe_experts} experts top-{arch.moe_router_topk}" if arch.is_moe else "")
+    moe = (f", {arch.num_moe_experts} experts top-{arch.moe_router_topk} of width {arch.moe_ffn_hidden_size}"
+           f"{f', shared expert {arch.moe_shared_expert_size}' if arch.moe_shared_expert_size else ', no shared expert'}"
+           if arch.is_moe else "")
+    etp = "ETP=TP" if lay.etp is None else f"ETP{lay.etp}"
     lines = [f"nemo-dapo plan {title}".rstrip() + "  -- ESTIMATES from closed-form arithmetic, not measurements",
              f"cluster     {lay.world} x {gpu.name} ({gpu.memory_gb:.0f} GB, {gpu.hbm_tb_s} TB/s, "
-             f"{gpu.bf16_tflops:.0f} TFLOP/s bf16 dense)",
+             f"{gpu.bf16_tflops:.0f} TFLOP/s bf16 dense; {gpu.source})",
              f"model       {arch.name or 'model'}: {arch.total_params() / 1e9:.2f} B params, "
-             f"{arch.active_params() / 1e9:.2f} B active{moe}",
-             f"training    TP{lay.tp} PP{lay.pp} CP{lay.cp} EP{lay.ep} (ETP=TP) -> DP {lay.dp}, expert-DP "
+             f"{arch.active_params() / 1e9:.2f} B active{moe}, head dim {arch.head_dim}",
+             f"training    TP{lay.tp} PP{lay.pp} CP{lay.cp} EP{lay.ep} ({etp}) -> DP {lay.dp}, expert-DP "
              f"{lay.expert_dp}, sequence parallel {'on' if lay.sequence_parallel else 'off'}"]
     if "server" in g:
         lines += format_server(g["server"], g["kv"], g["concurrency"], g["engine"], g["scheduler"])
     elif g["trt"]:
         lines.append(f"generation  TRT-LLM engines TP{g['tp']} PP{g['pp']} x {t['engines']}, static batch {g['batch']}"
                      f", KV reserved for {g['max_seq']} tokens/seq ({g['kv_per_token'] / KIB:.0f} KiB/token/GPU)")
-    lines += ["", "per-GPU memory, GB (est.)        train   generate"]
+    phases = plan["phases"]
+    off = [k for k, v in g["offloaded"].items() if v]
+    lines += ["", "per-GPU memory, GB (est.)      " + "".join(f"{PHASE_LABELS[p]:>9}" for p in phases)
+              + (f"   (on the host while refitting / generating: {', '.join(off)})" if off else "")]
     names = {"weights": "weights (bf16)", "grads": "main grads", "optimizer": "Adam states (fp32 master, m, v)",
-             "activations": "activations (recompute as set)", "logits": "fp32 logits of one micro-batch",
+             "activations": "activations (recompute as set)", "logits": "log-prob logits (chunked)",
              "engine_weights": "engine weights (bf16)", "kv_cache": "engine KV cache"
              + (" (free fraction)" if "server" in g else " (static batch)"),
+             "refit_buckets": "refit buckets (2 x bucket_mb)", "results_gather": "results exchange (broadcast)",
              "engine_workspace": "engine workspace (GUESS)", "cuda_reserved": "CUDA context + NCCL (GUESS)"}
-    tr, ge = plan["phases"]["train"], plan["phases"]["generate"]
     for key, label in names.items():
-        if key in tr or key in ge:
-            cell = lambda p: gb(p[key]) if key in p else "      -"  # noqa: E731
-            lines.append(f"  {label:<31}{cell(tr)}  {cell(ge)}")
+        if any(key in p for p in phases.values()):
+            lines.append(f"  {label:<31}" + "".join(f"  {gb(p[key]) if key in p else '      -'}"
+                                                    for p in phases.values()))
     verdict = "fits" if plan["fits"] else "DOES NOT FIT"
-    lines.append(f"  {'total':<31}{gb(sum(tr.values()))}  {gb(sum(ge.values()))}   budget {gb(plan['budget']).strip()}"
-                 f" ({a['usable_fraction']:.0%} of {gpu.memory_gb:.0f}) -> {verdict}")
-    lines += [*_format_time(plan),
-              "", *textwrap.wrap("assumptions: " + ", ".join(f"{k}={v}" for k, v in a.items()), 119),
-              "formulas and sources: nemo_dapo/cluster/plan.py and plan_generation.py (module docstrings)"]
+    lines.append(f"  {'total':<31}" + "".join(f"  {gb(sum(p.values()))}" for p in phases.values())
+                 + f"   budget {gb(plan['budget']).strip()} ({a['usable_fraction']:.0%} of {gpu.memory_gb:.0f})"
+                 f" -> {verdict}")
+    lines += [*_format_time(plan, band), "", "assumptions (plan.assume.*; one set for every recipe and calibration row):"]
+    for key, value in a.items():
+        lines += textwrap.wrap(f"{key}={value}: {ASSUMPTIONS[key][1]}", 117, initial_indent="  ",
+                               subsequent_indent="      ")
+    if band is not None:
+        lines += textwrap.wrap(f"calibration: on {band['rows']} published runs ({band['names']}) the step estimate was "
+                               f"{band['low']:+.0%} .. {band['high']:+.0%} off and each published phase "
+                               f"{band['phase_low']:+.0%} .. {band['phase_high']:+.0%} (benchmarks/calibration/)",
+                               119)
+    lines.append("formulas and sources: nemo_dapo/cluster/plan*.py (module docstrings)")
     return "\n".join(lines)
 
 
@@ -493,6 +439,7 @@ def run_cli(args) -> int:
     from omegaconf import OmegaConf
 
     from nemo_dapo.cluster.config_validate import check_config, load_config
+    from nemo_dapo.cluster.plan_calibration import error_band
 
     try:
         cfg = OmegaConf.to_container(load_config(args.recipe, args.overrides), resolve=True)
@@ -512,7 +459,7 @@ def run_cli(args) -> int:
     except PlanError as e:
         print(f"nemo-dapo plan: error: cannot plan: {e}", file=sys.stderr)
         return 2
-    print(format_plan(plan, title=str(args.recipe)))
+    print(format_plan(plan, title=str(args.recipe), band=error_band()))
     return 2 if problems else (0 if plan["fits"] else 1)
 
 

@@ -31,6 +31,7 @@ import math
 from nemo_dapo.cluster.plan_generation import PlanError, engine_memory
 
 GB = 1e9
+MB = 1 << 20
 SERVER_ENGINES = ("trtllm", "vllm")
 SCHEDULERS = ("guaranteed_no_evict", "max_utilization")
 KEY = "trainer.dapo.engine_server"
@@ -60,20 +61,38 @@ def server_layout(cfg: dict, arch, world: int) -> dict:
             "max_batch_size": srv["max_batch_size"], "max_num_tokens": srv["max_num_tokens"],
             "max_seq": srv["max_seq_len"], "fraction": srv["free_gpu_memory_fraction"],
             "block_reuse": bool(srv["enable_block_reuse"]), "sleep_level": srv["sleep_level"],
+            "bucket_mb": _bucket_mb(select(cfg, f"{KEY}.bucket_mb")),
             "capacity_scheduler": srv["capacity_scheduler"]}
 
 
-def server_phases(arch, layout: dict, train: dict, *, offloaded: bool, gpu, budget: float, a: dict) -> tuple:
-    """({"train": {part: bytes}, "generate": {part: bytes}}, KV facts) per GPU; refuses a phase over ``budget``."""
+def _bucket_mb(value) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise PlanError(f"{KEY}.bucket_mb={value!r} must be an integer >= 1 (MiB per weight-update bucket)")
+    return value
+
+
+def gather_buffer_bytes(*, rows: float, owners: int, l_max: int, logprobs: bool = True) -> float:
+    """Device bytes of the model-parallel results exchange (aligner/engine_generation.broadcast_generation: each
+    owner broadcasts its part in turn as tensors, so the transient is the largest owner part): ceil(rows / owners)
+    rows of int64 response ids (R + 1 wide with the length), an fp32 mask and fp32 log-probs, R = the widest
+    response, at most l_max (the formula its author gave in the project's notes)."""
+    return math.ceil(rows / owners) * (8 * (l_max + 1) + 4 * l_max * (1 + int(logprobs)))
+
+
+def server_phases(arch, layout: dict, train: dict, *, offloaded: dict, gpu, budget: float, a: dict,
+                  gather: float = 0.0) -> tuple:
+    """({"train", "refit", "generate"}: {part: bytes}, KV facts) per GPU; refuses a phase over ``budget``.
+
+    ``offloaded``: which training-state parts are on the host while the engine refits and generates ({"optimizer":
+    True} for Adam offload, all three for a whole-policy offload); ``gather``: the results-gather buffer."""
     eng = engine_memory(arch, gen_tp=layout["tp"], gen_pp=layout["pp"], batch=0, max_seq=1)
     weights, kv_per_token = eng["engine_weights"], eng["kv_per_token"]
     workspace, reserved = a["engine_workspace_gb"] * GB, a["cuda_reserved_gb"] * GB
     free_at_start = gpu.memory_gb * GB - weights - workspace - reserved
     kv = layout["fraction"] * free_at_start
-    resident = {"weights": train["weights"], "grads": train["grads"],
-                "optimizer": 0.0 if offloaded else train["optimizer"]}
+    resident = {k: 0.0 if offloaded.get(k) else train[k] for k in ("weights", "grads", "optimizer")}
     generate = {**resident, "engine_weights": weights, "kv_cache": kv, "engine_workspace": workspace,
-                "cuda_reserved": reserved}
+                "results_gather": gather, "cuda_reserved": reserved}
     room = budget - (sum(generate.values()) - kv)
     if sum(generate.values()) > budget:
         most = math.floor(100 * room / free_at_start) / 100  # floored: the fraction printed must fit
@@ -83,7 +102,7 @@ def server_phases(arch, layout: dict, train: dict, *, offloaded: bool, gpu, budg
         raise PlanError(f"generating phase needs {sum(generate.values()) / GB:.1f} GB/GPU > budget "
                         f"{budget / GB:.1f} GB: the KV pool of {KEY}.free_gpu_memory_fraction={layout['fraction']} "
                         f"x {free_at_start / GB:.1f} GB free at engine start = {kv / GB:.1f} GB does not fit next to "
-                        f"{(budget - room) / GB:.1f} GB of training state and engine; fix: {fix}")
+                        f"{(budget - room) / GB:.1f} GB of training state, engine and results exchange; fix: {fix}")
     pool_tokens = kv / kv_per_token
     if pool_tokens < layout["max_seq"]:
         raise PlanError(f"the KV pool holds {pool_tokens:.0f} tokens per engine < one request of {KEY}.max_seq_len="
@@ -97,8 +116,18 @@ def server_phases(arch, layout: dict, train: dict, *, offloaded: bool, gpu, budg
             if level < 2 else "use full recompute or a larger training TP/PP"
         raise PlanError(f"training phase with the engine at {KEY}.sleep_level={level} needs "
                         f"{sum(training.values()) / GB:.1f} GB/GPU > budget {budget / GB:.1f} GB; fix: {fix}")
-    return {"train": training, "generate": generate}, {"kv_per_token": kv_per_token, "pool_tokens": pool_tokens,
-                                                        "free_at_start": free_at_start}
+    # Refit (after the training peak is released, KV still asleep): the training state as while generating, the
+    # engine's weights (restored first at sleep level 2), a bucket being gathered on the trainer's device and one
+    # being loaded on the engine's (bucket_mb each).
+    refit = {**resident, "engine_weights": weights, "refit_buckets": 2 * layout["bucket_mb"] * MB,
+             "engine_workspace": workspace, "cuda_reserved": reserved}
+    if sum(refit.values()) > budget:
+        raise PlanError(f"refit phase needs {sum(refit.values()) / GB:.1f} GB/GPU > budget {budget / GB:.1f} GB "
+                        f"(training state {sum(resident.values()) / GB:.1f} + engine weights {weights / GB:.1f} + "
+                        f"buckets); fix: lower {KEY}.bucket_mb, set model.dapo.offload_adam_states, or raise "
+                        f"{KEY}.tensor_parallel_size")
+    return ({"train": training, "refit": refit, "generate": generate},
+            {"kv_per_token": kv_per_token, "pool_tokens": pool_tokens, "free_at_start": free_at_start})
 
 
 def concurrency(layout: dict, kv: dict, *, scheduler: str, prompt: float, l_max: int, mean_context: float,

@@ -11,19 +11,23 @@ moments of L itself. A static batch that runs M steps with every slot's KV growi
 context prompt + E[M^2] / (2 E[M]) (``mean_context``).
 
 Every engine has the same layout and the same KV pool (the static engine's reservation, batch x max sequence
-tokens), and ``step_s(batch, context)`` is the seconds of one decode step of one engine. Per engine, N responses
+tokens), and ``step_s(batch, context)`` is the seconds of one decode step of one engine (``decode_step_seconds``):
+each GPU reads its weight shard (for MoE only the experts the batch touches) and the KV it attends over at
+``decode_efficiency`` x its HBM bandwidth (or is compute-bound), plus a fixed ``decode_step_overhead_ms`` and, at
+TP > 1, two all-reduces per layer of ``allreduce_us``: one rule for every model and GPU. Per engine, N responses
 (groups of G), static batch B, prompt p:
 
 (a) static batches, the legacy NeMo-Aligner TRT-LLM path (ModelRunner): each batch costs its longest response,
     T_static = ceil(N / B) E[M_B] step_s(B, p + E[M_B^2] / (2 E[M_B])).
 (b) in-flight batching: the KV pool holds C = min(N, max(B, floor(pool / c))) requests at the mean in-flight context
-    c = p + E[L^2] / (2 E[L]); the engine decodes R = C / step_s(C / PP, c) tokens/s while full (with PP pipeline
-    stages it keeps PP micro-batches of C / PP in flight, one per stage; the static ModelRunner batch runs through
-    the stages in sequence). The queue empties at
-    t(N) = max(0, N - C) m / R (all but the C requests in flight are done; t(k) is when request k is admitted), so
-    T_inflight = max(N m / R,  t(N) + E[M_C] s1,  E[M_N] s1),   s1 = step_s(1, p + E[M_C] / 2):
-    the throughput term, the drain (the longest of the last C requests decodes at small batch) and the longest
-    response of all (~ l_max when f > 0), whose E[M_N] s1 is a lower bound of any schedule.
+    c = p + E[L^2] / (2 E[L]) (an engine server's C comes from its limits, plan_engine_server.py); the engine decodes
+    R = C / step_s(C / PP, c) tokens/s while full (with PP pipeline stages it keeps PP micro-batches of C / PP in
+    flight, one per stage; the static ModelRunner batch runs through the stages in sequence). The queue empties at
+    t(N) = max(0, N - C) m / R (t(k) is when request k is admitted), and the C requests then in flight finish as one
+    wave: at decode step x the C (1 - F(x)) still running take a step at context p + x (at least one request, with
+    probability 1 - F(x)^C that any is left), W(C) = sum over x of (1 - F(x)^C) step_s(max(1, C (1 - F(x))) / PP,
+    p + x), so T_inflight = t(N) + W(min(C, N)). The wave holds the long tail: with any response truncated it runs
+    ~l_max steps, the last ones at batch 1.
 (c) streaming with early stop: once the dynamic-sampling filler holds its prompts the requests still running are
     aborted. With pass rate q (share of groups kept) and g = oversample groups generated per kept group, the
     filler is full after a share phi = min(1, 1 / (g q)) of the groups; the last needed group is admitted at
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING, Callable, Optional
 
 if TYPE_CHECKING:  # plan.py imports this module; the shapes are only read through their attributes
@@ -44,6 +49,7 @@ if TYPE_CHECKING:  # plan.py imports this module; the shapes are only read throu
 
 SHAPE_LIMIT = 500.0  # |a| bound of the exponential's shape (keeps e^a finite): means 0.2 % .. 99.8 % of l_max
 QUADRATURE_POINTS = 4096
+WAVE_STRIDE = 4
 
 
 class PlanError(ValueError):
@@ -59,20 +65,31 @@ def engine_memory(arch: Arch, *, gen_tp: int, gen_pp: int, batch: int, max_seq: 
             "kv_cache": batch * max_seq * kv_per_token, "kv_per_token": kv_per_token}
 
 
-def decode_step_seconds(arch: Arch, gpu: Gpu, *, gen_tp: int, gen_pp: int, batch: int, context: float,
-                        efficiency: float, floor_s: float) -> float:
-    """Seconds per decode step of ``batch`` sequences at mean KV length ``context``: the pipeline stages in
-    sequence, each bandwidth- or compute-bound (plan.py module docstring)."""
-    eng = engine_memory(arch, gen_tp=gen_tp, gen_pp=gen_pp, batch=batch, max_seq=1)
-    weights = eng["engine_weights"]
+@lru_cache(maxsize=64)
+def _engine_constants(arch: Arch, gen_tp: int, gen_pp: int) -> tuple:
+    """(weight bytes, KV bytes per token, routed-expert bytes per GPU, active params) of one engine GPU."""
+    eng = engine_memory(arch, gen_tp=gen_tp, gen_pp=gen_pp, batch=1, max_seq=1)
+    experts = 2 * arch.num_layers * arch.expert_layer_params() / (gen_tp * gen_pp)
+    return eng["engine_weights"], eng["kv_per_token"], experts, arch.active_params()
+
+
+def decode_step_seconds(arch: Arch, gpu: Gpu, *, gen_tp: int, gen_pp: int, batch: float, context: float,
+                        efficiency: float, floor_s: float = 0.0, overhead_s: float = 0.0,
+                        allreduce_s: float = 0.0) -> float:
+    """Seconds per decode step of ``batch`` sequences at mean KV length ``context``: each pipeline stage reads its
+    bytes (its weight shard, for MoE only the experts the batch touches, plus the KV it attends over) at
+    ``efficiency`` x HBM bandwidth, or is compute-bound, whichever is slower; the stages run in sequence. Plus a
+    fixed ``overhead_s`` per step (scheduling, sampling, kernel launches) and, with TP > 1, two all-reduces per
+    layer of ``allreduce_s`` each; never below ``floor_s``."""
+    weights, kv_per_token, expert_bytes, active = _engine_constants(arch, gen_tp, gen_pp)
     if arch.is_moe:  # a batch touches 1 - (1 - k/E)^batch of the experts of each layer
         touched = 1.0 - (1.0 - arch.moe_router_topk / arch.num_moe_experts) ** batch
-        expert_bytes = 2 * arch.num_layers * arch.expert_layer_params() / (gen_tp * gen_pp)
         weights -= expert_bytes * (1.0 - touched)
-    stage_bytes = weights + batch * context * eng["kv_per_token"]
-    flops = batch * (2 * arch.active_params() + arch.attention_flops_per_token(2 * context)) / (gen_tp * gen_pp)
+    stage_bytes = weights + batch * context * kv_per_token
+    flops = batch * (2 * active + arch.attention_flops_per_token(2 * context)) / (gen_tp * gen_pp)
     stage = max(stage_bytes / (efficiency * gpu.hbm_tb_s * 1e12), flops / (0.5 * gpu.bf16_tflops * 1e12))
-    return max(floor_s, gen_pp * stage)
+    comm = 2 * arch.num_layers * allreduce_s if gen_tp > 1 else 0.0
+    return max(floor_s, gen_pp * stage + overhead_s + comm)
 
 
 def inflight_tokens_per_s_per_gpu(arch: Arch, gpu: Gpu, *, context: float, efficiency: float) -> float:
@@ -141,6 +158,17 @@ class ResponseLengths:
             return 0.0
         return self.l_max / QUADRATURE_POINTS * sum(k * x ** (k - 1) * (1.0 - cdf ** n) for x, cdf in self._grid)
 
+    def wave_seconds(self, n: float, prompt: float, step_s: Callable[[float, float], float],
+                     stages: int = 1) -> float:
+        """Expected seconds for ``n`` requests that start together to finish, none admitted after them: at decode
+        step x the n (1 - F(x)) still running (at least 1 while any is, which has probability 1 - F(x)^n) take one
+        step at context prompt + x, spread over ``stages`` pipeline micro-batches."""
+        points = QUADRATURE_POINTS // WAVE_STRIDE  # a coarser midpoint rule: each step call is costly
+        h = self.l_max / points
+        cdfs = ((k + 0.5) * h for k in range(points))
+        return h * sum((1.0 - cdf ** n) * step_s(max(1.0, n * (1.0 - cdf)) / stages, prompt + x)
+                       for x, cdf in ((x, self.cdf(x)) for x in cdfs))
+
     def mean_context(self, n: float, prompt: float) -> float:
         """Step-weighted mean KV length of a run of M_n steps after a ``prompt``: p + E[M^2] / (2 E[M])."""
         return prompt + self.max_moment(n, 2) / (2 * self.max_moment(n))
@@ -169,11 +197,12 @@ def generation_times(lengths: ResponseLengths, *, requests: float, group_size: i
     full_step = step_s(slots / pipeline_stages, context)
     rate = slots / full_step
     admitted = lambda k: max(0.0, k - slots) * m / rate  # noqa: E731
-    drain_max, longest = lengths.max_moment(slots), lengths.max_moment(requests)
-    small_step = step_s(1, prompt + drain_max / 2)
-    parts = {"throughput": requests * m / rate, "drain": admitted(requests) + drain_max * small_step,
-             "longest": longest * small_step}
-    inflight = max(parts.values())
+    last = min(slots, requests)  # the requests still in flight when the queue runs dry decode as one wave
+    parts = {"throughput": requests * m / rate, "queue": admitted(requests),
+             "last_wave": lengths.wave_seconds(last, prompt, step_s, pipeline_stages)}
+    inflight = parts["queue"] + parts["last_wave"]
+    longest = lengths.max_moment(requests)
+    small_step = step_s(1, prompt + longest / 2)
     stream = inflight if needed >= 1 else min(inflight, admitted(needed * requests)
                                               + lengths.max_moment(group_size) * full_step)
     return {"static": static, "inflight": inflight, "streaming": stream, "batches": math.ceil(requests / b),
