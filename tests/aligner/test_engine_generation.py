@@ -99,14 +99,16 @@ def test_aligner_step_through_a_local_engine_server(tok_dir, tmp_path):
     proc = EngineProcess(engine="tests.aligner.workers.engine_dump:DumpingEngine.from_path", model_dir=str(hf_dir),
                          address=address, options={"max_batch_size": 16}, log_path=str(tmp_path / "engine.log"),
                          env={"ENGINE_DUMP_DIR": str(dump), "PYTHONPATH": str(ROOT)})
+    key = {"NEMO_DAPO_ENGINE_AUTHKEY": os.fsdecode(proc.authkey)}  # the server's fresh key, as the launcher shares it
     try:
         # the launcher's health wait (the probe hangs up, so the server accepts the trainer next)
         probe = subprocess.run([sys.executable, "-m", "nemo_dapo.engines.health", "--timeout-s", "180",
-                                "--interval-s", "1", address], capture_output=True, text=True, timeout=240)
+                                "--interval-s", "1", address], capture_output=True, text=True, timeout=240,
+                               env={**os.environ, **key})
         assert probe.returncode == 0 and json.loads(probe.stdout.splitlines()[-1])["weights_ok"], probe.stderr
         run_torchrun(ROOT / "tests/aligner/workers/engine_generation_worker.py", nproc=2, out_dir=tmp_path,
                      env={"TOK_DIR": tok_dir, "HF_DIR": str(hf_dir), "ENGINE_ADDRESS": address,
-                          "ENGINE_DUMP_DIR": str(dump)})
+                          "ENGINE_DUMP_DIR": str(dump), **key})
     finally:
         proc.stop()
     r0 = json.loads((tmp_path / "engine_rank0.json").read_text())
@@ -130,3 +132,17 @@ def test_the_launcher_passes_the_config_to_build_generator():
     calls = [n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Call)
              and getattr(n.func, "id", None) == "build_generator"]
     assert calls and all(any(k.arg == "cfg" for k in c.keywords) for c in calls)
+
+
+def test_results_exchange_gives_every_rank_the_owners_parts_in_order(tmp_path):
+    # two gloo ranks, no NeMo: each owner's part (different widths, with / without log-probs, 0 rows) reaches
+    # both ranks bit for bit, concatenated in owner order and right-padded, as Generation.cat of the parts
+    run_torchrun(ROOT / "tests/aligner/workers/results_exchange_worker.py", nproc=2, out_dir=tmp_path)
+    for rank in (0, 1):
+        out = json.loads((tmp_path / f"exchange_rank{rank}.json").read_text())
+        assert sorted(out) == ["empty_part", "no_logprobs", "one_owner", "two_owners"]
+        for name, case in out.items():
+            assert case["got"] == case["expected"], (rank, name)
+            assert case["dtypes"] == ["torch.int64", "torch.float32", "torch.bool"], (rank, name)
+        assert out["no_logprobs"]["got"]["logprobs"] is None
+        assert len(out["two_owners"]["got"]["ids"]) == 5 and len(out["two_owners"]["got"]["ids"][0]) == 7
