@@ -99,7 +99,7 @@ class EngineClient:
                               f"trainer {P.PROTOCOL_VERSION}: install the same nemo_dapo in both environments")
         if token is not None and not token.matches(hello.get("shm_token")):
             raise EngineError(f"engine {self.name!r} at {self.address} did not read back the shared-memory token "
-                              f"/dev/shm/{token.name}: {P._IPC_HINT}")
+                              f"/dev/shm/{token.name}: {P.IPC_HINT}")
         return hello
 
     def _connect(self, key: Optional[bytes], deadline: float, timeout_s: float) -> P.Channel:
@@ -293,9 +293,9 @@ class EngineClient:
 class EngineProcess:
     """Starts ``python -m nemo_dapo.engines.server`` (possibly another environment's python) and owns it.
 
-    The server gets a fresh random key (or ``authkey``, or ``env``'s ``$NEMO_DAPO_ENGINE_AUTHKEY``) in its environment, never on its command line
-    (``ps`` shows arguments); a client given ``process=`` uses it. The server exits with its parent
-    (``--parent-pid``); ``stop()`` shuts it down, then terminates it."""
+    The server gets a fresh random key (or ``authkey``, or ``env``'s ``$NEMO_DAPO_ENGINE_AUTHKEY``) in its
+    environment, never on its command line (``ps`` shows arguments); a client given ``process=`` uses it. The server
+    exits with its parent (``--parent-pid``); ``stop()`` shuts it down, then terminates it."""
 
     def __init__(self, *, engine: str, model_dir: str, address: str, python: Optional[str] = None,
                  options: Optional[dict] = None, log_path: Optional[str] = None, threads: Optional[int] = 1,

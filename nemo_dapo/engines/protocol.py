@@ -115,8 +115,9 @@ def nbytes(dtype: torch.dtype, shape) -> int:
 
 
 # ---- keys ---------------------------------------------------------------------------------------------------------
-_KEY_FIX = (f"set ${AUTHKEY_ENV} (e.g. export {AUTHKEY_ENV}=$(python -c 'import secrets; print(secrets.token_hex(32))'))"
-            f" or ${AUTHKEY_FILE_ENV} to a chmod-600 file holding one, the same for the trainer and the engine")
+_KEY_FIX = (f"set ${AUTHKEY_ENV} (e.g. export {AUTHKEY_ENV}=$(python -c 'import secrets; "
+            f"print(secrets.token_hex(32))')) or ${AUTHKEY_FILE_ENV} to a chmod-600 file holding one, the same for "
+            "the trainer and the engine")
 
 
 def new_authkey() -> bytes:
@@ -486,7 +487,7 @@ def _unlink(shm: shared_memory.SharedMemory) -> None:
             pass
 
 
-_IPC_HINT = ("the trainer and the engine server do not share /dev/shm: on Slurm with enroot / pyxis, a site that sets "
+IPC_HINT = ("the trainer and the engine server do not share /dev/shm: on Slurm with enroot / pyxis, a site that sets "
              "ENROOT_UNSHARE_IPC (or srun --container-unshare=ipc) gives every container a private /dev/shm; run both "
              "steps without it (containers of one node must share /dev/shm), or run them on one host")
 
@@ -518,7 +519,7 @@ def read_token(name) -> str:
         shm = shared_memory.SharedMemory(name=name)
     except FileNotFoundError:
         raise ProtocolError(f"the engine server cannot see the trainer's shared-memory block /dev/shm/{name}: "
-                            + _IPC_HINT) from None
+                            + IPC_HINT) from None
     try:
         return bytes(shm.buf[:ShmToken.SIZE]).hex()
     finally:
@@ -600,7 +601,7 @@ class AttachedBuffer:
         try:
             self._shm = shared_memory.SharedMemory(name=name)
         except FileNotFoundError:
-            raise ProtocolError(f"no shared-memory block /dev/shm/{name}: " + _IPC_HINT) from None
+            raise ProtocolError(f"no shared-memory block /dev/shm/{name}: " + IPC_HINT) from None
         _unlink(self._shm)
 
     def tensors(self, specs: list) -> list:

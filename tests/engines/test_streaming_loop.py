@@ -19,7 +19,7 @@ class WeightedFakePolicy(FakePolicy):
 
 @pytest.fixture
 def engine(tmp_path):
-    proc, client = start(tmp_path, lengths=LENGTHS, step_delay_s=0.002)
+    proc, client = start(tmp_path, lengths=LENGTHS, step_delay_s=0.002, vocab_size=64)  # prompts hold ids < 60
     yield client
     proc.stop(client)
 
@@ -65,7 +65,7 @@ def test_streaming_under_data_parallelism_drains_and_ranks_agree(tmp_path):
     from tests.core.test_loop import ThreadReducer
 
     world, shared, barrier = 2, [None, None], threading.Barrier(2)
-    servers = [start(tmp_path, name=f"rank{r}", lengths=LENGTHS) for r in range(world)]
+    servers = [start(tmp_path, name=f"rank{r}", lengths=LENGTHS, vocab_size=64) for r in range(world)]
     loops = []
     for r, (_, client) in enumerate(servers):
         gen = EngineGenerator(client, eos_id=49, pad_id=0)

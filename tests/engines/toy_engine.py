@@ -5,7 +5,8 @@ Sample j of a request emits, per ``step()``, one token ``(seed + 7 j + 3 t + pro
 of every token is ``-0.5``. Options: ``step_delay_s`` (sleep per step, so tests can kill or abort mid-generation),
 ``lengths`` (a list: sample j of the k-th request ever added stops after lengths[(k + j) % len] tokens, for long-
 tailed workloads), ``fail_after_steps`` (raise inside step() after that many steps: an engine crash),
-``load_delay_s`` (sleep per weight bucket, so tests can kill a trainer mid-transfer).
+``load_delay_s`` (sleep per weight bucket, so tests can kill a trainer mid-transfer), ``vocab_size`` (the token ids
+it accepts in prompts, reported at hello; default ``vocab``).
 ``needs_missing_dependency`` is an engine factory whose dependency does not import.
 """
 from __future__ import annotations
@@ -21,9 +22,10 @@ class ToyEngine:
     name = "toy"
 
     def __init__(self, model_dir: str = "", *, vocab: int = 50, step_delay_s: float = 0.0, lengths=None,
-                 fail_after_steps: int = 0, max_batch_size: int = 1 << 30, load_delay_s: float = 0.0):
+                 fail_after_steps: int = 0, max_batch_size: int = 1 << 30, load_delay_s: float = 0.0,
+                 vocab_size: int = 0):
         self.vocab, self.step_delay_s, self.lengths = vocab, step_delay_s, lengths
-        self.load_delay_s = load_delay_s
+        self.load_delay_s, self.vocab_size = load_delay_s, vocab_size or vocab
         self.fail_after_steps, self.max_batch_size = fail_after_steps, max_batch_size
         self.w = torch.zeros(4)
         self.running: dict = {}  # id -> (request, [tokens per sample], [done flags], [stop len])
@@ -34,7 +36,7 @@ class ToyEngine:
         self.finished_updates = 0
 
     def info(self) -> dict:
-        return {"model": "toy", "vocab_size": self.vocab}
+        return {"model": "toy", "vocab_size": self.vocab_size}
 
     def add(self, request) -> None:
         caps = [request.max_new_tokens] * request.n
