@@ -6,6 +6,7 @@ A tiny random Qwen2 (QKV bias; bf16 engine, fp32 reference) is saved to a tmp di
 Its weights are then replaced through the RL hook by those of a megatron-core GPTModel: the checkpoint converted
 with ``convert.hf_to_megatron`` into ``convert_build.gpt_model_from_hf`` (one process, TP = PP = EP = 1), perturbed,
 and streamed by ``refit_hf.hf_weight_buckets`` in bf16 buckets, exactly the trainer's path. Checks:
+  * the installed tensorrt_llm matches the recorded release (nemo_dapo.engines.trtllm_check, as the image build does);
   * engine log-probs of the sampled tokens (temperature 1: processed == raw) match the torch HF model built from the
     perturbed Megatron weights (``convert.megatron_to_hf``): max |diff| < 0.05 nats (bf16 engine, fp32 reference);
   * in-flight throughput beats static waves (same requests; a wave waits for its longest member) by >= 1.2x.
@@ -48,6 +49,13 @@ def token_logprobs(model, prompt, tokens):
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1:-1].float()
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def test_the_installed_release_matches_the_record():
+    import json
+    from nemo_dapo.engines import trtllm_check
+    problems = trtllm_check.check(json.loads(trtllm_check.SNAPSHOT.read_text()))
+    assert problems == [], "\n".join(problems)
 
 
 @pytest.fixture(scope="module")
