@@ -61,6 +61,20 @@ def build_images(root: Path, trainer_python: str, engine_python: str) -> Path:
     return path
 
 
+def script_for(tmp: Path) -> Path:
+    """The script to run: ``containers/dapo.sbatch`` itself when it reads ``GPUS_PER_NODE`` from the environment;
+    else a copy in ``tmp`` that differs in that one line only (``GPUS_PER_NODE=8`` -> ``${GPUS_PER_NODE:-8}``: this
+    machine's node has 2 "GPUs"), checked to be the only difference."""
+    text = SBATCH.read_text()
+    if "GPUS_PER_NODE=${GPUS_PER_NODE:-8}" in text:
+        return SBATCH
+    fixed = text.replace("\nGPUS_PER_NODE=8\n", "\nGPUS_PER_NODE=${GPUS_PER_NODE:-8}\n")
+    assert text.count("\nGPUS_PER_NODE=8\n") == 1, "dapo.sbatch sets GPUS_PER_NODE in a way the harness does not know"
+    path = Path(tmp) / "dapo.sbatch"
+    path.write_text(fixed)
+    return path
+
+
 def job_env(inputs: dict, images: Path, results: Path, records: Path, job_id: int, **extra) -> dict:
     keep = {k: v for k, v in os.environ.items()
             if not k.startswith(("SLURM_", "CUDA_", "NCCL_", "NEMO_DAPO_", "MASTER_", "RAY_", "TLLM_"))

@@ -4,8 +4,9 @@
 
 writes, for the CPU task (``nemo_dapo.data.task.ArithmeticTask``, two-term chains of operands <= 4, answers 0..8):
 
-* ``tokenizer/``: the task's byte-level BPE tokenizer (400 tokens: a templated prompt is ~20 of them), the
-  TOKENIZER the checkpoint was converted with;
+* ``tokenizer/``: the task's byte-level BPE tokenizer, the TOKENIZER the checkpoint was converted with: 384
+  tokens, a multiple of 64, so that Megatron pads the vocabulary alike at TP=1 (the checkpoint) and TP=2 (the
+  run); a templated prompt is ~20 tokens;
 * ``data/train.jsonl`` (16 training problems) and ``data/val.jsonl`` (the 2 held-out problems), verl schema;
 * ``checkpoint/``: a NeMo checkpoint directory (an extracted ``.nemo``: ``model_config.yaml`` + ``model_weights/``)
   of the tiny megatron-core GPT of ``tests/support/nemo_cpu.py`` (2 layers, width 32), saved at TP=1 and warmed up
@@ -97,7 +98,7 @@ def main(out: Path) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     task = ArithmeticTask(**TASK)
-    tok_dir = save_tokenizer(build_task_tokenizer(task, n_rows=500, vocab_size=400), out / "tokenizer")
+    tok_dir = save_tokenizer(build_task_tokenizer(task, n_rows=500, vocab_size=384), out / "tokenizer")
     files = write_data(out, task)
     _, actor = nemo_cpu.build_actor(1, 1, mbs=2, gbs=8, tokenizer_dir=tok_dir, seq_len=SEQ_LEN, hidden=HIDDEN,
                                     num_layers=LAYERS)

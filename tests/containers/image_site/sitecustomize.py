@@ -35,7 +35,24 @@ class _PatchNeMoFirst(importlib.abc.MetaPathFinder):
         import tests.support.nemo_cpu as nemo_cpu
 
         nemo_cpu.allow_full_checkpoint_loads()  # a resumed run loads the checkpoint's common state (patch 12)
+        _seed_model_parallel_rng_on_cpu()
         return None  # the normal finders import the (now patched) module
+
+
+def _seed_model_parallel_rng_on_cpu() -> None:
+    """NeMo 2.1 seeds megatron's model-parallel RNG tracker only ``if torch.cuda.device_count() > 0``
+    (megatron_init._set_random_seed); the tests' init_parallel seeds it by hand, the example relies on NeMo: seed it
+    here on CPU too (the tracker runs on the megatron CPU shim)."""
+    import nemo.collections.nlp.modules.common.megatron.megatron_init as megatron_init
+    from megatron.core import tensor_parallel
+
+    original = megatron_init._set_random_seed
+
+    def _set_random_seed(seed_):
+        original(seed_)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed_ + 100 * megatron_init.get_pipeline_model_parallel_rank())
+
+    megatron_init._set_random_seed = _set_random_seed
 
 
 _record_process()
