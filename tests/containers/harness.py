@@ -35,10 +35,16 @@ def _context_files() -> list:
     return [p for p in out if p and not p.startswith((".venv", ".git/")) and "__pycache__" not in p]
 
 
-def build_images(root: Path, trainer_python: str, engine_python: str) -> Path:
-    """Write both images under ``root``; returns the images file for ``$STANDIN_IMAGES``."""
+def build_images(root: Path, trainer_python: str, engine_python: str, ref: str | None = None) -> Path:
+    """Write both images under ``root``; returns the images file for ``$STANDIN_IMAGES``. The context is the
+    working tree, as ``docker build .`` takes it, or commit ``ref`` (``$NEMO_DAPO_TEST_IMAGE_REF``, e.g. HEAD)."""
     src = root / "opt" / "nemo_dapo"
-    for rel in _context_files():
+    src.mkdir(parents=True)
+    ref = ref or os.environ.get("NEMO_DAPO_TEST_IMAGE_REF")
+    if ref:
+        archive = subprocess.run(["git", "archive", ref], cwd=ROOT, capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+    for rel in [] if ref else _context_files():
         path = ROOT / rel
         if path.is_symlink() or path.is_file():
             (src / rel).parent.mkdir(parents=True, exist_ok=True)
