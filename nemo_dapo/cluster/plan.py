@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import math
 import sys
-import textwrap
 
-from nemo_dapo.cluster.plan_engine_server import (SERVER_ENGINES, concurrency, format_server, gather_buffer_bytes,
-                                                 server_layout, server_overhead, server_phases)
+from nemo_dapo.cluster.plan_engine_server import (SERVER_ENGINES, concurrency, gather_buffer_bytes, server_layout,
+                                                 server_overhead, server_phases)
 from nemo_dapo.cluster.plan_generation import (ENGINE_MODEL, MODEL_LABELS, PlanError, ResponseLengths,
-                                              decode_step_seconds, engine_memory, format_generation, generation_times,
+                                              decode_step_seconds, engine_memory, generation_times,
                                               inflight_tokens_per_s_per_gpu, needed_fraction)
+from nemo_dapo.cluster.plan_report import format_plan
 from nemo_dapo.cluster.plan_model import (ARCH_KEYS, ARCH_PRESETS, GPUS, Arch, Gpu, Layout, default_hfu,
                                          params_per_gpu, training_memory, training_seconds)
 
@@ -80,7 +80,6 @@ ASSUMPTION_RANGES = {
 }
 GENERATE_OFFLOADS = (None, "training_state")
 LOGPROB_HFU_RATIO = 0.5  # logprob_hfu when null: this share of the update's HFU (ASSUMPTIONS["logprob_hfu"])
-PHASE_LABELS = {"train": "train", "refit": "refit", "generate": "generate"}
 
 
 def _range_text(low: float, closed: bool, high):
@@ -213,7 +212,8 @@ def _memory_phases(cfg: dict, arch: Arch, layout: Layout, a: dict, *, gpu: Gpu, 
     seq = select(cfg, "model.encoder_seq_length")
     tokens = select(cfg, "model.dapo.micro_batch_tokens") or mbs * seq  # packed micro-batches, worst case
     optim = select(cfg, "model.optim.name")
-    train = training_memory(arch, layout, seq_tokens=tokens, in_flight=min(layout.pp, max(1, gbs // (mbs * layout.dp))),
+    in_flight = min(layout.pp, max(1, gbs // (mbs * layout.dp)))
+    train = training_memory(arch, layout, seq_tokens=tokens, in_flight=in_flight,
                             recompute=select(cfg, "model.activations_checkpoint_granularity"),
                             distributed_optimizer=optim in DISTRIBUTED_OPTIMIZERS,
                             grad_bytes=2 if select(cfg, "model.optim.grad_sync_dtype") in ("bf16", "fp16") else 4,
@@ -228,7 +228,8 @@ def _memory_phases(cfg: dict, arch: Arch, layout: Layout, a: dict, *, gpu: Gpu, 
     if gen["engine"] in SERVER_ENGINES:
         srv = server_layout(cfg, arch, layout.world)
         mp = layout.tp * layout.pp * layout.cp
-        gather = gather_buffer_bytes(rows=_gen_rows_per_dp(cfg, layout.dp), owners=max(1, mp // (srv["tp"] * srv["pp"])),
+        owners = max(1, mp // (srv["tp"] * srv["pp"]))
+        gather = gather_buffer_bytes(rows=_gen_rows_per_dp(cfg, layout.dp), owners=owners,
                                      l_max=select(cfg, "model.dapo.length_params.max_length"))
         phases, kv = server_phases(arch, srv, train, offloaded=offloaded, gpu=gpu, budget=budget, a=a, gather=gather)
         gen.update(tp=srv["tp"], pp=srv["pp"], trt=True, max_seq=srv["max_seq"], server=srv, kv=kv,
@@ -346,92 +347,6 @@ def _step_time(cfg: dict, plan: dict) -> dict:
     if t["gen"]:  # the step under each engine model, everything but generation unchanged
         t["totals"] = {k: t["total"] - t["generation"] + t["gen"][k] for k in MODEL_LABELS}
     return t
-
-
-def _format_time(plan: dict, band) -> list:
-    """The step-time block of the report: fixed phases, then generation and step total under each engine model."""
-    t, g, lengths = plan["time"], plan["gen"], plan["time"]["lengths"]
-    n = "8N" if t["recompute"] else "6N"
-    lines = ["", f"step time, s (est.; {t['generated_samples']:.0f} samples generated, update HFU {t['hfu']:.0%}, "
-                 f"log-prob passes {t['logprob_hfu']:.1%}, PP bubble {t['bubble']:.1%})",
-             *textwrap.wrap(f"response lengths (one model for every engine): mean {lengths.mean:.0f} tokens, "
-                            f"{lengths.truncated_fraction:.0%} truncated at {lengths.l_max}, the rest a truncated "
-                            f"exponential (shape {lengths.shape or 0:.2f}); see nemo_dapo/cluster/plan_generation.py",
-                            117, initial_indent="  ", subsequent_indent="    "),
-             f"  old log-probs (2N/token)          {t['old_logprob']:10.0f}",
-             f"  reference log-probs (2N/token)    {t['reference_logprob']:10.0f}"
-             + ("" if t["logprob_passes"] > 1 else "  (none: plan.reference_logprob_pass off, as DAPO)"),
-             f"  {'training (' + n + '/token, ' + ('full recompute)' if t['recompute'] else 'no recompute)'):<34}"
-             f"{t['training']:10.0f}",
-             f"  refit + offload + reload          {t['refit_and_offload']:10.0f}",
-             "      " + ", ".join(f"{k.replace('_', ' ')} {v:.0f}" for k, v in t["overhead"].items())
-             + (f" (model {2 * plan['arch'].total_params() / GB:.0f} GB / handover "
-                f"{plan['assume']['handover_gb_per_s']}"
-                f" GB/s; sleep + wake {plan['assume']['sleep_wake_s']} s)" if "server" in g else "")]
-    if not t["gen"]:
-        return lines + [f"  {'generation':<34}not estimated (Megatron generation, debug path)",
-                        f"  {'total':<45}{t['total']:10.0f} ({t['total'] / 60:3.0f} min){_band_text(band)}"]
-    out = format_generation(t["gen"], t["totals"], engine=g["engine"], batch=g["batch"],
-                            gpus_per_engine=g["tp"] * g["pp"], ceiling=t["ceiling"], oversample=t["oversample"],
-                            pass_rate=t["pass_rate"], total=t["total"])
-    out[-1] += _band_text(band)
-    return lines + out
-
-
-def _band_text(band) -> str:
-    if band is None:
-        return ""
-    return f", {band['low']:+.0%} / {band['high']:+.0%} on published runs"
-
-
-def format_plan(plan: dict, title: str = "", band=None) -> str:
-    arch, gpu, lay, g, t, a = plan["arch"], plan["gpu"], plan["layout"], plan["gen"], plan["time"], plan["assume"]
-    gb = lambda x: f"{x / GB:7.1f}"  # noqa: E731
-    moe = (f", {arch.num_moe_experts} experts top-{arch.moe_router_topk} of width {arch.moe_ffn_hidden_size}"
-           f"{f', shared expert {arch.moe_shared_expert_size}' if arch.moe_shared_expert_size else ', no shared expert'}"
-           if arch.is_moe else "")
-    etp = "ETP=TP" if lay.etp is None else f"ETP{lay.etp}"
-    lines = [f"nemo-dapo plan {title}".rstrip() + "  -- ESTIMATES from closed-form arithmetic, not measurements",
-             f"cluster     {lay.world} x {gpu.name} ({gpu.memory_gb:.0f} GB, {gpu.hbm_tb_s} TB/s, "
-             f"{gpu.bf16_tflops:.0f} TFLOP/s bf16 dense; {gpu.source})",
-             f"model       {arch.name or 'model'}: {arch.total_params() / 1e9:.2f} B params, "
-             f"{arch.active_params() / 1e9:.2f} B active{moe}, head dim {arch.head_dim}",
-             f"training    TP{lay.tp} PP{lay.pp} CP{lay.cp} EP{lay.ep} ({etp}) -> DP {lay.dp}, expert-DP "
-             f"{lay.expert_dp}, sequence parallel {'on' if lay.sequence_parallel else 'off'}"]
-    if "server" in g:
-        lines += format_server(g["server"], g["kv"], g["concurrency"], g["engine"], g["scheduler"])
-    elif g["trt"]:
-        lines.append(f"generation  TRT-LLM engines TP{g['tp']} PP{g['pp']} x {t['engines']}, static batch {g['batch']}"
-                     f", KV reserved for {g['max_seq']} tokens/seq ({g['kv_per_token'] / KIB:.0f} KiB/token/GPU)")
-    phases = plan["phases"]
-    off = [k for k, v in g["offloaded"].items() if v]
-    lines += ["", "per-GPU memory, GB (est.)      " + "".join(f"{PHASE_LABELS[p]:>9}" for p in phases)
-              + (f"   (on the host while refitting / generating: {', '.join(off)})" if off else "")]
-    names = {"weights": "weights (bf16)", "grads": "main grads", "optimizer": "Adam states (fp32 master, m, v)",
-             "activations": "activations (recompute as set)", "logits": "log-prob logits (chunked)",
-             "engine_weights": "engine weights (bf16)", "kv_cache": "engine KV cache"
-             + (" (free fraction)" if "server" in g else " (static batch)"),
-             "refit_buckets": "refit buckets (2 x bucket_mb)", "results_gather": "results exchange (broadcast)",
-             "engine_workspace": "engine workspace (GUESS)", "cuda_reserved": "CUDA context + NCCL (GUESS)"}
-    for key, label in names.items():
-        if any(key in p for p in phases.values()):
-            lines.append(f"  {label:<31}" + "".join(f"  {gb(p[key]) if key in p else '      -'}"
-                                                    for p in phases.values()))
-    verdict = "fits" if plan["fits"] else "DOES NOT FIT"
-    lines.append(f"  {'total':<31}" + "".join(f"  {gb(sum(p.values()))}" for p in phases.values())
-                 + f"   budget {gb(plan['budget']).strip()} ({a['usable_fraction']:.0%} of {gpu.memory_gb:.0f})"
-                 f" -> {verdict}")
-    lines += [*_format_time(plan, band), "", "assumptions (plan.assume.*; one set for every recipe and calibration row):"]
-    for key, value in a.items():
-        lines += textwrap.wrap(f"{key}={value}: {ASSUMPTIONS[key][1]}", 117, initial_indent="  ",
-                               subsequent_indent="      ")
-    if band is not None:
-        lines += textwrap.wrap(f"calibration: on {band['rows']} published runs ({band['names']}) the step estimate was "
-                               f"{band['low']:+.0%} .. {band['high']:+.0%} off and each published phase "
-                               f"{band['phase_low']:+.0%} .. {band['phase_high']:+.0%} (benchmarks/calibration/)",
-                               119)
-    lines.append("formulas and sources: nemo_dapo/cluster/plan*.py (module docstrings)")
-    return "\n".join(lines)
 
 
 def run_cli(args) -> int:

@@ -1,0 +1,185 @@
+"""plan_model.py (GPUs, architectures and presets, layouts, training FLOPs) and the memory phases of the engine
+path (refit, results exchange, what is offloaded) against hand computations."""
+import math
+
+import pytest
+from omegaconf import OmegaConf
+
+from nemo_dapo.cluster import plan as P
+from nemo_dapo.cluster import plan_model as M
+from nemo_dapo.cluster.config_validate import load_config
+
+ES = "trainer.dapo.engine_server"
+
+
+def plan_of(recipe, *overrides):
+    return P.make_plan(OmegaConf.to_container(load_config(recipe, overrides), resolve=True))
+
+
+def tensor_shapes(arch: M.Arch):
+    """The slow obvious reference: every weight tensor of the model as a shape, like a Hugging Face state dict."""
+    h, d = arch.hidden_size, arch.kv_channels
+    q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
+    yield (arch.vocab_size, h)
+    for _ in range(arch.num_layers):
+        yield from [(h,), (q, h), (kv, h), (kv, h), (h, q), (h,)]
+        if arch.qkv_bias:
+            yield from [(q,), (kv,), (kv,)]
+        if arch.qk_norm:
+            yield from [(d,), (d,)]  # q_norm, k_norm over the head dimension
+        if arch.is_moe:
+            yield (arch.num_moe_experts, h)
+            for _ in range(arch.num_moe_experts):
+                yield from [(arch.moe_ffn_hidden_size, h)] * 2 + [(h, arch.moe_ffn_hidden_size)]
+            if arch.moe_shared_expert_size:
+                yield from [(arch.moe_shared_expert_size, h)] * 2 + [(h, arch.moe_shared_expert_size)]
+        else:
+            yield from [(arch.ffn_hidden_size, h)] * 2 + [(h, arch.ffn_hidden_size)]
+    yield (h,)
+    if not arch.tied_embeddings:
+        yield (arch.vocab_size, h)
+
+
+@pytest.mark.parametrize("name", sorted(M.ARCH_PRESETS))
+def test_preset_param_count_equals_the_sum_over_tensors(name):
+    arch = M.ARCH_PRESETS[name]
+    assert arch.total_params() == sum(math.prod(s) for s in tensor_shapes(arch))
+
+
+@pytest.mark.parametrize("name,total,active", [
+    ("qwen3-32b", 32.8e9, 32.8e9), ("qwen3-30b-a3b", 30.5e9, 3.3e9), ("qwen3-235b-a22b", 235.1e9, 22.2e9),
+    ("llama3.1-8b", 8.03e9, 8.03e9), ("qwen2.5-math-7b", 7.62e9, 7.62e9), ("mixtral-8x22b", 140.6e9, 39.2e9)])
+def test_presets_match_the_published_sizes(name, total, active):
+    arch = M.ARCH_PRESETS[name]
+    assert arch.total_params() == pytest.approx(total, rel=0.01)
+    assert arch.active_params() == pytest.approx(active, rel=0.02)
+
+
+def test_qwen3_head_dim_is_not_hidden_over_heads():
+    arch = M.ARCH_PRESETS["qwen3-32b"]
+    assert arch.head_dim == 128 != arch.hidden_size // arch.num_attention_heads  # 5120 / 64 = 80
+    # q and o are hidden x heads x head_dim = 5120 x 8192, not 5120 x 5120
+    assert arch.attention_params() == 2 * 5120 * 8192 + 2 * 5120 * 1024 + 2 * 128
+    assert arch.kv_bytes_per_token() == 2 * 64 * 8 * 128 * 2
+
+
+def test_shared_expert_counts_as_always_active():
+    base = M.ARCH_PRESETS["qwen3-30b-a3b"]
+    shared = M.Arch(**{**base.__dict__, "moe_shared_expert_size": 1024})
+    extra = base.num_layers * 3 * base.hidden_size * 1024
+    assert shared.total_params() - base.total_params() == extra == shared.active_params() - base.active_params()
+
+
+def test_gpu_entries_carry_vendor_figures():
+    g = M.GPUS
+    assert (g["h200"].memory_gb, g["h200"].hbm_tb_s, g["h200"].bf16_tflops) == (141.0, 4.8, 989.0)
+    assert (g["b200"].memory_gb, g["b200"].hbm_tb_s, g["b200"].bf16_tflops) == (180.0, 8.0, 2250.0)
+    assert (g["gb200"].memory_gb, g["gb200"].hbm_tb_s, g["gb200"].bf16_tflops) == (186.0, 8.0, 2500.0)
+    assert all(gpu.source for gpu in g.values())
+
+
+def test_update_is_6n_without_recompute_and_8n_with_it():
+    arch, gpu = M.ARCH_PRESETS["qwen3-32b"], M.GPUS["h100"]
+    kw = dict(world=32, tokens=1e6, seq_len=3000, hfu=0.4, logprob_hfu=0.2)
+    off, on = (M.training_seconds(arch, gpu, recompute=r, **kw) for r in (False, True))
+    attn = arch.attention_flops_per_token(3000)
+    assert off["training"] * 32 * 989e12 * 0.4 == pytest.approx(1e6 * (6 * arch.active_params() + 3 * attn))
+    assert on["training"] * 32 * 989e12 * 0.4 == pytest.approx(1e6 * (8 * arch.active_params() + 4 * attn))
+    assert off["reference_logprob"] == 0.0
+    ref = M.training_seconds(arch, gpu, recompute=False, logprob_passes=2, **kw)
+    assert ref["reference_logprob"] == pytest.approx(ref["old_logprob"]) == pytest.approx(off["old_logprob"])
+    stretched = M.training_seconds(arch, gpu, recompute=False, bubble=0.25, **kw)
+    assert stretched["training"] == pytest.approx(1.25 * off["training"])
+
+
+def test_expert_tensor_parallelism_other_than_tp():
+    arch = M.ARCH_PRESETS["qwen3-235b-a22b"]
+    etp_tp = M.Layout(world=128, tp=2, pp=8, cp=2, ep=8)  # NeMo 2.1: ETP = TP
+    etp1 = M.Layout(world=128, tp=2, pp=8, cp=2, ep=16, etp=1)  # NeMo-RL's layout
+    assert (etp_tp.expert_dp, etp1.expert_dp) == (1, 1)
+    _, e_tp = M.params_per_gpu(arch, etp_tp)
+    _, e_1 = M.params_per_gpu(arch, etp1)
+    assert e_1 == pytest.approx(e_tp) == pytest.approx(12 * 128 * 3 * 4096 * 1536 / 16)
+
+
+def test_context_parallelism_shards_activations_and_optimizer():
+    arch = M.ARCH_PRESETS["qwen2.5-32b"]
+    kw = dict(seq_tokens=22528, in_flight=1, recompute="full", distributed_optimizer=True, grad_bytes=4)
+    cp1 = M.training_memory(arch, M.Layout(world=128, tp=8, pp=1, sequence_parallel=True), **kw)
+    cp2 = M.training_memory(arch, M.Layout(world=128, tp=8, pp=1, cp=2, sequence_parallel=True), **kw)
+    assert cp2["activations"] == pytest.approx(cp1["activations"] / 2)
+    assert cp2["optimizer"] == pytest.approx(cp1["optimizer"])  # d = DP x CP: 8 x 2 = 16 x 1
+    assert cp2["weights"] == cp1["weights"]
+
+
+def test_chunked_logprob_logits():
+    arch, lay = M.ARCH_PRESETS["qwen2.5-32b"], M.Layout(world=128, tp=8, pp=1)
+    kw = dict(seq_tokens=22528, in_flight=1, recompute="full", distributed_optimizer=True, grad_bytes=4)
+    assert M.training_memory(arch, lay, logprob_chunk=256, **kw)["logits"] == 3 * 256 * 152064 / 8 * 4
+    assert M.training_memory(arch, lay, **kw)["logits"] == 22528 * 152064 / 8 * 4
+
+
+def test_preset_in_a_config_and_disagreement_refused():
+    plan = plan_of("qwen2.5-32b_h100", *(f"plan.arch.{k}=null" for k in ("num_layers", "hidden_size",
+                   "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "vocab_size")),
+                   "plan.arch.qkv_bias=False", "plan.arch.preset=qwen2.5-32b")
+    assert plan["arch"] == M.ARCH_PRESETS["qwen2.5-32b"]
+    with pytest.raises(P.PlanError, match=r"plan.arch.num_layers=64 disagrees with plan.arch.preset=qwen3-30b-a3b"):
+        plan_of("qwen2.5-32b_h100", "plan.arch.preset=qwen3-30b-a3b")
+    with pytest.raises(P.PlanError, match="plan.arch.preset='qwen9' is not one of"):
+        plan_of("qwen2.5-32b_h100", "plan.arch.preset=qwen9")
+
+
+def test_refit_phase_by_hand():
+    plan = plan_of("qwen2.5-32b_h100")
+    refit, train = plan["phases"]["refit"], plan["phases"]["train"]
+    assert "kv_cache" not in refit and "activations" not in refit  # KV asleep, training peak released
+    assert refit["engine_weights"] == pytest.approx(2 * M.ARCH_PRESETS["qwen2.5-32b"].total_params() / 8)
+    assert refit["refit_buckets"] == 2 * 512 * 2 ** 20  # engine_server.bucket_mb: trainer gather + engine copy
+    assert refit["weights"] == train["weights"] and refit["grads"] == train["grads"]
+    assert refit["optimizer"] == 0.0 < train["optimizer"]  # apex distributed Adam, offload_adam_states True
+    assert sum(refit.values()) <= plan["budget"]
+
+
+def test_results_exchange_by_hand():
+    plan = plan_of("qwen2.5-32b_h100")
+    rows = 1536 * 16 / 16  # max_gen_batch_size x group_size over DP 16; one engine owner per TP8 group
+    assert plan["phases"]["generate"]["results_gather"] == rows * (8 * 20481 + 4 * 20480 * 2)
+
+
+def test_adam_states_stay_resident_unless_the_code_offloads_them():
+    kept = plan_of("qwen2.5-32b_h100", "model.dapo.offload_adam_states=False")["phases"]
+    assert kept["generate"]["optimizer"] == kept["refit"]["optimizer"] == kept["train"]["optimizer"] > 0
+    mcore = plan_of("moe-mixtral-8x22b_h100")["phases"]  # Megatron's optimizer (EP) is never offloaded
+    assert mcore["generate"]["optimizer"] == mcore["train"]["optimizer"] > 10e9
+    whole = plan_of("qwen2.5-32b_h100", "plan.generate_offload=training_state")["phases"]["generate"]
+    assert whole["weights"] == whole["grads"] == whole["optimizer"] == 0.0
+    with pytest.raises(P.PlanError, match="plan.generate_offload='adam' must be null"):
+        plan_of("qwen2.5-32b_h100", "plan.generate_offload=adam")
+
+
+def test_refit_that_does_not_fit_is_refused_naming_the_key():
+    with pytest.raises(P.PlanError, match=f"refit phase needs .* fix: lower {ES}.bucket_mb"):
+        plan_of("moe-mixtral-8x22b_h100", f"{ES}.bucket_mb=8192")
+
+
+def test_engine_across_nodes_is_refused():
+    with pytest.raises(P.PlanError, match="engines must not span nodes"):
+        plan_of("qwen2.5-32b_h100", f"{ES}.tensor_parallel_size=16")
+
+
+@pytest.mark.parametrize("recipe", ["qwen2.5-32b_h100", "qwen2.5-32b_h20", "moe-mixtral-8x22b_h100",
+                                    "moe-mixtral-8x22b_h20"])
+def test_every_recipe_prints_three_phases_that_fit(recipe, capsys):
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    P.add_cli(ap.add_subparsers())
+    args = ap.parse_args(["plan", recipe])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("per-GPU memory"))
+    assert header.split("(on the host")[0].split()[-3:] == ["train", "refit", "generate"]
+    plan = plan_of(recipe)
+    assert set(plan["phases"]) == {"train", "refit", "generate"}
+    assert all(sum(p.values()) <= plan["budget"] for p in plan["phases"].values())
