@@ -162,15 +162,15 @@ class EngineServer:
         while not self._stop:
             busy = self.adapter.has_work()
             ready = {fd for fd, _ in poller.poll(0 if busy else 50)}
-            if self.listener.fileno() in ready:
-                self._turn_away()
-            if ch.fileno() in ready:
+            if ch.fileno() in ready:  # first: a client that closed, then reconnects, must find the server free
                 try:
                     body = ch.read_frame(P.IO_TIMEOUT_S)
                 except P.FrameTooLarge as e:  # the stream cannot be resynchronised: say why, then close
                     self._try_send(ch, _error(None, "bad_request", f"{e}; closing the connection"))
                     raise
                 self._handle_frame(ch, body)
+            if self.listener.fileno() in ready and not self._stop:
+                self._turn_away()
             if self.adapter.has_work():
                 try:
                     done = self.adapter.step()
