@@ -202,8 +202,10 @@ def test_two_engines_on_one_node_each_with_its_own_address_and_ray_cluster(first
 def test_three_rollout_steps_trained_and_checkpointed(first_job):
     ckpts = first_job["ckpts"]
     assert sorted(ckpts) == [1, 2, 3]
-    for step, state in ckpts.items():
-        assert state["loop"]["counters"]["rollout_steps"] == step
+    for step, state in ckpts.items():  # 2 prompts x 4 responses trained per step, in 2 updates (batch 4)
+        counters = state["loop"]["counters"]
+        assert counters["rollout_steps"] == step and state["dapo_optimization_step"] == 2 * step
+        assert counters["trained_samples"] == 8 * step and counters["generated_tokens"] > 0
     assert ckpts[3]["consumed_samples"] > ckpts[2]["consumed_samples"] > ckpts[1]["consumed_samples"] > 0
 
 
@@ -230,9 +232,11 @@ def test_the_same_command_resumes_from_the_checkpoint(first_job, resumed_job):
     assert sorted(after) == [1, 2, 3, 4]
     for step in (1, 2, 3):  # no step was trained (or saved) again
         assert after[step]["mtime"] == before[step]["mtime"] and after[step]["path"] == before[step]["path"]
-    assert after[4]["loop"]["counters"]["rollout_steps"] == 4
-    assert after[4]["consumed_samples"] - before[3]["consumed_samples"] == \
-        before[3]["consumed_samples"] - before[2]["consumed_samples"]  # one step's prompts, counted on
+    # the counters continue from step 3's (a fresh start would have 1 step, 2 updates, 8 samples)
+    last, new = before[3]["loop"]["counters"], after[4]["loop"]["counters"]
+    assert new["rollout_steps"] == 4 and after[4]["dapo_optimization_step"] == 8
+    assert new["trained_samples"] == last["trained_samples"] + 8
+    assert new["gen_batches"] > last["gen_batches"] and after[4]["consumed_samples"] > before[3]["consumed_samples"]
     assert resumed_job["rec"].kinds() == ["options", "server", "health", "trainer"]
 
 
