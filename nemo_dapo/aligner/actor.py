@@ -38,6 +38,7 @@ from nemo_dapo.cluster.config_validate import nemo_model_key, required
 from nemo_dapo.core.metrics import combine_metrics, reduce_over_ranks
 from nemo_dapo.core.settings import LOSS_FIELDS, LossSettings, build_loss
 from nemo_dapo.core.microbatch import plan_microbatches
+from nemo_dapo.megatron.model import gpt_layer_spec
 from nemo_dapo.megatron.policy import hidden_logprobs_entropy, hidden_states_only
 from nemo_dapo.megatron.reduction import DPReducer, agreed_microbatches, from_last_pipeline_stage, megatron_loss_scale
 from nemo_dapo.megatron.vocab_parallel import vocab_parallel_logits_logprobs_entropy
@@ -162,6 +163,42 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
         # Vocabulary the rollout engine samples from (ids >= it are Megatron's padding rows, left out of the softmax so
         # that training log-probs and the engine's describe one distribution); set by generation.build_generator.
         self.valid_vocab: Optional[int] = None
+
+    # ---- model construction: QK-norm (Qwen3) -----------------------------------------------------------------
+    def model_provider_func(self, pre_process, post_process):
+        """NeMo's GPT model; with ``model.qk_layernorm: True`` (Qwen3) built from a layer spec WITH QK-norm.
+
+        NeMo 2.1's ``MegatronGPTModel.model_provider_func`` takes its layer spec from ``get_specs``, which never
+        passes megatron-core's ``qk_layernorm`` (megatron_gpt_model.py, NeMo v2.1.0 lines 153-176 and 475-499),
+        although ``build_transformer_config`` copies ``model.qk_layernorm`` into ``TransformerConfig``. Without QK-norm
+        the inherited method is used unchanged; with it, the same ``MCoreGPTModel`` is built with the same arguments
+        (copied from that method) and ``megatron.model.gpt_layer_spec(qk_layernorm=True)`` (TE's spec when
+        ``model.transformer_engine``, else the local one; both build an RMSNorm over ``kv_channels`` when
+        ``normalization: rmsnorm``). NeMo itself is not patched.
+        """
+        config = self.transformer_config
+        if not config.qk_layernorm:
+            return super().model_provider_func(pre_process, post_process)
+        if not self.mcore_gpt or self.spec_name not in ("", "te_gpt"):
+            raise ValueError(f"model.qk_layernorm=True needs model.mcore_gpt=True and NeMo's default GPT layer spec "
+                             f"(model.name '' or 'te_gpt'), got mcore_gpt={self.mcore_gpt} name={self.spec_name!r}")
+        from nemo.collections.nlp.models.language_modeling.megatron_gpt_model import MCoreGPTModel
+        from nemo.collections.nlp.models.language_modeling.megatron_gpt_model import mcore_model_customize
+
+        spec = gpt_layer_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
+                              qk_layernorm=True, use_te=bool(self.transformer_engine), fp8=self.cfg.get("fp8", False))
+        model = MCoreGPTModel(
+            config=config, transformer_layer_spec=spec,
+            vocab_size=self.cfg.get("override_vocab_size", self.padded_vocab_size),
+            max_sequence_length=self.cfg.get("encoder_seq_length", 512), pre_process=pre_process,
+            post_process=post_process, parallel_output=True,
+            share_embeddings_and_output_weights=self.cfg.get("share_embeddings_and_output_weights", True),
+            position_embedding_type=self.cfg.get("position_embedding_type", "learned_absolute"),
+            rotary_percent=self.cfg.get("rotary_percentage", 1.0),
+            seq_len_interpolation_factor=self.cfg.get("seq_len_interpolation_factor", None),
+            rotary_base=self.cfg.get("rotary_base", 10000))
+        mcore_model_customize(self.cfg, model)
+        return model
 
     def infer(self, inference_batch):
         raise NotImplementedError("the DAPO actor does not generate: use nemo_dapo.aligner.generation "

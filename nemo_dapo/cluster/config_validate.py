@@ -445,11 +445,17 @@ def _data(cfg: dict, s: dict):
 
 def _arch_agrees(cfg: dict, s: dict):
     """After the checkpoint config is merged, the recipe's plan.arch must describe the same model."""
-    for key in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "num_moe_experts"):
+    for key in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "num_moe_experts",
+                "kv_channels"):
         declared, actual = select(cfg, f"plan.arch.{key}"), select(cfg, f"model.{key}")
         if declared is not None and actual is not None and declared != actual:
             yield (f"plan.arch.{key}={declared} but the model config says {actual}: the recipe describes another "
                    "model; fix plan.arch (it only feeds `nemo-dapo plan` and these checks)")
+    qk_norm = select(cfg, "plan.arch.qk_norm")
+    if select(cfg, "model.num_layers") is not None and qk_norm and not select(cfg, "model.qk_layernorm", False):
+        yield ("plan.arch.qk_norm=True (Qwen3) but the checkpoint's model config has no model.qk_layernorm=True: the "
+               "actor would build the model without QK-norm and drop the checkpoint's q/k norms; fix: convert with "
+               "`nemo-dapo convert hf-to-nemo` (writes it) or pass ++model.qk_layernorm=True")
 
 
 def _engine_server(cfg: dict, s: dict):
