@@ -26,7 +26,8 @@ EXIT_BUDGET = 3  # dynamic sampling spent algorithm.dynamic_sampling.max_gen_bat
 EXIT_ENGINE = 4  # the rollout engine server failed (checkpoint saved)
 EXIT_BUSY = 5  # another `nemo-dapo train` holds the run directory (local/run_dir.py)
 EXIT_UNWRITABLE = 6  # the run directory or an output cannot be written (disk full, read-only)
-EXIT_DIVERGED = 7  # training diverged (skipped updates in a row, entropy at the uniform limit); checkpoint saved
+EXIT_DIVERGED = 7  # training diverged (skipped updates in a row, entropy at the uniform limit); checkpoint saved;
+# also a rerun of a diverged run, refused without --resume-diverged (local/run_dir.py)
 EXIT_RUNS_FAILED = 8  # ablate: some runs failed (each named with its exit code and log); the others finished
 EXIT_INTERRUPTED = 130  # Ctrl-C; train: 128 + signal (130 SIGINT, 143 SIGTERM) after saving a checkpoint
 EXIT_CODES = {EXIT_OK: "success", EXIT_INTERNAL: "internal error (bug)", EXIT_BAD_INPUT: "bad input",
@@ -48,6 +49,9 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-config-change", action="store_true",
                    help="resume even if the config differs from the checkpoint's in keys that change the run "
                         "(seed, data, model, algorithm, optimizer, ...); without it such a resume is refused")
+    p.add_argument("--resume-diverged", action="store_true",
+                   help="continue a run that stopped because it diverged (exit 7); without it a rerun refuses "
+                        "(exit 7 again). The run stays marked diverged (run_dir/diverged.json)")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="overrides: key=value (existing key), ++key=value (add or set), +key=value (add), ~key")
 
@@ -64,8 +68,8 @@ def _train(args) -> int:
     from nemo_dapo.local.run_dir import RunDirError, RunInterrupted
 
     try:
-        summary = train(cfg, allow_config_change=args.allow_config_change)
-    except RunDirError as e:  # busy (5), unwritable (6), stopped by a signal (128 + signum: 130, 143)
+        summary = train(cfg, allow_config_change=args.allow_config_change, resume_diverged=args.resume_diverged)
+    except RunDirError as e:  # busy (5), unwritable (6), diverged before (7), a signal (128 + signum: 130, 143)
         kind = "stopped" if isinstance(e, RunInterrupted) else "error"
         print(f"nemo-dapo train: {kind}: {e}", file=sys.stderr)
         return e.exit_code
@@ -152,7 +156,8 @@ def _ablate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--leave-one-out", action="store_true", help="also run DAPO minus each technique")
     p.add_argument("--jobs", type=int, default=2, help="runs side by side, one core each (default 2)")
     p.add_argument("--out", default=None, help="output directory (default: runs/ablate_<config-name>)")
-    p.add_argument("--progress-every", type=float, default=30.0, help="seconds between progress lines")
+    p.add_argument("--progress-every", type=float, default=30.0,
+                   help="seconds between progress lines (> 0; default 30)")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="overrides of the base recipe for every run (not of the keys the rows set)")
 
@@ -197,7 +202,11 @@ def _exit_code_and_message(command: str, e: BaseException) -> Optional[tuple]:
     from nemo_dapo.data.readers import DataFormatError
     from nemo_dapo.engines.base import EngineError
 
+    from nemo_dapo.local.run_dir import RunDirError
+
     head = f"nemo-dapo {command}"
+    if isinstance(e, RunDirError):  # ablate's output directory: busy (5), a link where it writes (2)
+        return e.exit_code, f"{head}: error: {e}"
     if isinstance(e, (ConfigError, DataFormatError, FileNotFoundError, CheckpointError)):
         return EXIT_BAD_INPUT, f"{head}: error: {e}"
     if isinstance(e, BudgetExhausted):

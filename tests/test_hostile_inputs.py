@@ -304,7 +304,8 @@ def test_exit_codes_are_distinct_and_agree_with_the_run_directory():
     codes = [cli.EXIT_OK, cli.EXIT_INTERNAL, cli.EXIT_BAD_INPUT, cli.EXIT_BUDGET, cli.EXIT_ENGINE, cli.EXIT_BUSY,
              cli.EXIT_UNWRITABLE, cli.EXIT_DIVERGED, cli.EXIT_INTERRUPTED]
     assert len(set(codes)) == len(codes) and set(codes) <= set(cli.EXIT_CODES)
-    assert (cli.EXIT_BUSY, cli.EXIT_UNWRITABLE) == (run_dir.EXIT_BUSY, run_dir.EXIT_UNWRITABLE)
+    assert (cli.EXIT_BUSY, cli.EXIT_UNWRITABLE, cli.EXIT_DIVERGED) == (run_dir.EXIT_BUSY, run_dir.EXIT_UNWRITABLE,
+                                                                       run_dir.EXIT_DIVERGED)
 
 
 # ---- 5. training health ------------------------------------------------------------------------------------------------
@@ -330,13 +331,9 @@ def test_divergence_signals(kwargs, fragment):
 
 
 def test_a_diverging_run_stops_with_a_checkpoint_and_exit_7(tmp_path, monkeypatch, capsys):
-    from nemo_dapo.local.policy import LocalPolicy
     from tests.local.test_run import TINY
 
-    def nan_step(self, batch, *, num_tokens, loss_fn):
-        return {"loss": float("nan"), "skipped": 1.0}  # what a non-finite loss reports: weights unchanged
-
-    monkeypatch.setattr(LocalPolicy, "train_step", nan_step)
+    _diverge(monkeypatch)
     run_dir = tmp_path / "run"
     argv = ["train", *TINY, f"run_dir={run_dir}", "trainer.max_skipped_updates=2", "trainer.max_steps=20",
             "trainer.val_every=0", "trainer.save_every=100", "data.heldout_size=2", "eval.n_samples=1",
@@ -344,6 +341,70 @@ def test_a_diverging_run_stops_with_a_checkpoint_and_exit_7(tmp_path, monkeypatc
     err = err_of(argv, capsys, cli.EXIT_DIVERGED, logs=True)
     assert err.startswith("nemo-dapo train: stopped: training diverged at rollout step 1") and "optim.lr=0.001" in err
     assert os.listdir(run_dir / "checkpoints") and not (run_dir / "summary.json").exists()
+
+
+def _diverge(monkeypatch):
+    from nemo_dapo.local.policy import LocalPolicy
+
+    def nan_step(self, batch, *, num_tokens, loss_fn):
+        return {"loss": float("nan"), "skipped": 1.0}  # what a non-finite loss reports: weights unchanged
+
+    monkeypatch.setattr(LocalPolicy, "train_step", nan_step)
+
+
+def _ckpts(run_dir):
+    d = run_dir / "checkpoints"
+    return {n: os.path.getmtime(d / n) for n in sorted(os.listdir(d))}
+
+
+@pytest.mark.slow
+def test_a_diverged_run_stays_diverged_until_the_user_continues_it(tmp_path, monkeypatch, capsys):
+    """Exit 7 is recorded (diverged.json and the checkpoint); a rerun exits 7 again without training (before, it
+    continued silently from the diverged checkpoint); --resume-diverged continues it, and it stays marked."""
+    import shutil
+
+    from nemo_dapo.core.checkpoint import load_checkpoint
+    from tests.local.test_run import TINY
+
+    run_dir = tmp_path / "run"
+    argv = ["train", *TINY, f"run_dir={run_dir}", "trainer.max_skipped_updates=2", "trainer.max_steps=2",
+            "trainer.val_every=0", "trainer.save_every=100", "data.heldout_size=2", "eval.n_samples=1",
+            "warmup.max_steps=1"]
+    with monkeypatch.context() as m:
+        _diverge(m)
+        err = err_of(argv, capsys, cli.EXIT_DIVERGED, logs=True)
+    assert "training diverged at rollout step 1" in err and "--resume-diverged" in err
+    recorded = json.loads((run_dir / "diverged.json").read_text())["divergences"]
+    assert [(d["step"], d["resumed"]) for d in recorded] == [(1, False)] and "skipped" in recorded[0]["reason"]
+    state = load_checkpoint(str(run_dir / "checkpoints" / "step_00000001.pt"))
+    assert state["health"]["diverged"][0]["step"] == 1  # the checkpoint carries it too
+    before, metrics = _ckpts(run_dir), (run_dir / "metrics.jsonl").read_text()
+
+    # The healthy code now: a rerun must still refuse, naming the way out, and change nothing.
+    err = err_of(argv, capsys, cli.EXIT_DIVERGED)
+    assert err.startswith(f"nemo-dapo train: error: run directory {str(run_dir)!r} holds a run that diverged at "
+                          "rollout step 1") and "resume=never" in err and "--resume-diverged" in err
+    assert _ckpts(run_dir) == before and (run_dir / "metrics.jsonl").read_text() == metrics
+    assert not (run_dir / "summary.json").exists()
+    copy = tmp_path / "copy"  # the checkpoint alone (diverged.json not copied) still says so
+    shutil.copytree(run_dir, copy)
+    os.unlink(copy / "diverged.json")
+    err = err_of([a.replace(str(run_dir), str(copy)) for a in argv], capsys, cli.EXIT_DIVERGED)
+    assert "diverged at rollout step 1" in err
+
+    assert cli.main(argv[:1] + ["--resume-diverged"] + argv[1:]) == 0  # the user says otherwise: continued
+    capsys.readouterr()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rollout_steps"] == 2 and [d["resumed"] for d in summary["diverged"]] == [True]
+    assert json.loads((run_dir / "diverged.json").read_text())["divergences"][0]["resumed"] is True
+    assert cli.main(argv) == 0  # finished: reported, not refused
+    assert "is finished" in capsys.readouterr().err
+
+    never = argv + ["resume=never"]  # starting over clears the record
+    assert cli.main(never) == 0
+    capsys.readouterr()
+    assert not (run_dir / "diverged.json").exists()
+    assert json.loads((run_dir / "summary.json").read_text())["diverged"] == []
 
 
 # ---- 6. verifier: ground truths cost what a short one costs ------------------------------------------------------

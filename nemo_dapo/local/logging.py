@@ -59,9 +59,11 @@ def setup_console_logging(level: int = _logging.INFO) -> None:
 
 def write_text(path: str, text: str) -> None:
     """Write ``text`` to ``path`` atomically; on failure (disk full) no temporary file is left behind."""
-    tmp = path + ".tmp"
+    # A fresh name, created exclusively: a file or link planted under a fixed temporary name is never written through.
+    tmp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)  # mode as open() gives, by umask
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)
     except BaseException:

@@ -13,11 +13,14 @@ plots and ``summary.json`` at the end. Run directory layout::
     run_dir/tb/               TensorBoard events
     run_dir/plots/            PNG curves
     run_dir/summary.json      base_accuracy, final_accuracy, heldout_size, wall_seconds, ...
+    run_dir/diverged.json     the run's divergences (exit 7): a rerun refuses to continue it without --resume-diverged
 
 Resume (``resume: auto``) takes the newest intact checkpoint and refuses one whose config differs in a key that
-changes the run (``--allow-config-change`` overrides); rerunning a finished run prints its summary and changes
-nothing (raise ``trainer.max_steps`` / ``max_samples`` / ``max_time_s`` to train it further). SIGINT / SIGTERM stop
-after the current rollout step with a checkpoint of it (exit 130 / 143); see run_dir.py.
+changes the run (``--allow-config-change`` overrides), or whose weights do not fit the configured model, or of a
+run that diverged (exit 7; ``run_dir/diverged.json`` records it; ``--resume-diverged`` overrides); rerunning a
+finished run prints its summary and changes nothing (raise ``trainer.max_steps`` / ``max_samples`` /
+``max_time_s`` to train it further). SIGINT / SIGTERM stop after the current rollout step with a checkpoint of it
+(exit 130 / 143). A link where the run writes (``.lock``, ``checkpoints/``, ...) is refused; see run_dir.py.
 """
 from __future__ import annotations
 
@@ -40,8 +43,9 @@ from nemo_dapo.core.reward import RuleReward
 from nemo_dapo.core.settings import build_algorithm as core_build_algorithm, from_values
 from nemo_dapo.engines.base import EngineError
 from nemo_dapo.local.policy import LocalPolicy
-from nemo_dapo.local.run_dir import (RunDirLock, RunInterrupted, StopSignals, check_resume_config, finished_summary,
-                                     is_write_failure, pick_checkpoint, unwritable)
+from nemo_dapo.local.run_dir import (DIVERGED_FILE, RunDirLock, RunInterrupted, StopSignals, check_diverged,
+                                     check_model_shapes, check_no_links, check_resume_config, finished_summary,
+                                     is_write_failure, pick_checkpoint, record_divergence, unwritable)
 from nemo_dapo.local.run_data import build_prompt_sets
 from nemo_dapo.local.run_model import prepare_base_model
 from nemo_dapo.local.run_parallel import ParallelSampler
@@ -106,6 +110,9 @@ class LocalRun:
         self.loop = DAPOLoop(policy=self.policy, generator=self.sampler, reward_fn=self.reward, loss_fn=loss_fn,
                              prompts=self.train_set, filler=filler, settings=settings,
                              sampler=PromptSampler(len(self.train_set), seed=cfg.seed))
+        # The divergence guard's state (so a resumed run judges as the uninterrupted one) and every divergence of
+        # the run (check_diverged): saved with each checkpoint.
+        self.health = {"streak": 0, "start_entropy": None, "diverged": []}
 
     @property
     def step(self) -> int:
@@ -127,11 +134,12 @@ class LocalRun:
 
     def state_dict(self, base_eval: dict) -> dict:
         return {"loop": self.loop.state_dict(), "rng": rng_state(), "base_eval": base_eval,
-                "config": asdict(self.cfg)}
+                "config": asdict(self.cfg), "health": dict(self.health)}
 
     def load_state_dict(self, state: dict) -> dict:
         self.loop.load_state_dict(state["loop"])
         set_rng_state(state["rng"])
+        self.health.update({k: v for k, v in (state.get("health") or {}).items() if k in self.health})
         return state["base_eval"]
 
 
@@ -139,23 +147,30 @@ def _ckpt_dir(cfg: Config) -> str:
     return os.path.join(cfg.run_dir, "checkpoints")
 
 
-def _prepare_run_dir(cfg: Config) -> None:
+def _start_over(cfg: Config) -> None:
+    """resume=never: remove what the previous run wrote; the warm-up cache (base_model/) stays."""
+    for sub in ("checkpoints", "tb", "plots", "final_model"):
+        shutil.rmtree(os.path.join(cfg.run_dir, sub), ignore_errors=True)
+    for name in ("summary.json", DIVERGED_FILE):
+        if os.path.isfile(os.path.join(cfg.run_dir, name)):
+            os.unlink(os.path.join(cfg.run_dir, name))
+
+
+def _write_config(cfg: Config) -> None:
+    """config.yaml, once the run is known to continue (a refused resume leaves the stored one as it was)."""
     from nemo_dapo.local.config import config_to_yaml
 
     write_text(os.path.join(cfg.run_dir, "config.yaml"), config_to_yaml(cfg))
-    if cfg.resume == "never":  # start over; the warm-up cache (base_model/) stays
-        for sub in ("checkpoints", "tb", "plots", "final_model"):
-            shutil.rmtree(os.path.join(cfg.run_dir, sub), ignore_errors=True)
-        if os.path.isfile(os.path.join(cfg.run_dir, "summary.json")):
-            os.unlink(os.path.join(cfg.run_dir, "summary.json"))
 
 
-def train(cfg: Config, *, allow_config_change: bool = False) -> dict:
+def train(cfg: Config, *, allow_config_change: bool = False, resume_diverged: bool = False) -> dict:
     """Run the whole job for ``cfg``; returns the summary (also written to ``run_dir/summary.json``).
 
-    Holds the run directory's lock throughout. Raises :class:`RunDirBusy`, :class:`ResumeMismatch` (unless
-    ``allow_config_change``), :class:`RunInterrupted` on SIGINT/SIGTERM, :class:`RunDirUnwritable` when a write fails
-    for lack of space or permission (the checkpoints written before stay intact).
+    Holds the run directory's lock throughout. Raises :class:`RunDirBusy`, :class:`RunDirUnsafe` (a link where the
+    run writes), :class:`ResumeMismatch` (unless ``allow_config_change``), :class:`RunDiverged` for a run that
+    diverged before (unless ``resume_diverged``), :class:`RunInterrupted` on SIGINT/SIGTERM,
+    :class:`RunDirUnwritable` when a write fails for lack of space or permission (the checkpoints written before
+    stay intact).
     """
     t_start = time.time()
     setup_console_logging()
@@ -163,15 +178,19 @@ def train(cfg: Config, *, allow_config_change: bool = False) -> dict:
     try:
         os.makedirs(cfg.run_dir, exist_ok=True)
         with RunDirLock(cfg.run_dir), StopSignals() as stop:
-            return _train_locked(cfg, stop, allow_config_change, t_start, threads)
+            check_no_links(cfg.run_dir)
+            return _train_locked(cfg, stop, allow_config_change, resume_diverged, t_start, threads)
     except OSError as e:
         if is_write_failure(e, cfg.run_dir):
             raise unwritable(e, cfg.run_dir, list_checkpoints(_ckpt_dir(cfg))) from e
         raise
 
 
-def _train_locked(cfg: Config, stop: StopSignals, allow_config_change: bool, t_start: float, threads: int) -> dict:
+def _train_locked(cfg: Config, stop: StopSignals, allow_config_change: bool, resume_diverged: bool, t_start: float,
+                  threads: int) -> dict:
     ckpt, state = pick_checkpoint(_ckpt_dir(cfg)) if cfg.resume == "auto" else (None, None)
+    diverged = check_diverged(cfg.run_dir, state, ckpt, resume_diverged=resume_diverged) if cfg.resume == "auto" \
+        else []
     if state is not None:
         current = asdict(cfg)
         check_resume_config(state.get("config"), current, ckpt, allow_change=allow_config_change)
@@ -182,16 +201,23 @@ def _train_locked(cfg: Config, stop: StopSignals, allow_config_change: bool, t_s
                      "start over set resume=never or another run_dir", cfg.name, cfg.run_dir, done["rollout_steps"],
                      done["base_accuracy"], done["final_accuracy"])
             return done
-    _prepare_run_dir(cfg)
+    if cfg.resume == "never":
+        _start_over(cfg)
     log.info("run %s in %s (torch threads: %d)", cfg.name, cfg.run_dir, threads)
     run = logger = None
     try:
         run = LocalRun(cfg)
         base_eval = None
         if state is not None:
+            check_model_shapes(state["loop"]["policy"]["model"], run.model.state_dict(), ckpt,
+                               has_config=state.get("config") is not None)
             base_eval = run.load_state_dict(state)
             log.info("resumed from %s (rollout step %d)", ckpt, run.step)
+        run.health["diverged"] = diverged
         del state
+        _write_config(cfg)
+        if diverged:  # continued with --resume-diverged: it stays marked, as resumed
+            record_divergence(cfg.run_dir, diverged)
         logger = RunLogger(cfg.run_dir, resume_step=run.step if base_eval else None,
                            tensorboard=cfg.trainer.tensorboard, total_steps=cfg.trainer.max_steps,
                            total_samples=cfg.trainer.max_samples)
@@ -256,6 +282,7 @@ def _train_steps(run: LocalRun, logger: RunLogger, base_eval: dict, t_start: flo
     saved = run.step
     guard = DivergenceGuard(max_skipped_updates=t.max_skipped_updates, max_entropy_fraction=t.max_entropy_fraction,
                             vocab_size=run.model.config.vocab_size)
+    guard.streak, guard.start_entropy = int(run.health["streak"]), run.health["start_entropy"]
     while not _stop_reason(run, t_rl):
         try:
             metrics = run.loop.step()
@@ -271,15 +298,21 @@ def _train_steps(run: LocalRun, logger: RunLogger, base_eval: dict, t_start: flo
             metrics.update(run.evaluate(t.val_samples, t.val_problems).summary("val/"))
         logger.write("train", step, metrics)
         logger.console(step, metrics, time.time() - t_start)
-        if step % t.save_every == 0 or last:
+        diverged = guard.observe(metrics)
+        run.health.update(streak=guard.streak, start_entropy=guard.start_entropy)
+        if diverged:  # the checkpoint of this step records it (so does diverged.json below)
+            run.health["diverged"] = run.health["diverged"] + [
+                {"step": step, "reason": diverged, "checkpoint": os.path.join(_ckpt_dir(cfg), f"step_{step:08d}.pt"),
+                 "time": time.time(), "resumed": False}]
+        if step % t.save_every == 0 or last or diverged:
             save_checkpoint(_ckpt_dir(cfg), step, run.state_dict(base_eval), keep_last=t.keep_last)
             saved = step
-        diverged = guard.observe(metrics)
         if diverged:  # stop with a checkpoint instead of training on to accuracy 0 and exit 0
-            if saved != step:
-                save_checkpoint(_ckpt_dir(cfg), step, run.state_dict(base_eval), keep_last=t.keep_last)
+            record_divergence(cfg.run_dir, run.health["diverged"])
             raise TrainingDiverged(diverged_message(diverged, step=step, lr=cfg.optim.lr,
-                                                    checkpoint_dir=_ckpt_dir(cfg)))
+                                                    checkpoint_dir=_ckpt_dir(cfg))
+                                   + f"; rerunning this run_dir refuses to continue it (recorded in "
+                                     f"{os.path.join(cfg.run_dir, DIVERGED_FILE)}) unless given --resume-diverged")
         if stop is not None and stop.signum is not None:
             if saved != step:
                 save_checkpoint(_ckpt_dir(cfg), step, run.state_dict(base_eval), keep_last=t.keep_last)
@@ -293,7 +326,7 @@ def _save_final_model(run: LocalRun) -> None:
     """The trained policy in save_pretrained layout (model + tokenizer), for `nemo-dapo eval --model`."""
     directory = os.path.join(run.cfg.run_dir, "final_model")
     tmp = directory + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a killed save (check_no_links refused a link here)
     try:
         run.model.save_pretrained(tmp, safe_serialization=True)
         run.tokenizer.save_pretrained(tmp)
@@ -330,4 +363,5 @@ def _summary(run: LocalRun, base_eval: dict, final_eval: dict, *, wall_seconds: 
         "trained_tokens": c["trained_tokens"],
         "skipped_updates": c["skipped_updates"],
         "torch_threads": threads,
+        "diverged": run.health["diverged"],  # earlier divergences continued with --resume-diverged ([]: none)
     }

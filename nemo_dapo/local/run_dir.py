@@ -11,8 +11,13 @@
   (after its optimizer updates, with a checkpoint of that step); outside the steps (warm-up, evaluation) and on a
   second signal they stop at once, and the run resumes from its last checkpoint.
 
-Exit codes of ``nemo-dapo train`` added here: :data:`EXIT_BUSY`, :data:`EXIT_UNWRITABLE`, and 128 + the signal
-number for a signal stop (130 SIGINT, 143 SIGTERM).
+* :func:`check_no_links`: nothing the run writes is a symbolic link (nor is ``.lock``, opened with ``O_NOFOLLOW``
+  and refused unless it is a plain file): a shared run directory cannot make the run write outside itself.
+* :func:`check_diverged`: a run that stopped for divergence (exit 7) is recorded so (``diverged.json`` and its last
+  checkpoint); a rerun refuses to continue it unless given ``--resume-diverged``, and it stays marked.
+
+Exit codes of ``nemo-dapo train`` added here: :data:`EXIT_BUSY`, :data:`EXIT_UNWRITABLE`, :data:`EXIT_DIVERGED` for a
+rerun of a diverged run, and 128 + the signal number for a signal stop (130 SIGINT, 143 SIGTERM).
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import os
 import shlex
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -66,6 +72,10 @@ class RunDirBusy(RunDirError):
 
 class RunDirUnwritable(RunDirError):
     exit_code = EXIT_UNWRITABLE
+
+
+class RunDirUnsafe(RunDirError):
+    """An entry of the run directory is a link (or not a plain file) where the run writes: refused (exit 2)."""
 
 
 class ResumeMismatch(ConfigError):
@@ -115,11 +125,33 @@ def _pid_alive(pid) -> bool:
     return True
 
 
+def _same_file(fd: int, path: str) -> bool:
+    """Whether ``path`` (not followed if a link) is the file open as ``fd``."""
+    a, b = os.fstat(fd), os.lstat(path)
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _kind(path: str) -> str:
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        return f"a symbolic link to {os.path.realpath(path)!r}"
+    if stat.S_ISREG(st.st_mode):
+        return f"a file with {st.st_nlink} hard links"
+    return "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+
+
+def _unsafe(path: str, fix: str) -> "RunDirUnsafe":
+    return RunDirUnsafe(f"{path} is {_kind(path)}, not a lock file of nemo-dapo: it is not written through (that "
+                        f"would change another file) and left in place. Fix: check who put it there, remove it "
+                        f"(rm {shlex.quote(path)}) and rerun, or {fix}")
+
+
 class RunDirLock:
     """Exclusive lock on a run directory for one ``train`` job (a context manager)."""
 
-    def __init__(self, run_dir: str):
+    def __init__(self, run_dir: str, *, what: str = "run directory", fix: str = "give this run another run_dir=..."):
         self.run_dir, self.path, self.fd = run_dir, os.path.join(run_dir, LOCK_FILE), None
+        self.what, self.fix = what, fix  # the messages: what the directory is, how to use another one
 
     def _read(self, fd: int) -> dict:
         os.lseek(fd, 0, os.SEEK_SET)
@@ -130,9 +162,24 @@ class RunDirLock:
             info = {"pid": "?", "host": "?", "command": f"unreadable lock file ({len(raw)} bytes)"}
         return info if isinstance(info, dict) else {}
 
+    def _open(self) -> int:
+        """The lock file, opened without following a link (a planted ``.lock`` symlink is never written through);
+        anything but a plain file with one name is refused (:class:`RunDirUnsafe`)."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS) or not os.path.lexists(self.path):
+                raise
+            raise _unsafe(self.path, self.fix) from None  # a link (ELOOP), a directory, a socket, ...
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            os.close(fd)
+            raise _unsafe(self.path, self.fix)
+        return fd
+
     def acquire(self) -> "RunDirLock":
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
@@ -140,12 +187,12 @@ class RunDirLock:
                 os.close(fd)
                 if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise  # a filesystem without locks: reported as the OSError it is
-                raise RunDirBusy(f"run directory {self.run_dir!r} is in use by {_holder_text(info)}. Wait for it to "
-                                 "finish or stop it (it saves a checkpoint on SIGTERM/Ctrl-C), or give this run "
-                                 "another run_dir=...") from None
+                raise RunDirBusy(f"{self.what} {self.run_dir!r} is in use by {_holder_text(info)}. Wait for it "
+                                 "to finish or stop it (it saves a checkpoint on SIGTERM/Ctrl-C), or "
+                                 f"{self.fix}") from None
             # The previous holder may have unlinked the file between our open and flock: lock the current file.
             try:
-                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+                same = _same_file(fd, self.path)
             except FileNotFoundError:
                 same = False
             if same:
@@ -168,7 +215,8 @@ class RunDirLock:
         if self.fd is None:
             return
         try:
-            os.unlink(self.path)  # unlink while still locked: a waiter re-checks the inode (see acquire)
+            if _same_file(self.fd, self.path):  # never remove what another hand put under the name meanwhile
+                os.unlink(self.path)  # unlink while still locked: a waiter re-checks the inode (see acquire)
         except OSError:
             pass
         os.close(self.fd)  # closing drops the flock
@@ -179,6 +227,111 @@ class RunDirLock:
 
     def __exit__(self, *exc):
         self.release()
+
+
+# ---- nothing written through a link -------------------------------------------------------------------------------
+# What `train` writes in its run directory, and the directories whose files it writes by fixed names. A link there
+# (planted by anyone who can write a shared run directory, or left by a user) would make the run write outside its
+# own directory: into another file, or into another run's checkpoints.
+WRITTEN = ("checkpoints", "metrics.jsonl", "tb", "plots", "final_model", "final_model.tmp", "summary.json",
+           "config.yaml", "diverged.json", "base_model.tmp")
+WRITTEN_INSIDE = ("checkpoints", "tb", "plots")
+
+
+def check_no_links(run_dir: str) -> None:
+    """Refuse (:class:`RunDirUnsafe`, exit 2) a run directory in which an entry the run writes is a symbolic link;
+    a ``checkpoints/`` that leads into another run directory names that run (and its holder, if one is live)."""
+    for name in WRITTEN:
+        path = os.path.join(run_dir, name)
+        inside = [os.path.join(path, n) for n in _listdir(path)] if name in WRITTEN_INSIDE else []
+        for p in [path] + inside:
+            if os.path.islink(p):
+                raise RunDirUnsafe(f"{p} is a symbolic link to {os.path.realpath(p)!r}{_owner(p)}: a run writes only "
+                                   "inside its own run directory, and through a link it would write into another "
+                                   "file or run (two runs training into one checkpoint directory). Fix: remove the "
+                                   f"link (rm {shlex.quote(p)}) and rerun; to keep a run on another disk, put its "
+                                   "whole run_dir there")
+
+
+def _listdir(path: str) -> list:
+    return os.listdir(path) if os.path.isdir(path) and not os.path.islink(path) else []
+
+
+def _owner(link: str) -> str:
+    """', which is in run directory D (in use by ...)' when the link's target lies in another run directory."""
+    target = os.path.realpath(link)
+    for d in (target, os.path.dirname(target)):
+        lock = os.path.join(d, LOCK_FILE)
+        if os.path.isfile(lock) and not os.path.islink(lock):
+            try:
+                with open(lock, encoding="utf-8") as f:
+                    info = json.load(f)
+            except (OSError, ValueError):
+                info = {}
+            holder = _holder_text(info) if isinstance(info, dict) and info else "a run whose lock is unreadable"
+            return f", which is in run directory {d!r} (in use by {holder})"
+        if os.path.isdir(os.path.join(d, "checkpoints")) and d != os.path.dirname(link):
+            return f", which is in run directory {d!r}"
+    return ""
+
+
+# ---- a diverged run stays diverged ----------------------------------------------------------------------------------
+DIVERGED_FILE = "diverged.json"
+EXIT_DIVERGED = 7  # training diverged (cli.EXIT_DIVERGED): also a rerun that refuses to continue a diverged run
+
+
+class RunDiverged(RunDirError):
+    """The run directory holds a diverged run and the user did not ask to continue it."""
+
+    exit_code = EXIT_DIVERGED
+
+
+def read_divergence(run_dir: str) -> list:
+    """The divergences recorded in ``run_dir/diverged.json``: [{step, reason, checkpoint, time, resumed}] ([] when
+    there is none). An unreadable file counts as one unresolved divergence: it is never taken for a healthy run."""
+    path = os.path.join(run_dir, DIVERGED_FILE)
+    if not os.path.lexists(path):
+        return []
+    try:
+        with open(path, encoding="utf-8") as f:
+            found = json.load(f).get("divergences")
+        if isinstance(found, list) and all(isinstance(d, dict) for d in found):
+            return found
+    except (OSError, ValueError, AttributeError):
+        pass
+    return [{"step": None, "reason": f"{path} is unreadable", "resumed": False}]
+
+
+def record_divergence(run_dir: str, history: list) -> None:
+    """Write ``history`` (every divergence of the run, the latest last) to ``run_dir/diverged.json`` atomically."""
+    from nemo_dapo.local.logging import write_json
+
+    write_json(os.path.join(run_dir, DIVERGED_FILE), {"divergences": history})
+
+
+def check_diverged(run_dir: str, state: Optional[dict], checkpoint: Optional[str], *, resume_diverged: bool) -> list:
+    """The run's divergence history (from the checkpoint and ``diverged.json``); refuses (:class:`RunDiverged`) to
+    continue a run with an unresolved divergence unless ``resume_diverged``, which marks it resumed in the returned
+    history (the caller writes it with :func:`record_divergence` once the resume goes ahead)."""
+    history = [dict(d) for d in read_divergence(run_dir)]
+    steps = {d.get("step") for d in history}
+    saved = ((state or {}).get("health") or {}).get("diverged") or []
+    history += [dict(d) for d in saved if d.get("step") not in steps]  # e.g. checkpoints copied without the file
+    open_ = [d for d in history if not d.get("resumed")]
+    if not open_:
+        return history
+    d = open_[-1]
+    where = f"checkpoint {checkpoint}" if checkpoint else "its checkpoints are gone"
+    if not resume_diverged:
+        raise RunDiverged(f"run directory {run_dir!r} holds a run that diverged at rollout step {d.get('step')} "
+                          f"({d.get('reason')}); it is not continued ({where}). Fix: start over with resume=never "
+                          "or a new run_dir (e.g. with a lower optim.lr), or pass --resume-diverged to continue it "
+                          "anyway (it stays marked diverged: an ablation never counts it)")
+    for d in open_:
+        d.update(resumed=True, resumed_at=time.time())  # the caller records it once the resume goes ahead
+    log.warning("continuing a run that diverged at rollout step %s (--resume-diverged), from %s; it stays marked "
+                "diverged in %s", d.get("step"), where, os.path.join(run_dir, DIVERGED_FILE))
+    return history
 
 
 # ---- what is resumed ----------------------------------------------------------------------------------------------
@@ -207,6 +360,24 @@ def pick_checkpoint(directory: str) -> tuple:
         raise CheckpointError(f"no intact checkpoint in {directory!r}: {', '.join(corrupt)} could not be read "
                               "(moved aside as *.corrupt). Start over with resume=never or another run_dir")
     return None, None
+
+
+def check_model_shapes(saved: dict, model: dict, checkpoint: str, *, has_config: bool) -> None:
+    """Refuse (:class:`CheckpointError`, exit 2) to load ``checkpoint``'s weights ``saved`` into a model whose
+    tensors ``model`` (name -> tensor) differ in names or shapes: it was trained for another model."""
+    diffs = [f"{k}: {list(saved[k].shape)} in the checkpoint, {list(v.shape)} configured"
+             for k, v in model.items() if k in saved and tuple(saved[k].shape) != tuple(v.shape)]
+    diffs += [f"{k}: not in the checkpoint" for k in model if k not in saved]
+    diffs += [f"{k}: not in the configured model" for k in saved if k not in model]
+    if not diffs:
+        return
+    why = ("it holds no config (written by an older version), so the difference was not found before" if not
+           has_config else "the config change was allowed, but the weights cannot follow it")
+    shown = "; ".join(diffs[:3]) + ("; ..." if len(diffs) > 3 else "")
+    raise CheckpointError(f"checkpoint {checkpoint} is of another model: {len(diffs)} of its tensors do not match "
+                          f"the configured model's shapes ({shown}); "
+                          f"{why}. Fix: resume it with the model keys it was trained with (model.*, "
+                          "data.tokenizer_vocab_size, model.path), or start over with resume=never or a new run_dir")
 
 
 def _flatten(tree, prefix: str = "") -> dict:

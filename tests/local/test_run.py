@@ -230,3 +230,54 @@ def test_rollout_batch_contract_of_the_sampler_matches_the_loop(tmp_path, base_d
         b = g.payload
         assert isinstance(b, RolloutBatch) and len(b) == 4 and bool(b.prompt_mask[:, -1].all())
         assert torch.equal(b.lengths, b.response_mask.sum(-1).long()) and b.engine_logp.shape == b.response_ids.shape
+
+
+def _copy_run(smoke_run, tmp_path):
+    import shutil
+
+    dst = str(tmp_path / "run")
+    shutil.copytree(smoke_run[0], dst)
+    return dst
+
+
+def test_a_resumed_run_judges_divergence_against_the_runs_first_step(smoke_run, base_dir, tmp_path):
+    """The entropy check compares with the run's first rollout step, not with the first one after a resume (a run
+    resumed after its entropy rose would otherwise never be flagged)."""
+    from nemo_dapo.core.checkpoint import load_checkpoint
+    from nemo_dapo.local.run import train
+
+    run_dir = _copy_run(smoke_run, tmp_path)
+    first = read_metrics(run_dir, "train")[0]["actor/entropy"]
+    train(tiny_cfg(run_dir, "trainer.max_steps=3", f"model.path={base_dir}"))
+    records = read_metrics(run_dir, "train")
+    assert [r["step"] for r in records] == [1, 2, 3] and records[2]["actor/entropy"] != first
+    health = load_checkpoint(os.path.join(run_dir, "checkpoints", "step_00000003.pt"))["health"]
+    assert health["start_entropy"] == first and health["diverged"] == []
+
+
+@pytest.mark.parametrize("has_config", [False, True], ids=["older-checkpoint-without-config", "allowed-change"])
+def test_a_checkpoint_of_another_model_is_one_error_not_a_size_mismatch(smoke_run, tmp_path, capsys, has_config):
+    from nemo_dapo.core.checkpoint import load_checkpoint
+    from nemo_dapo.local.run_model import BASE_DIR, prepare_base_model
+
+    run_dir = _copy_run(smoke_run, tmp_path)
+    latest = os.path.join(run_dir, "checkpoints", "step_00000002.pt")
+    if not has_config:  # as an older version wrote it
+        state = load_checkpoint(latest)
+        del state["config"]
+        torch.save(state, latest)
+    os.unlink(os.path.join(run_dir, "summary.json"))
+    other = str(tmp_path / "other")
+    prepare_base_model(tiny_cfg(other, "model.hidden_size=16", "model.intermediate_size=32", "warmup.max_steps=1"))
+    argv = ["train", *TINY, f"run_dir={run_dir}", f"model.path={os.path.join(other, BASE_DIR)}",
+            "model.hidden_size=16", "model.intermediate_size=32", "trainer.max_steps=3"]
+    code = main(argv[:1] + (["--allow-config-change"] if has_config else []) + argv[1:])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    line = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and line.startswith(f"nemo-dapo train: error: checkpoint {latest} is of another "
+                                                      "model")
+    assert "do not match the configured model's shapes" in line and "[32" in line and "[16" in line
+    assert ("holds no config" in line) != has_config and "resume=never" in line and "model.*" in line
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["step_00000001.pt", "step_00000002.pt"]
+    assert "hidden_size: 32" in open(os.path.join(run_dir, "config.yaml")).read()  # the stored config kept

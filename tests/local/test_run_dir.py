@@ -371,3 +371,86 @@ def test_only_space_or_run_directory_permissions_count_as_unwritable(tmp_path):
                             run_dir)
     assert not is_write_failure(PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "data.jsonl")),
                                 run_dir)  # an unreadable input is a bad input, not an unwritable run directory
+
+
+# ---- nothing written through a link -------------------------------------------------------------------------------
+def _train_in_process(run_dir, capsys, *extra):
+    code = main(["train", *TINY, f"run_dir={run_dir}", *extra])
+    return code, capsys.readouterr().err
+
+
+def _one_error(err):
+    lines = [line for line in err.splitlines() if line.startswith("nemo-dapo train: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("kind", ["symlink", "dangling-symlink", "hardlink", "fifo", "directory"])
+def test_a_lock_that_is_not_a_plain_file_is_refused_and_its_target_untouched(tmp_path, capsys, kind):
+    run_dir, victim = tmp_path / "run", tmp_path / "victim.txt"
+    run_dir.mkdir()
+    victim.write_text("precious\n")
+    lock = run_dir / LOCK_FILE
+    if kind == "symlink":
+        lock.symlink_to(victim)
+    elif kind == "dangling-symlink":
+        lock.symlink_to(tmp_path / "created-through-the-link")
+    elif kind == "hardlink":
+        os.link(victim, lock)
+    elif kind == "fifo":
+        os.mkfifo(lock)
+    else:
+        lock.mkdir()
+    code, err = _train_in_process(run_dir, capsys)
+    assert code == 2, err
+    line = _one_error(err)
+    assert str(lock) in line and "rm " in line and "not a lock file" in line
+    assert victim.read_text() == "precious\n" and not (tmp_path / "created-through-the-link").exists()
+    assert os.path.lexists(lock)  # left in place for the user to inspect: not hidden by a removal
+    assert kind != "symlink" or os.readlink(lock) == str(victim)
+    assert not (run_dir / "checkpoints").exists() and not (run_dir / "config.yaml").exists()
+
+
+def test_release_removes_only_its_own_lock_file(tmp_path):
+    lock = RunDirLock(str(tmp_path)).acquire()
+    os.unlink(tmp_path / LOCK_FILE)  # someone replaces the name while the run holds the lock
+    os.symlink(tmp_path / "elsewhere", tmp_path / LOCK_FILE)
+    lock.release()
+    assert os.path.islink(tmp_path / LOCK_FILE)  # not removed: it is not the file this run locked
+
+
+def test_a_checkpoints_link_into_a_live_run_is_refused_naming_that_run(tmp_path, capsys):
+    live, mine = tmp_path / "live", tmp_path / "mine"
+    (live / "checkpoints").mkdir(parents=True)
+    (live / "checkpoints" / "step_00000003.pt").write_bytes(b"the live run's checkpoint")
+    mine.mkdir()
+    (mine / "checkpoints").symlink_to(live / "checkpoints")
+    with RunDirLock(str(live)):  # the other run is training
+        code, err = _train_in_process(mine, capsys)
+    assert code == 2, err
+    line = _one_error(err)
+    assert str(mine / "checkpoints") in line and f"run directory {str(live)!r}" in line
+    assert f"in use by pid {os.getpid()}" in line and "rm " in line
+    assert os.listdir(live / "checkpoints") == ["step_00000003.pt"]
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "summary.json", "tb", os.path.join("plots", "reward.png")])
+def test_any_link_where_the_run_writes_is_refused(tmp_path, capsys, name):
+    run_dir, victim = tmp_path / "run", tmp_path / "victim"
+    (run_dir / "plots").mkdir(parents=True)
+    victim.write_text("precious\n")
+    os.symlink(victim, run_dir / name)
+    code, err = _train_in_process(run_dir, capsys)
+    assert code == 2, err
+    assert str(run_dir / name) in _one_error(err) and victim.read_text() == "precious\n"
+
+
+def test_the_atomic_writer_never_writes_through_a_planted_temporary_name(tmp_path):
+    from nemo_dapo.local.logging import write_text
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    os.symlink(victim, tmp_path / "summary.json.tmp")  # the fixed temporary name of an earlier version
+    write_text(str(tmp_path / "summary.json"), "{}")
+    assert victim.read_text() == "precious\n" and (tmp_path / "summary.json").read_text() == "{}"
+    assert sorted(os.listdir(tmp_path)) == ["summary.json", "summary.json.tmp", "victim"]
