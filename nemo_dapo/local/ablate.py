@@ -103,9 +103,12 @@ def reserved_keys() -> set:
 
 
 def parse_rows(text: Optional[str], leave_one_out: bool) -> list:
-    rows = [r.strip() for r in text.split(",") if r.strip()] if text else list(PROGRESSIVE)
-    if text is not None and not rows:
-        raise ArgumentError("--rows is empty. Fix: name rows separated by commas, e.g. --rows grpo,dapo")
+    """The rows named by ``--rows`` (None: the progressive table), plus the leave-one-out rows if asked for."""
+    rows = list(PROGRESSIVE) if text is None else [r.strip() for r in text.split(",") if r.strip()]
+    if not rows:  # `--rows "$ROWS"` with ROWS unset must not start the whole default table
+        raise ArgumentError(f"--rows {text!r} names no row. Fix: name rows separated by commas, e.g. --rows "
+                            f"grpo,dapo, or leave --rows out for the progressive table; rows: "
+                            f"{', '.join(PROGRESSIVE + LEAVE_ONE_OUT + EXTRA)}")
     if leave_one_out:
         rows += [r for r in LEAVE_ONE_OUT if r not in rows]
     for r in rows:
@@ -158,6 +161,9 @@ def plan_runs(args, out: str) -> tuple:
     for flag, v in (("--seeds", args.seeds), ("--jobs", args.jobs)):
         if v < 1:
             raise ArgumentError(f"{flag} {v}: must be at least 1")
+    if not args.progress_every > 0:  # also NaN; inf is allowed and prints no progress line
+        raise ArgumentError(f"--progress-every {args.progress_every}: must be a positive number of seconds between "
+                            "progress lines (default 30; a large value prints fewer)")
     rows = parse_rows(args.rows, args.leave_one_out)
     check_overrides(args.overrides)
     user = list(args.overrides)
@@ -171,9 +177,13 @@ def plan_runs(args, out: str) -> tuple:
         raise ArgumentError(f"--rows dapo+skip needs the config key {SKIP_KEY}, which {args.config_name!r} does not "
                             "have (history-based prompt skipping is not in this version). Fix: drop dapo+skip")
     budget = args.budget if args.budget is not None else base.trainer.max_samples
-    if budget is None or budget < 1:
-        raise ArgumentError(f"--budget {budget}: give a positive number of generated responses per run (the base "
-                            f"recipe {args.config_name!r} sets no trainer.max_samples)")
+    if args.budget is not None and args.budget < 1:
+        raise ArgumentError(f"--budget {args.budget}: must be a positive number of generated responses per run "
+                            f"(or leave it out for the base recipe's trainer.max_samples, "
+                            f"{base.trainer.max_samples})")
+    if budget is None:
+        raise ArgumentError(f"the base recipe {args.config_name!r} sets no trainer.max_samples, so the runs have no "
+                            "budget. Fix: give --budget N (generated responses per run)")
     model_path = os.path.join(out, "base_model")
     # max_steps = budget never comes first: a step generates >= group_size responses (>= 2) unless groups carried
     # over from the step before fill it, and that step then generated them. No time limit: the budget ends each run.
@@ -287,7 +297,17 @@ class Scheduler:
     def _start(self, run: Run) -> None:
         os.makedirs(run.run_dir, exist_ok=True)
         run.start_samples, run.started = _consumed(run), time.time()
-        logf = open(run.log, "a", encoding="utf-8")
+        # Not through a link (a shared OUT): the run's own checks (run_dir.check_no_links) come after this open.
+        try:
+            fd = os.open(run.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o666)
+        except OSError as e:
+            self.failed.append(run)
+            self.running.remove(run)
+            run.exit_code = 2
+            self.say(f"[ablate] FAILED {run.label}: cannot open its log {run.log} ({e.strerror}; a symbolic link "
+                     "is not written through). Fix: remove it and rerun")
+            return
+        logf = os.fdopen(fd, "a", encoding="utf-8")
         logf.write(f"==== nemo-dapo ablate: {run.label} started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         logf.flush()
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -360,18 +380,40 @@ class Scheduler:
 
 def ablate(args) -> int:
     """The ``nemo-dapo ablate`` subcommand; returns the exit code."""
-    from nemo_dapo.local import ablate_report
+    from nemo_dapo.local.run_dir import RunDirLock
 
     out = os.path.abspath(args.out or os.path.join("runs", f"ablate_{os.path.basename(args.config_name)}"))
+    _check_out(out)
     base, runs, plan, rows = plan_runs(args, out)
-    check_resume(out, plan)
     os.makedirs(out, exist_ok=True)
+    with RunDirLock(out, what="ablation output directory", fix="write this ablation elsewhere with --out NEW_DIR"):
+        return _ablate_locked(args, out, base, runs, plan, rows)
+
+
+def _check_out(out: str) -> None:
+    """``--out`` must be a directory or creatable as one (checked before any work)."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ArgumentError(f"--out {out!r} is a file, not a directory. Fix: name a directory (created if missing), "
+                            "e.g. --out runs/ablate_NAME")
+    parent = os.path.dirname(out)
+    while not os.path.exists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ArgumentError(f"--out {out!r}: {parent!r} is a file, so the directory cannot be created there. Fix: "
+                            "name a directory elsewhere")
+
+
+def _ablate_locked(args, out: str, base, runs: list, plan: dict, rows: list) -> int:
+    """The ablation itself, while it holds OUT/.lock (one ablation per output directory)."""
+    from nemo_dapo.local import ablate_report
+
+    check_resume(out, plan)
     todo = [r for r in runs if not is_finished(r)]
     print(f"[ablate] {len(rows)} rows x {args.seeds} seeds = {len(runs)} runs of {plan['budget']} responses each in "
           f"{out}; {len(runs) - len(todo)} already finished, {len(todo)} to run ({args.jobs} at a time)", flush=True)
     meta = {"plan": plan, "rows": rows, "seeds": args.seeds, "labels": {r: row_label(r) for r in rows},
             "techniques": {r: row_technique(r) for r in rows}}
-    write_json(os.path.join(out, "ablation.json"), meta)  # the plan is on disk before any run starts: a rerun checks against it
+    write_json(os.path.join(out, "ablation.json"), meta)  # on disk before any run starts: a rerun checks against it
     if todo:
         warm_base(base)
     sched = Scheduler(todo, plan["budget"], args.jobs, progress_every=args.progress_every,
@@ -388,9 +430,15 @@ def ablate(args) -> int:
         print(f.read(), flush=True)
     for p in paths:
         print(p)
-    if failed:
-        for label, f in failed.items():
-            print(f"nemo-dapo ablate: run {label} failed with exit code {f['exit_code']}; log {f['log']}",
+    with open(paths[-1], encoding="utf-8") as f:
+        bad = [r for r in json.load(f)["runs"] if r["status"] in ("failed", "diverged")]
+    for r in bad:
+        label = f"{r['row']}/seed{r['seed']}"
+        if r["status"] == "diverged":
+            print(f"nemo-dapo ablate: run {label} diverged ({r.get('diverged')}); not counted in the table. Its "
+                  f"run directory {os.path.join(out, r['run_dir'])} stays diverged (rerunning it exits 7)",
                   file=sys.stderr)
-        return EXIT_RUNS_FAILED
-    return 0
+        else:
+            print(f"nemo-dapo ablate: run {label} failed with exit code {r.get('exit_code')}; log {r.get('log')}",
+                  file=sys.stderr)
+    return EXIT_RUNS_FAILED if bad else 0

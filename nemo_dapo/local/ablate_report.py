@@ -69,22 +69,52 @@ def run_numbers(run_dir: str, budget: int, ds_on: bool) -> Optional[dict]:
     return out
 
 
+def divergences(run_dir: str) -> list:
+    """Every divergence a run had (run_dir/diverged.json, or its summary's record of one continued with
+    --resume-diverged); [] for a healthy run."""
+    from nemo_dapo.local.run_dir import read_divergence
+
+    found = read_divergence(run_dir)
+    try:
+        with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
+            found = found or json.load(f).get("diverged") or []
+    except (OSError, ValueError, AttributeError):
+        pass
+    return found
+
+
+def _status(run_dir: str, nums: Optional[dict], failure: dict) -> tuple:
+    """(status, what diverged): a run that ever diverged is 'diverged', whatever came after (never a result)."""
+    from nemo_dapo.local.run_dir import EXIT_DIVERGED  # also the exit code of a rerun that refuses to continue
+
+    went = divergences(run_dir)
+    if went or failure.get("exit_code") == EXIT_DIVERGED:
+        last = went[-1] if went else {}
+        return "diverged", f"at rollout step {last.get('step', '?')}: {last.get('reason', 'exit code 7')}"
+    return ("finished" if nums else "failed" if failure else "missing"), None
+
+
 def collect(out: str, meta: dict, failed: dict) -> tuple:
-    """([per-run dict], [per-row dict]) for the rows x seeds of ``meta``."""
+    """([per-run dict], [per-row dict]) for the rows x seeds of ``meta``; only finished runs enter a row's numbers
+    (a diverged one never does, even if continued and finished with --resume-diverged)."""
     plan, runs, table = meta["plan"], [], []
     for row in meta["rows"]:
         ds_on = DS_ON in plan["row_table"].get(row, [])
-        per = []
+        per, diverged = [], 0
         for seed in range(1, meta["seeds"] + 1):
             label, rel = f"{row}/seed{seed}", os.path.join(row, f"seed{seed}")
             nums = run_numbers(os.path.join(out, rel), plan["budget"], ds_on)
-            status = "finished" if nums else "failed" if label in failed else "missing"
-            runs.append({"row": row, "seed": seed, "run_dir": rel, "status": status, **(nums or {}),
-                         **failed.get(label, {})})
-            if nums:
+            status, why = _status(os.path.join(out, rel), nums, failed.get(label, {}))
+            entry = {"row": row, "seed": seed, "run_dir": rel, "status": status, **failed.get(label, {})}
+            if status == "diverged":
+                entry["diverged"] = why
+                diverged += 1
+            elif nums:
+                entry.update(nums)
                 per.append(nums)
+            runs.append(entry)
         agg = {"row": row, "label": meta["labels"].get(row, row), "technique": meta["techniques"].get(row),
-               "finished": len(per), "seeds": meta["seeds"],
+               "finished": len(per), "diverged": diverged, "seeds": meta["seeds"],
                "ended_by": sorted({p["ended_by"] for p in per})}
         for k in ("final_accuracy", "gain_points", "wall_seconds", *METRICS):
             vals = [p[k] for p in per if p.get(k) is not None]
@@ -100,7 +130,7 @@ def _pm(m, s, fmt: str) -> str:
     return fmt.format(m) + ("" if s is None else " ± " + fmt.format(s).lstrip("+"))
 
 
-def markdown(meta: dict, table: list) -> str:
+def markdown(meta: dict, table: list, runs: Optional[list] = None) -> str:
     plan = meta["plan"]
     heads = ["row", "setting", "held-out acc.", "gain (points)"] + [h for _, h, _ in METRICS.values()] + [
         "wall s", "seeds", "ended by"]
@@ -115,16 +145,25 @@ def markdown(meta: dict, table: list) -> str:
         for name, (_, _, fmt) in METRICS.items():
             cell = _pm(a[name], a[name + "_std"], fmt)
             cells.append(f"**{cell}**" if MECHANISM.get(a["technique"]) == name and cell != "-" else cell)
-        cells += [_pm(a["wall_seconds"], None, "{:.0f}"), f"{a['finished']}/{a['seeds']}",
-                  ", ".join(a["ended_by"]) or "-"]
+        seeds = f"{a['finished']}/{a['seeds']}" + (f" ({a['diverged']} diverged)" if a.get("diverged") else "")
+        cells += [_pm(a["wall_seconds"], None, "{:.0f}"), seeds, ", ".join(a["ended_by"]) or "-"]
         lines.append("| " + " | ".join(cells) + " |")
+    left_out = [r for r in runs or [] if r["status"] in ("diverged", "failed", "missing")]
+    if left_out:
+        lines += ["", "Not in the table:"]
+    for r in left_out:
+        why = {"diverged": f"DIVERGED {r.get('diverged')}",
+               "failed": f"failed with exit code {r.get('exit_code')} (log {r.get('log')})"}.get(r["status"],
+                                                                                               "not run yet")
+        lines.append(f"- {r['row']}/seed{r['seed']}: {why}")
     return "\n".join(lines) + "\n"
 
 
 def _curve(records: list, key: str) -> tuple:
     xs, ys = [], []
     for r in records:
-        if r.get("kind") == "train" and isinstance(r.get(key), (int, float)) and isinstance(r.get(X_KEY), (int, float)):
+        number = isinstance(r.get(key), (int, float)) and isinstance(r.get(X_KEY), (int, float))
+        if r.get("kind") == "train" and number:
             xs.append(r[X_KEY])
             ys.append(r[key])
     return xs, ys
@@ -175,18 +214,23 @@ def plot(out: str, meta: dict) -> str:
     fig.suptitle(f"ablation of {meta['plan']['config_name']} (mean over {meta['seeds']} seeds)", fontsize=10)
     fig.tight_layout()
     path = os.path.join(out, "ablation.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    tmp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}.tmp"  # a fresh name, then renamed: no write through a link
+    try:
+        with open(tmp, "xb") as f:
+            fig.savefig(f, dpi=110, format="png")
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
     return path
-
-
 
 
 def write_report(out: str, meta: dict, failed: Optional[dict] = None) -> list:
     """Write ablation.md, ablation.png, ablation.json; returns their paths (the table first)."""
     runs, table = collect(out, meta, failed or {})
     md, js = os.path.join(out, "ablation.md"), os.path.join(out, "ablation.json")
-    write_text(md, markdown(meta, table))
+    write_text(md, markdown(meta, table, runs))
     png = plot(out, meta)
     write_json(js, {**meta, "runs": runs, "table": table})
     return [md, png, js]
@@ -201,6 +245,6 @@ def redraw(out: str) -> list:
     with open(os.path.join(out, "ablation.json"), encoding="utf-8") as f:
         stored = json.load(f)
     failed = {f"{r['row']}/seed{r['seed']}": {"exit_code": r.get("exit_code"), "log": r.get("log")}
-              for r in stored.get("runs", []) if r.get("status") == "failed"}
+              for r in stored.get("runs", []) if r.get("status") in ("failed", "diverged")}
     meta = {k: stored[k] for k in ("plan", "rows", "seeds", "labels", "techniques")}
     return write_report(out, meta, failed)

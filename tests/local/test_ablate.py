@@ -213,3 +213,124 @@ def ablate_args(argv):
     from nemo_dapo.cli import build_parser
 
     return build_parser().parse_args(argv)
+
+
+# ---- (e) the output directory and the last bad inputs ------------------------------------------------------------
+def _one_error(err):
+    lines = [line for line in err.splitlines() if line.startswith("nemo-dapo ablate: error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("rows", ["", ",", " , "])
+def test_rows_naming_no_row_is_refused_not_the_default_table(tmp_path, capsys, rows):
+    """`--rows "$ROWS"` with ROWS unset must not start the 6-row default table."""
+    assert main(_argv(tmp_path / "ab", "--rows", rows, config_name="tiny_cpu")) == 2
+    line = _one_error(capsys.readouterr().err)
+    assert "--rows" in line and "names no row" in line and ", ".join(ablate.PROGRESSIVE) in line
+    assert not (tmp_path / "ab").exists()
+
+
+@pytest.mark.parametrize("every", ["0", "-1", "nan"])
+def test_progress_every_must_be_positive(tmp_path, capsys, every):
+    argv = _argv(tmp_path / "ab", "--rows", "grpo", config_name="tiny_cpu")
+    argv[argv.index("--progress-every") + 1] = every
+    assert main(argv) == 2
+    assert f"--progress-every {float(every)}: must be a positive number of seconds" in _one_error(
+        capsys.readouterr().err)
+    assert not (tmp_path / "ab").exists()
+
+
+@pytest.mark.parametrize("config_name, max_samples", [(BASE, 8192), ("tiny_cpu", 51200)])
+def test_budget_zero_names_the_flag_and_the_recipes_own_budget(tmp_path, capsys, config_name, max_samples):
+    assert main(_argv(tmp_path / "ab", "--rows", "grpo", config_name=config_name, budget=0)) == 2
+    line = _one_error(capsys.readouterr().err)
+    assert "--budget 0: must be a positive number" in line and f"trainer.max_samples, {max_samples}" in line
+    assert "sets no trainer.max_samples" not in line  # both recipes set one
+
+
+@pytest.mark.parametrize("where", ["file", "under-a-file"])
+def test_out_naming_a_file_is_one_error(tmp_path, capsys, where):
+    f = tmp_path / "notes.txt"
+    f.write_text("mine\n")
+    out = f if where == "file" else f / "ab"
+    assert main(_argv(out, "--rows", "grpo", config_name="tiny_cpu")) == 2
+    line = _one_error(capsys.readouterr().err)
+    assert "--out" in line and str(f) in line and "is a file" in line
+    assert f.read_text() == "mine\n"
+
+
+@pytest.mark.slow
+def test_a_second_ablation_on_the_same_out_is_refused_while_the_first_runs(tmp_path, capsys):
+    out = tmp_path / "ab"
+    argv = _argv(out, "--rows", "grpo", config_name="tiny_cpu")
+    first = subprocess.Popen([sys.executable, "-m", "nemo_dapo.cli", *argv], cwd=ROOT, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.time() + 120
+        while not (out / "ablation.json").is_file():  # written under the lock, before the warm-up
+            assert first.poll() is None and time.time() < deadline, "the first ablation did not start"
+            time.sleep(0.05)
+        plan = (out / "ablation.json").read_text()
+        assert main(argv) == 5  # EXIT_BUSY, as for train
+        line = _one_error(capsys.readouterr().err)
+        assert f"ablation output directory {str(out)!r} is in use by pid {first.pid}" in line
+        assert "--out NEW_DIR" in line
+        assert first.poll() is None and (out / "ablation.json").read_text() == plan  # the first is undisturbed
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.wait(timeout=60)
+
+
+def _fake_run(out, row, seed, *, accuracy, diverged=None):
+    """A run directory as train leaves it: summary.json and metrics.jsonl, and diverged.json if it diverged."""
+    d = out / row / f"seed{seed}"
+    d.mkdir(parents=True)
+    summary = {"base_accuracy": 0.2, "final_accuracy": accuracy, "gain_points": 100 * (accuracy - 0.2),
+               "wall_seconds": 10.0, "rl_seconds": 8.0, "rollout_steps": 4, "consumed_samples": 128,
+               "diverged": diverged or []}
+    (d / "summary.json").write_text(json.dumps(summary))
+    (d / "metrics.jsonl").write_text(json.dumps({"kind": "train", "step": 1, "counters/consumed_samples": 128,
+                                                 "actor/entropy": 1.0, "filter/trained_groups": 4}) + "\n")
+    if diverged:
+        (d / "diverged.json").write_text(json.dumps({"divergences": diverged}))
+
+
+def test_a_run_that_diverged_is_never_a_row_result_even_when_continued(tmp_path):
+    from nemo_dapo.local import ablate_report
+
+    out = tmp_path / "ab"
+    went = [{"step": 3, "reason": "8 optimizer updates in a row were skipped", "resumed": True}]
+    _fake_run(out, "grpo", 1, accuracy=0.4)
+    _fake_run(out, "grpo", 2, accuracy=0.9, diverged=went)  # continued with --resume-diverged, then finished
+    meta = {"plan": {"config_name": "tiny_cpu", "overrides": [], "budget": 128, "row_table": {"grpo": []}},
+            "rows": ["grpo"], "seeds": 2, "labels": {"grpo": "naive GRPO"}, "techniques": {"grpo": "grpo"}}
+    md, _, js = ablate_report.write_report(str(out), meta, {})
+    report = json.loads(open(js).read())
+    assert [r["status"] for r in report["runs"]] == ["finished", "diverged"]
+    assert "final_accuracy" not in report["runs"][1] and "at rollout step 3" in report["runs"][1]["diverged"]
+    row = report["table"][0]
+    assert row["final_accuracy"] == 0.4 and row["finished"] == 1 and row["diverged"] == 1
+    text = open(md).read()
+    assert "| 1/2 (1 diverged) |" in text and "- grpo/seed2: DIVERGED at rollout step 3" in text
+    assert "0.900" not in text
+
+
+@pytest.mark.slow
+def test_a_diverging_run_is_reported_diverged_and_stays_so_on_a_rerun(tmp_path, capsys, warm_base):
+    out = tmp_path / "ab"
+    warm_base(str(out), "tiny_cpu")
+    # lr 1e30: the first update that moves the weights makes them overflow, the next is skipped (non-finite loss).
+    # The soft overlong punishment gives groups unequal rewards even at accuracy 0, so the updates do move them.
+    row = "+soft_overlong"
+    argv = _argv(out, "--rows", row, "optim.lr=1e30", "trainer.max_skipped_updates=1", config_name="tiny_cpu")
+    for attempt in range(2):
+        assert main(argv) == EXIT_RUNS_FAILED
+        err = capsys.readouterr().err
+        assert f"nemo-dapo ablate: run {row}/seed1 diverged (at rollout step" in err and "not counted" in err
+        report = json.loads((out / "ablation.json").read_text())
+        assert [r["status"] for r in report["runs"]] == ["diverged"] and report["table"][0]["finished"] == 0
+        assert f"- {row}/seed1: DIVERGED at rollout step" in (out / "ablation.md").read_text()
+    log = (out / row / "seed1" / "train.log").read_text()
+    assert "holds a run that diverged" in log  # the rerun's train refused to continue it (exit 7)
+    assert not (out / row / "seed1" / "summary.json").exists()
