@@ -11,7 +11,7 @@ or torch, so ``nemo-dapo plan`` runs anywhere. The pieces:
 * ``plan_generation.py``: decode steps from the bytes each GPU reads (its weight shard + the KV it attends over) at
   its memory bandwidth, and the generation time of one step under static, in-flight and streaming engines.
 * ``plan_calibration.py``: the same planner run on published runs (benchmarks/calibration/); the error band it
-  finds is printed beside every estimate.
+  finds is printed beside every estimate (``plan_report.py`` prints the plan).
 
 Training state while the engine refits and generates: Adam states are on the host only when the run offloads them
 (``model.dapo.offload_adam_states`` with apex distributed Adam, what NeMo-Aligner's actor honours);
