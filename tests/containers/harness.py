@@ -148,10 +148,10 @@ class Watcher(threading.Thread):
     def __init__(self):
         super().__init__(daemon=True)
         self.needle, self.hits, self.samples = None, [], 0
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self):
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             if self.needle:
                 for proc in Path("/proc").glob("[0-9]*"):
                     try:
@@ -161,10 +161,10 @@ class Watcher(threading.Thread):
                     if self.needle.encode() in cmd:
                         self.hits.append(cmd.decode(errors="replace"))
                 self.samples += 1
-            self._stop.wait(0.2)
+            self._halt.wait(0.2)
 
     def stop(self):
-        self._stop.set()
+        self._halt.set()
         self.join()
 
 
