@@ -7,7 +7,8 @@
   n > 1 works, aborts keep partial tokens. Log-probs: ``logprobs=0``, ``logprobs_mode="processed_logprobs"``.
 * Weights: vLLM's layerwise reload (as in its IPC / NCCL weight-transfer engines). The first ``load_weights`` opens
   an update (layers sit on the meta device until complete: ``step()`` is refused until ``finish_weights``, which
-  re-runs vLLM's post-processing, e.g. CPU weight packing, and resets the prefix cache, recomputing running KV).
+  re-runs vLLM's post-processing, e.g. CPU weight packing (CPU MoE experts: repacked here, vLLM 0.32 skips them),
+  and resets the prefix cache, recomputing running KV).
   Names and shapes are checked against the checkpoint's safetensors headers. A module an update touches must get
   all its tensors (q, k, v; weight, bias), else ``finish_weights`` raises and the engine refuses further work (vLLM
   would compute with uninitialised memory). Tied embeddings: vLLM's CPU lm_head keeps its own packed copy, so
@@ -51,6 +52,21 @@ def _rpc_reload(worker, phase: str, weights=None):
             reload.finalize_layerwise_reload(model, worker.model_runner.model_config)
         finally:
             quiet.disabled = was
+        _repack_cpu_experts(model)
+
+
+def _repack_cpu_experts(model) -> None:
+    """Re-run the CPU MoE experts' own weight preparation after an update. vLLM 0.32 runs it on the first load
+    only (``UnquantizedFusedMoEMethod._setup_kernel`` in fused_moe/unquantized_fused_moe_method.py skips
+    ``fused_experts.process_weights_after_loading`` once its kernel exists); on CPU that step is the grouped-GEMM
+    prepack of ``w13`` / ``w2`` (fused_moe/experts/cpu_moe.py), so updated experts would otherwise be read unpacked
+    (measured: log-probs off by ~2 on a tiny Mixtral / Qwen3-MoE). Experts whose intermediate size the CPU kernel
+    pads (not a multiple of 32) fail earlier, in vLLM's own reload copy."""
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if type(experts).__name__ == "CPUUnquantizedExperts":
+            experts.process_weights_after_loading(module)
 
 
 class VLLMEngine:

@@ -6,7 +6,7 @@
 
 ``make``: for each seed a checkpoint (config.json + model.safetensors) of :data:`CONFIGS`'s FAMILY, its tensors drawn
 again under their checkpoint names (linear weights ~N(0, 1/fan_in), norms ~1 + N(0, 0.2^2), biases ~N(0, 0.2^2),
-embeddings ~N(0, 1): logits of order 1-10, so a misplaced tensor shows; transformers' std 0.02 would hide it).
+untied embeddings ~N(0, 1): logits of order 1-10, so a misplaced tensor shows; transformers' std 0.02 would hide it).
 Sizes: head_dim 32 (the smallest vLLM's CPU attention takes), 4 query heads in 2 key/value groups (TP=2 splits whole
 groups), vocabulary 250 (megatron pads it to 256).
 
@@ -30,14 +30,18 @@ CONFIGS = {
     # head_dim 32 != hidden / heads = 16; tied embeddings, as the small Qwen3 models have
     "qwen3": dict(COMMON, model_type="qwen3", hidden_size=64, head_dim=32, intermediate_size=96, rms_norm_eps=1e-6,
                   rope_theta=1e6, tie_word_embeddings=True),
+    # moe_intermediate_size: a multiple of 32, the alignment vLLM 0.32's CPU MoE kernel pads to; its layerwise
+    # weight reload fails on a padded expert (copies the unpadded tensor into the padded kernel storage)
     "qwen3_moe": dict(COMMON, model_type="qwen3_moe", hidden_size=64, head_dim=32, intermediate_size=96,
-                      moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                      moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
                       decoder_sparse_step=1, mlp_only_layers=[], rms_norm_eps=1e-6, rope_theta=1e6,
                       tie_word_embeddings=False),
 }
 
 
-def randomized(state: dict, seed: int) -> dict:
+def randomized(state: dict, seed: int, tied: bool) -> dict:
+    """``state``'s tensors drawn again (module doc); a tied embedding, being the output layer too, gets
+    N(0, 1/hidden) like a linear weight (N(0, 1) would make logits of order 50: every sampled log-prob ~0)."""
     g = torch.Generator().manual_seed(seed)
     out = {}
     for name in sorted(state):
@@ -47,7 +51,7 @@ def randomized(state: dict, seed: int) -> dict:
             out[name] = 1 + 0.2 * noise
         elif name.endswith("bias"):
             out[name] = 0.2 * noise
-        elif "embed_tokens" in name:
+        elif "embed_tokens" in name and not tied:
             out[name] = noise
         else:
             out[name] = noise / t.shape[-1] ** 0.5
@@ -66,7 +70,8 @@ def make(out_dir: str, family: str, seeds) -> list:
         path = os.path.join(out_dir, f"{family}-{seed}")
         model.save_pretrained(path)  # the checkpoint layout (per-expert names), whatever the in-memory one
         file = os.path.join(path, "model.safetensors")
-        save_file(randomized(load_file(file), int(seed)), file, metadata={"format": "pt"})
+        state = randomized(load_file(file), int(seed), bool(cfg.tie_word_embeddings))
+        save_file(state, file, metadata={"format": "pt"})
         made.append(path)
     return made
 
