@@ -212,7 +212,10 @@ def test_three_rollout_steps_trained_and_checkpointed(first_job):
     for step, state in ckpts.items():  # 2 prompts x 4 responses trained per step, in 2 updates (batch 4)
         counters = state["loop"]["counters"]
         assert counters["rollout_steps"] == step and state["dapo_optimization_step"] == 2 * step
-        assert counters["trained_samples"] == 8 * step and counters["generated_tokens"] > 0
+        # full batches of mixed-accuracy groups (dynamic sampling keeps only those) within the generation budget
+        # (8 batches per step): the engines sampled "Answer: <right number>" now and then, which their random
+        # Hugging Face weights cannot do, so the policy's weights reached the engines through the refit
+        assert counters["trained_samples"] == 8 * step and counters["gen_batches"] < 8 * step
     assert ckpts[3]["consumed_samples"] > ckpts[2]["consumed_samples"] > ckpts[1]["consumed_samples"] > 0
 
 
