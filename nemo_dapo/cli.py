@@ -177,7 +177,9 @@ SUBCOMMANDS = [
 # The cluster-side subcommands; both modules import neither NeMo nor torch.
 from nemo_dapo.cluster import plan as _plan, registry as _registry  # noqa: E402
 
-SUBCOMMANDS += [_plan.CLI, _registry.CLI]
+from nemo_dapo.megatron import convert_command as _convert  # noqa: E402  (imports torch only when run)
+
+SUBCOMMANDS += [_plan.CLI, _registry.CLI, _convert.CLI]
 
 
 def build_parser() -> argparse.ArgumentParser:
