@@ -177,9 +177,16 @@ class EngineAdapter(Protocol):
 
     def sleep(self, level: int) -> None: ...
 
-    def wake(self) -> None: ...
+    def wake(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Wake what sleep released: ``tags`` a subset of WAKE_TAGS (wake only that part: "weights" lets a refit
+        load into the engine's weight memory while its KV cache stays released), None everything still asleep."""
+        ...
 
     def close(self) -> None: ...
+
+
+# What a sleep can release, in the protocol's words (an engine maps them to its own memory tags).
+WAKE_TAGS = ("weights", "kv_cache")
 
 
 def check_weight(name: str, tensor: torch.Tensor, target: Optional[torch.Tensor], engine: str) -> None:

@@ -31,7 +31,7 @@ import torch
 
 from nemo_dapo.core.loop_data import mix_seed
 from nemo_dapo.core.sampling import inverse_cdf, sample_next, sampling_logp
-from nemo_dapo.engines.base import Completion, EngineError, Request, Sample, check_weight
+from nemo_dapo.engines.base import WAKE_TAGS, Completion, EngineError, Request, Sample, check_weight
 
 
 class _Job:
@@ -105,7 +105,8 @@ class LocalEngine:
     def info(self) -> dict:
         cfg = self.model.config
         return dict(model=getattr(cfg, "_name_or_path", "") or type(self.model).__name__, vocab_size=cfg.vocab_size,
-                    max_batch_size=self.max_batch_size, eos_id=self.eos_id, max_seq_len=self.max_seq_len)
+                    max_batch_size=self.max_batch_size, eos_id=self.eos_id, max_seq_len=self.max_seq_len,
+                    sleep_releases={"1": ["kv_cache"], "2": ["kv_cache"]}, wake_tags=list(WAKE_TAGS))
 
     def add(self, request: Request) -> None:
         if request.id in self._jobs:
@@ -170,8 +171,9 @@ class LocalEngine:
                 torch.cuda.empty_cache()
         self._asleep = True
 
-    def wake(self) -> None:
-        self._asleep = False  # the cache is reallocated by the next prefill
+    def wake(self, tags=None) -> None:
+        if tags is None:
+            self._asleep = False  # the cache is reallocated by the next prefill; the weights never left
 
     def close(self) -> None:
         self._queue.clear()

@@ -19,13 +19,16 @@ Client -> server after the handshake: every command carries ``cmd`` (a client-ch
 one ``{"op": "reply", "cmd": k, ...}`` or ``{"op": "error", "cmd": k, "type": ..., "message": ..., "name": ...}``
 (a frame that is not a JSON object with an ``op`` gets an error with ``cmd`` null).
 
-    hello            {version, shm_token}            -> {version, engine, info, shm_token}; see ShmToken
+    hello            {version, shm_token}            -> {version, engine, info, shm_token}; see ShmToken. info has
+                                                        sleep_releases {"1": [...], "2": [...]} (what each sleep
+                                                        level frees, of "weights", "kv_cache") and wake_tags
     submit           {requests: [Request]}           -> {}   queued; completions follow as they finish
     abort            {ids: [str]}                    -> {aborted: n}; the aborted requests' completions follow
     update_weights   {shm, tensors: [WeightSpec]}    -> {loaded: n}; one bucket, read from shared memory
     update_weights_done {}                           -> {}   post-process, reset caches; generation may resume
     sleep            {level: 1|2}                    -> {}   level 1 frees the KV cache, 2 the weights too
-    wake             {}                              -> {}
+    wake             {tags?: ["weights"|"kv_cache"]} -> {}   without tags: everything asleep (then submit works);
+                                                             with tags: only that part (hello info's wake_tags)
     health           {}                              -> {running, weights_ok, sleeping, uptime_s, engine}
     shutdown         {}                              -> {}   then the server exits
 

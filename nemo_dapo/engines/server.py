@@ -37,7 +37,7 @@ import time
 from typing import Optional
 
 from nemo_dapo.engines import protocol as P
-from nemo_dapo.engines.base import EngineError, EngineWeightError, Request, check_finite, check_token_ids
+from nemo_dapo.engines.base import WAKE_TAGS, EngineError, EngineWeightError, Request, check_finite, check_token_ids
 
 log = logging.getLogger("nemo_dapo.engine")
 
@@ -317,6 +317,14 @@ class EngineServer:
         return {}, []
 
     def _op_wake(self, msg):
+        tags = msg.get("tags")
+        if tags is not None:
+            # a partial wake (the weights before a refit, the KV cache still released): still asleep for generation
+            if not isinstance(tags, list) or not tags or any(t not in WAKE_TAGS for t in tags):
+                raise _BadRequest(f"wake tags must be a non-empty list of {list(WAKE_TAGS)}, got {tags!r:.60}")
+            if self.sleeping:
+                self.adapter.wake(tags=list(tags))
+            return {}, []
         if self.sleeping:
             self.adapter.wake()
         self.sleeping = False

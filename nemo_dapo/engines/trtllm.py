@@ -181,7 +181,15 @@ class TRTLLMEngine:
                 "vocab_size": int(self._config["vocab_size"]), "max_seq_len": self._max_seq_len,
                 "max_input_len": self._max_input_len, "max_batch_size": self._max_batch_size,
                 "dtype": str(self._dtype).replace("torch.", ""), "devices": self._devices, "sleep_frees_memory": True,
-                "refit_copy": self._refit_copy}
+                "refit_copy": self._refit_copy, "sleep_releases": self._sleep_releases(),
+                "wake_tags": ["weights", "kv_cache"]}
+
+    def _sleep_releases(self) -> dict:
+        """What each sleep level frees in the protocol's words: the KV cache, and "weights" for any other memory tag
+        (the model's and the executor's buffers, woken together before a refit)."""
+        return {str(level): (["kv_cache"] if "kv_cache" in tags else []) + (["weights"] if set(tags) - {"kv_cache"}
+                                                                              else [])
+                for level, tags in self._sleep_tags.items()}
 
     # ---- generation -----------------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -352,6 +360,11 @@ class TRTLLMEngine:
             self._broken = (f"the update sent only part of fused module(s) (missing {missing[:4]}"
                             f"{' ...' * (len(missing) > 4)}): the model is inconsistent")
             raise EngineWeightError(f"engine {self.name!r}: {self._broken}; restart the engine", missing[0])
+        if self._asleep and "kv_cache" in self._asleep:
+            # The finalize call post-processes the weights and resets the prefix cache; whether the latter is safe
+            # on a released KV pool is not stated at the pinned release, so the KV cache is woken first. The refit's
+            # buckets are gone by now: the peak is the generating phase's (weights + KV), never refit + KV.
+            self.wake(["kv_cache"])
         self._rpc("update_weights", None)
         self._updating, self._received = False, set()
 
@@ -362,12 +375,18 @@ class TRTLLMEngine:
             raise EngineError(f"engine {self.name!r}: sleep({level}) needs a level of {sorted(self._sleep_tags)}, "
                               "no requests, no update")
         self._llm._collective_rpc("sleep", args=(self._sleep_tags[level],))
-        self._asleep = level
+        self._asleep = list(self._sleep_tags[level])
 
-    def wake(self) -> None:
-        if self._asleep:
-            self._llm._collective_rpc("wakeup", args=(self._sleep_tags[self._asleep],))
-            self._asleep = False
+    def wake(self, tags=None) -> None:
+        """``tags``: ["weights"] wakes every memory tag but the KV cache (a refit then loads into resident weights),
+        ["kv_cache"] the KV cache, None whatever is still asleep."""
+        if not self._asleep:
+            return
+        want = set(tags or ("weights", "kv_cache"))
+        wake = [t for t in self._asleep if ("kv_cache" if t == "kv_cache" else "weights") in want]
+        if wake:
+            self._llm._collective_rpc("wakeup", args=(wake,))
+        self._asleep = [t for t in self._asleep if t not in wake] or False
 
     def close(self) -> None:
         with contextlib.suppress(Exception):  # best effort at teardown (also when already closed)

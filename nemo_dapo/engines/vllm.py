@@ -120,7 +120,13 @@ class VLLMEngine:
         return {"engine": "vllm", "name": self.name, "model": self.model_dir, "vllm_version": self._version,
                 "vocab_size": int(self._config["vocab_size"]), "max_seq_len": self._engine.model_config.max_model_len,
                 "max_batch_size": self._max_batch_size, "dtype": str(self._dtype).replace("torch.", ""),
-                "device": "cpu" if self._cpu else "cuda", "sleep_frees_memory": not self._cpu}
+                "device": "cpu" if self._cpu else "cuda", "sleep_frees_memory": not self._cpu,
+                # GPU sleep level 1 offloads the weights to CPU and drops the KV cache, level 2 drops both
+                # (vllm/v1/worker/gpu_worker.py sleep / wake_up(tags)); the CPU worker frees nothing, so it says
+                # nothing and is woken whole
+                **({} if self._cpu else {"sleep_releases": {"1": ["kv_cache", "weights"],
+                                                            "2": ["kv_cache", "weights"]},
+                                         "wake_tags": ["weights", "kv_cache"]})}
 
     def add(self, request: Request) -> None:
         self._check_alive()
@@ -237,10 +243,11 @@ class VLLMEngine:
         self._engine.sleep(level=level, mode="abort")
         self._asleep = True
 
-    def wake(self) -> None:
+    def wake(self, tags=None) -> None:
         if self._asleep:
-            self._engine.wake_up()
-            self._asleep = False
+            # vLLM's own tags are ours ("weights", "kv_cache"); True once nothing is left asleep
+            fully_awake = self._engine.wake_up(tags=list(tags) if tags else None)
+            self._asleep = not (tags is None or fully_awake)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):  # best effort at teardown (also when already closed)

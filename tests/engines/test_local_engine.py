@@ -244,7 +244,8 @@ def test_training_mode_is_restored_and_info(model, tmp_path):
     run(eng, greedy_requests())
     assert model.training
     assert eng.info() == dict(model="LlamaForCausalLM", vocab_size=VOCAB, max_batch_size=4, eos_id=EOS,
-                              max_seq_len=128)
+                              max_seq_len=128, sleep_releases={"1": ["kv_cache"], "2": ["kv_cache"]},
+                              wake_tags=["weights", "kv_cache"])
     loaded = LocalEngine.from_path(save_model(model, tmp_path / "m"), max_batch_size=2)
     assert (loaded.eos_id, loaded.pad_id) == (EOS, PAD)
     assert_same(run(loaded, greedy_requests()), run(eng, greedy_requests()))

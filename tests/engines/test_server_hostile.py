@@ -329,3 +329,26 @@ def test_a_process_group_kill_mid_transfer_leaves_nothing_in_dev_shm(tmp_path):
     left = [n for n in set(after) - set(before) if n.startswith((f"nemo_dapo_{trainer.pid}_",
                                                                    f"nemo_dapo_{engine_pid}_"))]
     assert left == [], (before, after)
+
+
+def test_a_partial_wake_readies_the_weights_and_keeps_generation_asleep(server):
+    """The refit order of the colocated path: sleep(2) -> wake {tags: ["weights"]} -> update -> wake -> submit."""
+    client = EngineClient(server[1], authkey=KEY, connect_timeout_s=30, request_timeout_s=30)
+    try:
+        assert client.info["sleep_releases"]["2"] == ["kv_cache", "weights"]
+        assert client.info["wake_tags"] == ["weights", "kv_cache"]
+        client.sleep(2)
+        with pytest.raises(EngineError, match="released by sleep"):  # the toy refuses a load into released weights
+            client.update_weights([[("w", torch.zeros(4))]])
+        client.sleep(2)
+        client.call("wake", tags=["weights"])
+        client.update_weights([[("w", torch.zeros(4))]])
+        with pytest.raises(EngineError, match="asleep"):  # the KV cache is still released: no generation yet
+            client.submit([Request(id="half-awake", prompt_ids=[1])])
+        for bad in ([], ["model"], "weights", [1]):
+            with pytest.raises(EngineError, match="wake tags must be"):
+                client.call("wake", tags=bad)
+        client.wake()
+    finally:
+        client.close()
+    assert serves(server)

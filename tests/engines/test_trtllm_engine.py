@@ -291,3 +291,22 @@ def test_strict_fake_rejects_unrecorded_names():
     out = F.CompletionOutput()
     with pytest.raises(AttributeError, match="text"):
         out.text
+
+
+@pytest.mark.parametrize("level, first_wake", [(2, [("wakeup", ["model"])]), (1, [])])
+def test_a_refit_while_asleep_wakes_the_weights_alone_and_the_kv_cache_only_for_the_final_call(engine, level,
+                                                                                               first_wake):
+    """The colocated order: the buckets load with the KV cache released; the final call (post-processing and a
+    prefix-cache reset) gets the KV cache back first, since the release does not say it tolerates a released pool."""
+    client, weights, log = engine
+    assert client.info["sleep_releases"] == {"1": ["kv_cache"], "2": ["kv_cache", "weights"]}
+    client.sleep(level)
+    if level == 2:
+        client.call("wake", tags=["weights"])
+    client.update_weights([[(n, torch.ones_like(t)) for n, t in weights.items()]])
+    client.wake()
+    seen = [(e["op"], e.get("tags", e.get("final", False))) for e in map(json.loads, open(log))
+            if e["op"] in ("sleep", "wakeup", "update_weights") and e.get("rank", 0) == 0]
+    partial = [s for s in seen if s[0] == "update_weights" and s[1] is False]
+    assert partial and seen == [("sleep", ["kv_cache", "model"] if level == 2 else ["kv_cache"]), *first_wake,
+                                *partial, ("wakeup", ["kv_cache"]), ("update_weights", True)]

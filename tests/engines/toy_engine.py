@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from nemo_dapo.engines.base import Completion, Sample, check_weight
+from nemo_dapo.engines.base import Completion, EngineError, Sample, check_weight
 
 
 class ToyEngine:
@@ -36,7 +36,9 @@ class ToyEngine:
         self.finished_updates = 0
 
     def info(self) -> dict:
-        return {"model": "toy", "vocab_size": self.vocab_size}
+        return {"model": "toy", "vocab_size": self.vocab_size,
+                "sleep_releases": {"1": ["kv_cache"], "2": ["kv_cache", "weights"]},
+                "wake_tags": ["weights", "kv_cache"]}
 
     def add(self, request) -> None:
         caps = [request.max_new_tokens] * request.n
@@ -99,6 +101,8 @@ class ToyEngine:
 
     def load_weights(self, named) -> None:
         time.sleep(self.load_delay_s)
+        if "weights" in getattr(self, "released", ()):
+            raise EngineError(f"engine {self.name!r}: its weights are released by sleep(2); wake them first")
         params = {"w": self.w}
         for name, t in named:
             check_weight(name, t, params.get(name), self.name)
@@ -109,9 +113,11 @@ class ToyEngine:
 
     def sleep(self, level: int) -> None:
         self.asleep = level
+        self.released = {"kv_cache", "weights"} if level == 2 else {"kv_cache"}
 
-    def wake(self) -> None:
-        self.asleep = 0
+    def wake(self, tags=None) -> None:
+        self.released = getattr(self, "released", set()) - set(tags or ("kv_cache", "weights"))
+        self.asleep = self.asleep if self.released else 0
 
     def close(self) -> None:
         pass
