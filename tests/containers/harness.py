@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -79,6 +80,19 @@ def script_for(tmp: Path) -> Path:
     path = Path(tmp) / "dapo.sbatch"
     path.write_text(fixed)
     return path
+
+
+def new_job_id() -> int:
+    """A job id whose node-local socket directory (/tmp/nemo-dapo-<id>, the script's) does not exist: a stale socket
+    of an earlier run would make a server fail with 'Address already in use'. Remove it with :func:`clean_job`."""
+    while True:
+        job = random.randrange(10 ** 6, 10 ** 7)
+        if not os.path.exists(f"/tmp/nemo-dapo-{job}"):
+            return job
+
+
+def clean_job(job: int) -> None:
+    shutil.rmtree(f"/tmp/nemo-dapo-{job}", ignore_errors=True)
 
 
 def job_env(inputs: dict, images: Path, results: Path, records: Path, job_id: int, **extra) -> dict:

@@ -95,6 +95,7 @@ def _run_job(script, inputs, images, run_dir, job_id, *overrides, **env):
         if proc.poll() is None:
             proc.kill()
         watcher.stop()
+        h.clean_job(job_id)
     return proc.returncode, out, err, h.Records(records), watcher
 
 
@@ -103,7 +104,7 @@ def first_job(script, inputs, images, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("job1")
     before = _read_only_inputs(inputs)
     started = time.time()
-    rc, out, err, rec, watcher = _run_job(script, inputs, images, run_dir, 4000 + os.getpid() % 1000, *OVERRIDES)
+    rc, out, err, rec, watcher = _run_job(script, inputs, images, run_dir, h.new_job_id(), *OVERRIDES)
     assert rc == 0, f"sbatch failed ({rc}):\n{err[-3000:]}\n{_logs(run_dir / 'results')}"
     return dict(run_dir=run_dir, results=run_dir / "results", rec=rec, watcher=watcher, before=before,
                 seconds=time.time() - started, ckpts=_checkpoints(run_dir / "results"))
@@ -230,9 +231,13 @@ def resumed_job(first_job, script, inputs, images):
     """The same command again with the step budget raised from 3 to 4 (same RESULTS)."""
     run_dir = first_job["run_dir"]
     records = run_dir / "records2"
-    env = h.job_env(inputs, images, first_job["results"], records, 5000 + os.getpid() % 1000)
-    out = subprocess.run(["bash", str(script), *OVERRIDES, "trainer.dapo.max_steps=4"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=1200)
+    job = h.new_job_id()
+    env = h.job_env(inputs, images, first_job["results"], records, job)
+    try:
+        out = subprocess.run(["bash", str(script), *OVERRIDES, "trainer.dapo.max_steps=4"], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=1200)
+    finally:
+        h.clean_job(job)
     assert out.returncode == 0, f"{out.stderr[-3000:]}\n{_logs(first_job['results'])}"
     return dict(rec=h.Records(records), ckpts=_checkpoints(first_job["results"]))
 
@@ -261,8 +266,8 @@ def _task_running(records, needle: str, task: int):
 
 def test_health_wait_stops_at_once_when_a_server_dies(script, inputs, images, tmp_path):
     records = tmp_path / "records"
-    env = h.job_env(inputs, images, tmp_path / "results", records, 6000 + os.getpid() % 1000,
-                    ENGINE_STARTUP_S="1800")
+    job = h.new_job_id()
+    env = h.job_env(inputs, images, tmp_path / "results", records, job, ENGINE_STARTUP_S="1800")
     proc = subprocess.Popen(["bash", str(script), *OVERRIDES], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -277,6 +282,7 @@ def test_health_wait_stops_at_once_when_a_server_dies(script, inputs, images, tm
     finally:
         if proc.poll() is None:
             proc.kill()
+        h.clean_job(job)
     rec = h.Records(records)
     assert proc.returncode != 0 and stopped < 20, (proc.returncode, stopped, err[-2000:])
     assert sorted(rec.kinds()) == ["health", "options", "server"]  # no trainer was started
