@@ -29,7 +29,7 @@ def test_vllm_engine_matches_transformers_and_takes_weight_updates(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([VLLM_PYTHON, str(ROOT / "tests/engines/vllm_engine_worker.py"),
                            "--tied-model", str(tmp_path / "tied")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     assert lines, f"worker printed no JSON (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     report = json.loads(lines[-1])
