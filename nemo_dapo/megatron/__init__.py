@@ -9,9 +9,12 @@ Modules (import them directly; this package imports nothing so that ``import nem
 * ``refit_gather``    expert-aware, bucketed weight gather for a rollout engine with its own TP size
 * ``refit_hf``        the whole model as bounded buckets of (HF name, tensor) for an engine's weight update
 * ``model``           a small GPTModel from a plain ``GPTSpec``; the sharded <-> full parameter map
-* ``convert``         Hugging Face Llama / Qwen2 / Mixtral / Qwen2-MoE <-> megatron-core state dicts (torch only)
+* ``convert``         Hugging Face Llama / Qwen2 / Mixtral / Qwen2-MoE / Qwen3 / Qwen3-MoE <-> megatron-core state
+                      dicts (torch only)
 * ``convert_shard``   TP / PP / EP sharding and merging of converted state dicts (torch only)
 * ``convert_build``   a GPTModel and TransformerConfig matching a Hugging Face config
+* ``convert_ckpt``    HF safetensors <-> the NeMo checkpoint the launcher restores, shard by shard
+* ``convert_command`` the ``nemo-dapo convert`` subcommand (imports torch only when run)
 
 CI tests megatron-core 0.10.0 (the NeMo-Aligner 0.7.0 pin) on CPU over gloo; 0.16.1 passed the same tests by hand;
 the CPU runs need the test-only patches in tests/support/megatron_cpu_shim.py, never imported here.

@@ -52,7 +52,8 @@ def test_there_are_dense_and_moe_recipes_for_h100_and_h20():
 def test_recipe_composes_and_validates(recipe):
     cfg = cv.load_config(recipe)
     assert cv.check_config(cfg) == []
-    assert cv.sizes(OmegaConf.to_container(cfg))["world"] == 128
+    # the cluster recipes are 16 x 8 GPUs; Qwen3-30B-A3B is the small MoE to try first, on 4 x 8
+    assert cv.sizes(OmegaConf.to_container(cfg))["world"] == (32 if recipe.startswith("qwen3-30b-a3b") else 128)
 
 
 def test_hydra_composition_equals_our_loader():

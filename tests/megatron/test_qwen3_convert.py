@@ -169,3 +169,4 @@ def test_qk_norm_is_an_rmsnorm_over_head_dim_and_matters(parity):
     for family in ("qwen3", "qwen3_moe"):
         assert ranks[0][f"{family}/qk_norm"] == ["RMSNorm", [16], 1e-6]  # torch.nn.RMSNorm(head_dim)
         assert ranks[0][f"mutation/{family}/no_qk_norm"] > 0.1  # a conversion without QK-norm is caught
+
