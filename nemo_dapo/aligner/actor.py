@@ -190,7 +190,7 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
         model = MCoreGPTModel(
             config=config, transformer_layer_spec=spec,
             vocab_size=self.cfg.get("override_vocab_size", self.padded_vocab_size),
-            max_sequence_length=self.cfg.get("encoder_seq_length", 512), pre_process=pre_process,
+            max_sequence_length=required(self.cfg, "encoder_seq_length", "model"), pre_process=pre_process,
             post_process=post_process, parallel_output=True,
             share_embeddings_and_output_weights=self.cfg.get("share_embeddings_and_output_weights", True),
             position_embedding_type=self.cfg.get("position_embedding_type", "learned_absolute"),
