@@ -49,7 +49,9 @@ def collect(client, n):
 
 def test_hello_reports_engine_and_info(toy):
     _, client = toy
-    assert client.engine == TOY and client.info == {"model": "toy", "vocab_size": 50}
+    assert client.engine == TOY and client.info == {
+        "model": "toy", "vocab_size": 50, "sleep_releases": {"1": ["kv_cache"], "2": ["kv_cache", "weights"]},
+        "wake_tags": ["weights", "kv_cache"]}
     assert client.health()["running"] == 0
 
 
