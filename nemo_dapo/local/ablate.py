@@ -20,8 +20,9 @@ import sys
 import time
 from typing import Optional
 
+from nemo_dapo.exit_codes import EXIT_CODES, EXIT_RUNS_FAILED
 from nemo_dapo.local.config import ArgumentError, ConfigError
-from nemo_dapo.local.logging import write_json
+from nemo_dapo.local.run_log import write_json
 
 # The paper's techniques in the order Table 1 adds them: (name, table label, {key: (value off, value on)}).
 # The table is cumulative ("+ X" adds X to the row above; no row takes a technique away), so Overlong Filtering stays
@@ -45,7 +46,6 @@ EXTRA = ["dapo+skip"]
 # Keys every run gets from the ablation itself (a user override of one would break the comparison).
 RUN_KEYS = ("seed", "run_dir", "name", "resume", "model.path", "trainer.max_samples", "trainer.max_steps",
             "trainer.max_time_s")
-EXIT_RUNS_FAILED = 8  # some runs failed (each named with its exit code and log); the others finished
 
 
 def row_settings(row: str) -> dict:
@@ -242,7 +242,7 @@ def warm_base(base) -> str:
     """OUT/base_model: the base recipe's warm-up (cached in OUT like a run directory's) that every run starts from."""
     from nemo_dapo.local.run import set_threads
     from nemo_dapo.local.run_model import prepare_base_model
-    from nemo_dapo.local.logging import setup_console_logging
+    from nemo_dapo.local.run_log import setup_console_logging
 
     setup_console_logging()
     set_threads(1)
@@ -329,8 +329,6 @@ class Scheduler:
             self.done += 1
             self.say(f"[ablate] done {run.label} in {took} ({self._overall()})")
         else:
-            from nemo_dapo.cli import EXIT_CODES
-
             self.failed.append(run)
             what = EXIT_CODES.get(run.exit_code, "see the log")
             self.say(f"[ablate] FAILED {run.label}: exit code {run.exit_code} ({what}) after {took}; log {run.log}")

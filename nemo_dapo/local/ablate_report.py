@@ -13,7 +13,8 @@ import os
 import statistics
 from typing import Optional
 
-from nemo_dapo.local.logging import read_metrics, write_json, write_text
+from nemo_dapo.exit_codes import EXIT_DIVERGED
+from nemo_dapo.local.run_log import read_metrics, write_json, write_text
 
 # name -> (metrics.jsonl key, column header, cell format); entropy is averaged over the last quarter of the steps.
 METRICS = {
@@ -84,9 +85,8 @@ def divergences(run_dir: str) -> list:
 
 
 def _status(run_dir: str, nums: Optional[dict], failure: dict) -> tuple:
-    """(status, what diverged): a run that ever diverged is 'diverged', whatever came after (never a result)."""
-    from nemo_dapo.local.run_dir import EXIT_DIVERGED  # also the exit code of a rerun that refuses to continue
-
+    """(status, what diverged): a run that ever diverged is 'diverged', whatever came after (never a result).
+    ``EXIT_DIVERGED`` is also the exit code of a rerun that refuses to continue a diverged run."""
     went = divergences(run_dir)
     if went or failure.get("exit_code") == EXIT_DIVERGED:
         last = went[-1] if went else {}

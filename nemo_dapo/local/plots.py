@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from nemo_dapo.local.logging import read_metrics
+from nemo_dapo.local.run_log import read_metrics
 
 PANELS = {
     "training": (

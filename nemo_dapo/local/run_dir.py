@@ -16,8 +16,9 @@
 * :func:`check_diverged`: a run that stopped for divergence (exit 7) is recorded so (``diverged.json`` and its last
   checkpoint); a rerun refuses to continue it unless given ``--resume-diverged``, and it stays marked.
 
-Exit codes of ``nemo-dapo train`` added here: :data:`EXIT_BUSY`, :data:`EXIT_UNWRITABLE`, :data:`EXIT_DIVERGED` for a
-rerun of a diverged run, and 128 + the signal number for a signal stop (130 SIGINT, 143 SIGTERM).
+Exit codes (``nemo_dapo/exit_codes.py``) of the errors raised here: :data:`EXIT_BUSY`, :data:`EXIT_UNWRITABLE`,
+:data:`EXIT_DIVERGED` for a rerun of a diverged run, and 128 + the signal number for a signal stop (130 SIGINT,
+143 SIGTERM).
 """
 from __future__ import annotations
 
@@ -35,14 +36,13 @@ import threading
 import time
 from typing import Optional
 
+from nemo_dapo.exit_codes import EXIT_BUSY, EXIT_DIVERGED, EXIT_UNWRITABLE
 from nemo_dapo.local.config import ConfigError
 from nemo_dapo.core.checkpoint import CheckpointError, CorruptCheckpoint, list_checkpoints, load_checkpoint
 
 log = logging.getLogger("nemo_dapo")
 
 LOCK_FILE = ".lock"
-EXIT_BUSY = 5  # another `nemo-dapo train` holds the run directory
-EXIT_UNWRITABLE = 6  # the run directory cannot be written (disk full, read-only, permissions)
 
 # Keys that may differ between a checkpoint and the resumed run: they do not change what is trained. Entries ending
 # in "." cover a whole section. Everything else (seed, data, model, warm-up, algorithm, reward, rollout sampling,
@@ -277,7 +277,6 @@ def _owner(link: str) -> str:
 
 # ---- a diverged run stays diverged ----------------------------------------------------------------------------------
 DIVERGED_FILE = "diverged.json"
-EXIT_DIVERGED = 7  # training diverged (cli.EXIT_DIVERGED): also a rerun that refuses to continue a diverged run
 
 
 class RunDiverged(RunDirError):
@@ -304,7 +303,7 @@ def read_divergence(run_dir: str) -> list:
 
 def record_divergence(run_dir: str, history: list) -> None:
     """Write ``history`` (every divergence of the run, the latest last) to ``run_dir/diverged.json`` atomically."""
-    from nemo_dapo.local.logging import write_json
+    from nemo_dapo.local.run_log import write_json
 
     write_json(os.path.join(run_dir, DIVERGED_FILE), {"divergences": history})
 

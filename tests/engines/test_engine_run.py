@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nemo_dapo.core.types import RolloutBatch
-from nemo_dapo.local.logging import read_metrics
+from nemo_dapo.local.run_log import read_metrics
 from tests.local.test_run import TINY, base_dir, tiny_cfg  # noqa: F401 - base_dir is a fixture
 
 pytestmark = pytest.mark.slow

@@ -196,7 +196,7 @@ def test_skip_row_needs_the_key(tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize("change, fragment", [({"budget": 999}, "budget: 999 -> 128"),
                                               ({"row_table": {"grpo": ["algorithm.eps_high=0.3"]}}, "row grpo")])
 def test_changed_plan_is_refused(tmp_path, capsys, change, fragment):
-    from nemo_dapo.local.logging import write_json
+    from nemo_dapo.local.run_log import write_json
 
     out = tmp_path / "ab"
     argv = _argv(out, "--rows", "grpo", config_name="tiny_cpu")

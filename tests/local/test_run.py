@@ -12,7 +12,7 @@ import torch
 from nemo_dapo.cli import main
 from nemo_dapo.local.config import load_config
 from nemo_dapo.core.types import RolloutBatch
-from nemo_dapo.local.logging import read_metrics
+from nemo_dapo.local.run_log import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 AIME = os.path.join(REPO, "tests", "fixtures", "aime-2024-head64.parquet")  # 64 rows of the real file

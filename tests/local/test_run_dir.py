@@ -18,7 +18,7 @@ import torch
 from nemo_dapo.cli import main
 from nemo_dapo.core import checkpoint as ck
 from nemo_dapo.local.run_dir import EXIT_BUSY, EXIT_UNWRITABLE, LOCK_FILE, RunDirBusy, RunDirLock, config_drift
-from nemo_dapo.local.logging import read_metrics
+from nemo_dapo.local.run_log import read_metrics
 from tests.local.test_run import TINY, tiny_cfg
 
 CMD = [sys.executable, "-m", "nemo_dapo.cli", "train"]
@@ -448,7 +448,7 @@ def test_any_link_where_the_run_writes_is_refused(tmp_path, capsys, name):
 
 
 def test_the_atomic_writer_never_writes_through_a_planted_temporary_name(tmp_path):
-    from nemo_dapo.local.logging import write_text
+    from nemo_dapo.local.run_log import write_text
 
     victim = tmp_path / "victim"
     victim.write_text("precious\n")

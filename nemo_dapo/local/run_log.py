@@ -141,10 +141,7 @@ class RunLogger:
                     continue
                 if rec.get("step", 0) <= resume_step and rec.get("kind") != "final":
                     keep.append(json.dumps(rec) + "\n")
-        tmp = self.path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(keep)
-        os.replace(tmp, self.path)
+        write_text(self.path, "".join(keep))
 
     def write(self, kind: str, step: int, metrics: dict) -> None:
         rec = {"kind": kind, "step": int(step), "wall_s": round(time.time() - self._t0, 3)}

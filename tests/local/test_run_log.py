@@ -4,7 +4,7 @@ import io
 import logging
 import sys
 
-from nemo_dapo.local.logging import log, setup_console_logging
+from nemo_dapo.local.run_log import log, setup_console_logging
 
 
 def test_console_lines_go_to_the_current_stderr_after_the_first_is_closed(monkeypatch):
