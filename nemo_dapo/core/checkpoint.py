@@ -5,15 +5,22 @@ fsync'ed, then renamed over the final name with ``os.replace`` (atomic on POSIX)
 the rename itself survives a crash. A process killed at any instant therefore leaves either the previous set of
 checkpoints or the new one, never a truncated file under a final name; stray temporary files are ignored and
 cleaned up by the next save.
+
+Directories (a saved model, the warm-up cache) are written the same way by :func:`atomic_directory`: into
+``<dir>.tmp``, files fsync'ed, then swapped in whole.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import errno
 import os
 import pickle
 import random
 import re
+import shutil
 import tempfile
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -53,6 +60,70 @@ def _fsync_dir(directory: str) -> None:
         pass
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_directory(directory: str) -> Iterator[str]:
+    """``with atomic_directory(d) as tmp:`` write the new content into ``tmp`` (``d + ".tmp"``, fresh); on a clean
+    exit it replaces ``d`` in one step. Until then ``d`` keeps its old content, whole; a writer that fails or is
+    killed leaves ``d`` as it was (a killed one also leaves ``tmp``, which the next writer removes first)."""
+    tmp = directory + ".tmp"
+    _remove(tmp)  # a leftover of a killed writer (a planted link is unlinked, never followed)
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+    except BaseException:
+        _remove(tmp)
+        raise
+    _swap_in(tmp, directory)
+    _fsync_dir(os.path.dirname(os.path.abspath(directory)))
+
+
+def _remove(path: str) -> None:
+    if os.path.islink(path) or os.path.isfile(path):
+        os.unlink(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path)
+
+
+def _fsync_tree(root: str) -> None:
+    for here, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(here, name), os.O_RDONLY | os.O_NOFOLLOW)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(here)
+
+
+def _swap_in(tmp: str, directory: str) -> None:
+    """Move the complete ``tmp`` to ``directory``; an existing ``directory`` is exchanged with it in one rename
+    (Linux renameat2 RENAME_EXCHANGE) and then removed; elsewhere it is set aside, replaced, then removed."""
+    if not os.path.isdir(directory) or os.path.islink(directory):
+        os.replace(tmp, directory)  # nothing to keep (a file or a link in the way makes this fail, naming it)
+    elif _exchange(tmp, directory):
+        shutil.rmtree(tmp)  # now the old content
+    else:
+        aside = directory + ".old"
+        _remove(aside)
+        os.replace(directory, aside)
+        os.replace(tmp, directory)
+        shutil.rmtree(aside)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two paths atomically; False where the system or the filesystem cannot."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), b)
 
 
 def save_checkpoint(directory: str, step: int, state: dict, *, keep_last: int = 2) -> str:

@@ -17,6 +17,7 @@ import shutil
 import time
 from dataclasses import asdict, fields
 
+from nemo_dapo.core.checkpoint import atomic_directory
 from nemo_dapo.local.config import Config, ConfigError
 from nemo_dapo.data.tokenizer import build_task_tokenizer, load_tokenizer
 from nemo_dapo.local.model import build_model, load_model, num_parameters
@@ -155,16 +156,10 @@ def _build_base(cfg: Config, directory: str, key: str) -> tuple:
         from nemo_dapo.local.warmup import WarmupStats
 
         stats = WarmupStats(stop_reason="disabled")
-    # Written next to the final location and renamed, so a killed warm-up never leaves a half-saved cache.
-    tmp = directory + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    # Written next to the final location and swapped in, so a killed warm-up never leaves a half-saved cache (only
+    # an unkeyed leftover can be at `directory`: _select_cached moved the others aside).
+    with atomic_directory(directory) as tmp:
         save_warmup(tmp, model, tokenizer, stats, wcfg)
         with open(os.path.join(tmp, FINGERPRINT), "w", encoding="utf-8") as f:
             json.dump({"fingerprint": key, "inputs": fingerprint_inputs(cfg)}, f, indent=1)
-    except BaseException:  # disk full or interrupted: no half-saved entry
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(directory, ignore_errors=True)  # only an unkeyed leftover can be here (_select_cached moved others)
-    os.replace(tmp, directory)
     return model.train(), tokenizer, info

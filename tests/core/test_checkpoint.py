@@ -117,3 +117,75 @@ def test_a_failed_write_names_the_checkpoint_it_was_writing(tmp_path, monkeypatc
         ck.save_checkpoint(str(tmp_path), 7, {"x": 1})
     assert info.value.errno == errno.ENOSPC and info.value.filename.endswith("step_00000007.pt")
     assert os.listdir(tmp_path) == []
+
+
+# ---- atomic_directory: one writer of whole directories (saved models, the warm-up cache) ---------------------------
+def _tree(d):
+    return {os.path.relpath(os.path.join(here, n), d): open(os.path.join(here, n)).read()
+            for here, _, names in os.walk(d) for n in names}
+
+
+def _write(d, files):
+    for name, text in files.items():
+        os.makedirs(os.path.dirname(os.path.join(d, name)) or d, exist_ok=True)
+        with open(os.path.join(d, name), "w") as f:
+            f.write(text)
+
+
+OLD, NEW = {"config.json": "old", "sub/w.bin": "old weights"}, {"config.json": "new", "tok.json": "new tok"}
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "set-aside"])
+def test_atomic_directory_keeps_the_old_content_whole_until_the_swap(tmp_path, monkeypatch, exchange):
+    real, seen = ck._exchange, []
+    # renameat2 RENAME_EXCHANGE swaps in one step; without it (another system) the old content is set aside
+    monkeypatch.setattr(ck, "_exchange", lambda a, b: seen.append(real(a, b) if exchange else False) or seen[-1])
+    d = str(tmp_path / "model")
+    with ck.atomic_directory(d) as tmp:  # first write: nothing to keep
+        _write(tmp, OLD)
+    assert _tree(d) == OLD
+    with ck.atomic_directory(d) as tmp:
+        _write(tmp, NEW)
+        assert _tree(d) == OLD  # the new content is complete, the old one still whole at its name
+    assert _tree(d) == NEW and sorted(os.listdir(tmp_path)) == ["model"]  # the old content and tmp are gone
+    assert seen == [exchange]
+
+
+def test_atomic_directory_a_failed_writer_changes_nothing(tmp_path):
+    d = str(tmp_path / "model")
+    with ck.atomic_directory(d) as tmp:
+        _write(tmp, OLD)
+    with pytest.raises(OSError, match="disk full"):
+        with ck.atomic_directory(d) as tmp:
+            _write(tmp, {"config.json": "half"})
+            raise OSError(28, "disk full")
+    assert _tree(d) == OLD and sorted(os.listdir(tmp_path)) == ["model"]
+
+
+KILLED_WRITER = """
+import os, signal, sys
+from nemo_dapo.core.checkpoint import atomic_directory
+with atomic_directory(sys.argv[1]) as tmp:
+    os.makedirs(tmp)
+    open(os.path.join(tmp, "config.json"), "w").write("half")
+    os.kill(os.getpid(), signal.SIGKILL)  # killed mid-write: no cleanup code runs
+"""
+
+
+def test_atomic_directory_a_killed_writer_leaves_no_half_directory(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    d = str(tmp_path / "model")
+    with ck.atomic_directory(d) as tmp:
+        _write(tmp, OLD)
+    proc = subprocess.run([sys.executable, "-c", KILLED_WRITER, d], capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert _tree(d) == OLD and os.path.isdir(d + ".tmp")  # the half-written one only under the temporary name
+    os.rename(d + ".tmp", str(tmp_path / "elsewhere"))
+    os.symlink(str(tmp_path / "elsewhere"), d + ".tmp")  # a link planted at the temporary name: never followed
+    with ck.atomic_directory(d) as tmp:
+        _write(tmp, NEW)
+    assert _tree(d) == NEW and _tree(str(tmp_path / "elsewhere")) == {"config.json": "half"}
+    assert not os.path.lexists(d + ".tmp")
