@@ -32,6 +32,8 @@ from nemo_dapo.core.loop_data import PromptSampler, PromptSet, balanced_split, m
 from nemo_dapo.core.loss import METRIC_REDUCTION
 from nemo_dapo.core.metrics import length_stats, reduce_over_ranks
 from nemo_dapo.core.overlong import soft_overlong_penalty
+from nemo_dapo.core.partial import (SuspendedGroup, assemble, complete, continuation_requests, split_stale, stamp,
+                                    suspend)
 from nemo_dapo.core.prompt_history import PromptHistory, SkipRule
 from nemo_dapo.core.types import (Generation, Generator, LocalReducer, LossFn, Policy, Reducer, RewardFn,
                                   RolloutBatch)
@@ -42,7 +44,10 @@ log = logging.getLogger("nemo_dapo")
 # anywhere is a skip everywhere; the rest (grad_norm, lr) is global.
 _POLICY_METRIC_REDUCTION = {**METRIC_REDUCTION, "skipped": "max"}
 
-FILLER_FULL_POLICIES = ("abort", "finish")
+FILLER_FULL_POLICIES = ("abort", "finish", "suspend")  # suspend: partial rollouts (core/partial.py)
+# Partial-rollout counters (reported as partial/* only with on_filler_full "suspend"): groups / tokens continued
+# after a refit, and dropped because their oldest token was more than max_staleness versions old.
+PARTIAL_COUNTERS = ("resumed_groups", "resumed_tokens", "stale_groups", "stale_tokens")
 COUNTERS = ("rollout_steps", "gen_batches", "optimizer_steps", "consumed_prompts", "consumed_samples",
             "skipped_updates", "trained_samples", "trained_tokens", "generated_tokens", "aborted_tokens",
             "skipped_prompts")
@@ -106,7 +111,8 @@ class DAPOLoop:
 
     def __init__(self, *, policy: Policy, generator: Generator, reward_fn: RewardFn, loss_fn: LossFn,
                  prompts: PromptSet, filler: BatchFiller, settings: LoopSettings,
-                 sampler: Optional[PromptSampler] = None, reducer: Optional[Reducer] = None):
+                 sampler: Optional[PromptSampler] = None, reducer: Optional[Reducer] = None,
+                 max_staleness: int = 0):
         self.policy, self.generator, self.reward_fn, self.loss_fn = policy, generator, reward_fn, loss_fn
         self.prompts, self.filler, self.settings = prompts, filler, settings
         self.sampler = sampler or PromptSampler(len(prompts), seed=settings.seed)
@@ -115,6 +121,15 @@ class DAPOLoop:
                                                  seed=mix_seed(settings.seed, 104729))
         self.reducer = reducer or LocalReducer()
         self.counters = dict.fromkeys(COUNTERS, 0)
+        # Partial rollouts: the generator's weight version (refits so far), the suspended groups, their counters.
+        if not isinstance(max_staleness, int) or max_staleness < 0:
+            raise ValueError(f"max_staleness must be an int >= 0 (weight versions), got {max_staleness!r}")
+        self.max_staleness, self._version = max_staleness, 0
+        self._suspended: list = []
+        self.partial_counters = dict.fromkeys(PARTIAL_COUNTERS, 0)
+        if self._partial_mode() and not callable(getattr(generator, "stream_requests", None)):
+            raise ValueError(f"on_filler_full='suspend' needs a generator with stream_requests() (an engine server "
+                             f"client); {type(generator).__name__} has none")
         if settings.streaming and not callable(getattr(generator, "stream", None)):
             raise ValueError(f"streaming dynamic sampling needs a generator with stream() (an engine server "
                              f"client); {type(generator).__name__} has none: set streaming off")
@@ -124,11 +139,22 @@ class DAPOLoop:
                              "mini-batch")
 
     # ---- phase 1: generation batches until the filler is full -----------------------------------------------------
+    def _partial_mode(self) -> bool:
+        """Partial rollouts configured (suspend with max_staleness >= 1; max_staleness 0 resumes nothing: abort)."""
+        return self.settings.on_filler_full == "suspend" and self.max_staleness > 0
+
+    def _suspending(self) -> bool:
+        # Under data parallelism a streamed batch is drained (see _generate_groups): nothing is ever suspended.
+        return self._partial_mode() and self.settings.streaming and self.reducer.world_size == 1
+
     def _generate_groups(self, n_prompts: int, timers: dict) -> list:
-        """One generation batch: draw prompts, generate, score, hand the groups to the filler; returns them all."""
+        """One generation batch: draw prompts, generate, score, hand the groups to the filler; returns them all.
+        With partial rollouts the suspended groups are continued first and count toward the batch's size."""
         s, red = self.settings, self.reducer
+        resumed = self._resumable() if self._suspending() else []
+        n_prompts = max(n_prompts - len(resumed), 0)
         skipped_before = self.sampler.skipped
-        indices, uids = self.sampler.draw(n_prompts)
+        indices, uids = self.sampler.draw(n_prompts) if n_prompts else ([], [])
         self.counters["skipped_prompts"] += self.sampler.skipped - skipped_before
         self.counters["gen_batches"] += 1
         self.counters["consumed_prompts"] += n_prompts
@@ -137,7 +163,9 @@ class DAPOLoop:
         lo = red.rank * n_prompts // red.world_size
         hi = (red.rank + 1) * n_prompts // red.world_size
         self.filler.begin_gen_batch()
-        if s.streaming and red.world_size == 1:
+        if self._suspending():
+            groups = self._stream_partial(indices, uids, resumed, timers)
+        elif s.streaming and red.world_size == 1:
             groups = self._stream_and_score(indices, uids, timers)
         else:
             # Under data parallelism the filler sees a batch only once every rank's share is gathered, so a
@@ -150,6 +178,7 @@ class DAPOLoop:
         if self.sampler.history is not None:
             # Every rank holds every scored group here, so every rank's history stays the same.
             index_of = dict(zip(uids, indices))
+            index_of.update((g.uid, g.index) for g in resumed)
             for group in groups:
                 self.sampler.history.record(index_of[group.uid], group.acc.tolist())
         return groups
@@ -190,13 +219,67 @@ class DAPOLoop:
             self.filler.add_groups(group)
             if self.filler.full() and not was_full:
                 timers["filled_at"] = time.perf_counter()
-                if s.on_filler_full == "abort" and not stream.done:
+                if s.on_filler_full in ("abort", "suspend") and not stream.done:  # suspend here: max_staleness 0
                     stream.abort()
                     break
         timers["gen"] += time.perf_counter() - t0 - t_scoring
         self.counters["generated_tokens"] += stream.generated_tokens
         self.counters["aborted_tokens"] += stream.aborted_tokens
         timers["aborted_requests"] = timers.get("aborted_requests", 0) + stream.aborted_requests
+        return groups
+
+    def _resumable(self) -> list:
+        """The suspended groups the current weights may continue; the others are dropped and counted."""
+        keep, drop = split_stale(self._suspended, self._version, self.max_staleness)
+        self._suspended = []
+        p = self.partial_counters
+        p["stale_groups"] += len(drop)
+        p["stale_tokens"] += sum(g.num_tokens() for g in drop)
+        p["resumed_groups"] += len(keep)
+        p["resumed_tokens"] += sum(g.num_tokens() for g in keep)
+        return keep
+
+    def _stream_partial(self, indices, uids, resumed, timers) -> list:
+        """``_stream_and_score`` with partial rollouts: the suspended groups ``resumed`` continue (submitted first,
+        so that they take the engine's first slots) beside the new prompts; once the filler is full every group
+        still running is suspended (core/partial.py), its tokens and log-probs kept with the version that drew
+        them. Stream key k < len(resumed) is resumed[k], the others the new prompts in draw order."""
+        s, g, v, r = self.settings, self.settings.group_size, self._version, len(resumed)
+        prompt_ids, prompt_mask = self.prompts.collate([sg.index for sg in resumed] + list(indices))
+        prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]
+        base = self._seed()
+        seeds = [sg.seed for sg in resumed] + [mix_seed(base, k) % (2 ** 31) for k in range(len(indices))]
+        requests = [continuation_requests(sg, prompts[k], s.max_new_tokens) for k, sg in enumerate(resumed)]
+        requests += [[(prompts[k], g, s.max_new_tokens, seeds[k])] for k in range(r, r + len(indices))]
+        for sg in resumed:
+            sg.resumes += 1
+        who = [(sg.index, sg.uid) for sg in resumed] + list(zip(indices, uids))
+        t0 = time.perf_counter()
+        stream = self.generator.stream_requests(requests, temperature=s.temperature, top_p=s.top_p)
+        groups, t_scoring = [], 0.0
+
+        def score(k, out):
+            group = self._score([who[k][0]], [who[k][1]], prompt_ids[k:k + 1], prompt_mask[k:k + 1], out, timers)
+            groups.extend(group)
+            self.filler.add_groups(group)
+
+        for k, out in stream:
+            t1 = time.perf_counter()
+            was_full = self.filler.full()
+            score(k, complete(resumed[k], out, v, self.prompts.pad_id) if k < r else stamp(out, v))
+            t_scoring += time.perf_counter() - t1
+            if self.filler.full() and not was_full:
+                timers["filled_at"] = time.perf_counter()
+                for j, part in sorted(stream.suspend().items()):
+                    sg = suspend(part, v, index=who[j][0], uid=who[j][1], seed=seeds[j],
+                                 prior=resumed[j] if j < r else None, max_new_tokens=s.max_new_tokens)
+                    if sg.unfinished():
+                        self._suspended.append(sg)
+                    else:  # its last samples finished while the stream stopped: a carried-over group like others
+                        score(j, assemble(sg, self.prompts.pad_id))
+                break
+        timers["gen"] += time.perf_counter() - t0 - t_scoring
+        self.counters["generated_tokens"] += stream.generated_tokens
         return groups
 
     def _score(self, indices, uids, prompt_ids, prompt_mask, out, timers) -> list:
@@ -217,7 +300,7 @@ class DAPOLoop:
         full = RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=out.response_ids,
                             response_mask=out.response_mask.float(), group_ids=group_ids,
                             truncated=out.truncated.bool(), engine_logp=out.logprobs, rewards=rewards, acc=acc,
-                            pad_id=self.prompts.pad_id)
+                            pad_id=self.prompts.pad_id, token_version=out.token_version)
         groups = []
         for k, uid in enumerate(uids):
             part = full.select(slice(k * g, (k + 1) * g)).trim()
@@ -343,6 +426,8 @@ class DAPOLoop:
             metrics["train/batch_reward"] = float(batch.rewards.mean())
             metrics["train/batch_samples"] = float(len(batch))
             metrics["train/batch_tokens"] = float(batch.num_tokens())
+            if batch.token_version is not None:
+                metrics.update(_staleness_metrics(batch, self._version))
             sleep = getattr(self.generator, "sleep", None)
             if callable(sleep):  # an engine frees its KV cache (and maybe weights) while the trainer trains
                 sleep()
@@ -350,10 +435,13 @@ class DAPOLoop:
             self.counters["trained_samples"] += len(batch)
             self.counters["trained_tokens"] += batch.num_tokens()
             self.generator.update_weights(self.policy)
+            self._version += 1
             metrics["rollout/trained_tokens"] = float(batch.num_tokens())
         step_s = time.perf_counter() - t_start
         metrics.update(_rollout_metrics(self.counters, tokens_before, timers, t_needed))
         metrics["rollout/skipped_prompts"] = float(self.counters["skipped_prompts"] - skipped_before)
+        if self._partial_mode():
+            metrics.update(self._partial_metrics())
         # The cost of a trained group so far: responses generated (kept or not) per group that reached an update.
         trained_groups = self.counters["trained_samples"] / s.group_size
         metrics["rollout/responses_per_trained_group"] = (self.counters["consumed_samples"] / trained_groups
@@ -365,11 +453,27 @@ class DAPOLoop:
         metrics.update({f"counters/{k}": float(v) for k, v in self.counters.items()})
         return metrics
 
+    def _partial_metrics(self) -> dict:
+        """partial/*: the suspended work held now, what was continued / dropped as stale (cumulative), and the share
+        of all generated tokens never trained because an abort or the staleness bound threw them away."""
+        c, p = self.counters, self.partial_counters
+        out = {f"partial/{k}": float(v) for k, v in p.items()}
+        out["partial/weight_version"] = float(self._version)
+        out["partial/suspended_groups"] = float(len(self._suspended))
+        out["partial/suspended_tokens"] = float(sum(g.num_tokens() for g in self._suspended))
+        wasted = c["aborted_tokens"] + p["stale_tokens"]
+        out["partial/discarded_token_frac"] = wasted / c["generated_tokens"] if c["generated_tokens"] else 0.0
+        return out
+
     # ---- resume ---------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return dict(version=1, counters=dict(self.counters), sampler=self.sampler.state_dict(),
-                    filler=self.filler.state_dict(), policy=self.policy.state_dict(),
-                    settings=asdict(self.settings))
+        state = dict(version=1, counters=dict(self.counters), sampler=self.sampler.state_dict(),
+                     filler=self.filler.state_dict(), policy=self.policy.state_dict(),
+                     settings=asdict(self.settings))
+        if self._partial_mode():  # plain data: the suspended groups continue after a resume as they would have
+            state["partial"] = dict(weight_version=self._version, counters=dict(self.partial_counters),
+                                    suspended=[g.to_state() for g in self._suspended])
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != 1:
@@ -379,6 +483,14 @@ class DAPOLoop:
         self.filler.load_state_dict(state["filler"])
         self.policy.load_state_dict(state["policy"])
         self.generator.update_weights(self.policy)
+        partial = state.get("partial")
+        if partial is not None and self._partial_mode():
+            self._version = int(partial["weight_version"])
+            self.partial_counters = {k: int(partial["counters"].get(k, 0)) for k in PARTIAL_COUNTERS}
+            self._suspended = [SuspendedGroup.from_state(g) for g in partial["suspended"]]
+        elif partial is not None and partial["suspended"]:
+            log.warning("resume: %d suspended groups of the checkpoint are dropped (on_filler_full is not 'suspend' "
+                        "with max_staleness >= 1 now)", len(partial["suspended"]))
 
 
 def _rollout_metrics(counters: dict, before: tuple, timers: dict, t_needed: float) -> dict:
@@ -391,6 +503,16 @@ def _rollout_metrics(counters: dict, before: tuple, timers: dict, t_needed: floa
            "rollout/aborted_requests": float(timers.get("aborted_requests", 0)),
            "timing/to_last_needed_s": float(t_needed)}
     return out
+
+
+def _staleness_metrics(batch: RolloutBatch, version: int) -> dict:
+    """How many weight versions older than the trainer's (``version``) the trained tokens' samplers were."""
+    valid = batch.response_mask.bool()
+    lag = (version - batch.token_version)[valid].float()
+    if not lag.numel():
+        return {}
+    return {"partial/trained_lag_mean": float(lag.mean()), "partial/trained_lag_max": float(lag.max()),
+            "partial/trained_stale_token_frac": float((lag > 0).float().mean())}
 
 
 def _generation_metrics(generated: list, s: LoopSettings) -> dict:

@@ -32,7 +32,7 @@ def _pad_left(t: torch.Tensor, width: int, value) -> torch.Tensor:
 
 # Fields padded on the left (prompt side) / right (response side) when batches of different widths are joined.
 _LEFT = {"prompt_ids", "prompt_mask"}
-_RIGHT = {"response_ids", "response_mask", "old_logp", "engine_logp"}
+_RIGHT = {"response_ids", "response_mask", "old_logp", "engine_logp", "token_version"}
 
 
 @dataclass
@@ -52,6 +52,8 @@ class RolloutBatch:
     advantages: Optional[torch.Tensor] = None  # [B]
     pad_id: int = 0
     extras: dict = field(default_factory=dict)  # non-tensor per-batch info (e.g. texts); not joined by cat()
+    # [B, R] long: the generator's weight version that sampled each token (partial rollouts, core/partial.py)
+    token_version: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -120,19 +122,28 @@ class Generation:
     response_mask: torch.Tensor  # [B, R] float, EOS included
     truncated: torch.Tensor  # [B] bool
     logprobs: Optional[torch.Tensor] = None  # [B, R] sampling log-probs (engine side), 0 on padding
+    # [B] bool: False for a sample cut short by an abort / suspension (its tokens so far); None = all finished
+    finished: Optional[torch.Tensor] = None
+    token_version: Optional[torch.Tensor] = None  # [B, R] long: weight version that sampled each token
 
     @staticmethod
     def cat(parts: Sequence["Generation"], pad_id: int) -> "Generation":
-        """Row-wise concatenation, responses right-padded to the widest part (log-probs kept only if all have)."""
+        """Row-wise concatenation, responses right-padded to the widest part (an optional field is kept only if all
+        parts have it)."""
         if not parts:
             raise ValueError("Generation.cat needs at least one part")
         width = max(p.response_ids.shape[1] for p in parts)
-        logprobs = None
+        logprobs = versions = finished = None
         if all(p.logprobs is not None for p in parts):
             logprobs = torch.cat([_pad_right(p.logprobs, width, 0.0) for p in parts])
+        if all(p.token_version is not None for p in parts):
+            versions = torch.cat([_pad_right(p.token_version, width, 0) for p in parts])
+        if all(p.finished is not None for p in parts):
+            finished = torch.cat([p.finished for p in parts])
         return Generation(response_ids=torch.cat([_pad_right(p.response_ids, width, pad_id) for p in parts]),
                           response_mask=torch.cat([_pad_right(p.response_mask, width, 0.0) for p in parts]),
-                          truncated=torch.cat([p.truncated for p in parts]), logprobs=logprobs)
+                          truncated=torch.cat([p.truncated for p in parts]), logprobs=logprobs, finished=finished,
+                          token_version=versions)
 
 
 @runtime_checkable

@@ -2,7 +2,10 @@
 
 Requests are per prompt group: n = G samples of one prompt share one request (engines share the prompt's KV), and a
 group comes back when all G samples are done. ``generate`` (batch mode) waits for everything; ``stream`` yields the
-groups in the order they finish, and ``GroupStream.abort`` stops the ones still running.
+groups in the order they finish, and ``GroupStream.abort`` stops the ones still running. Partial rollouts
+(core/partial.py): ``stream_requests`` takes explicit requests per group (a resumed group is one request per
+unfinished sample: prompt + its tokens so far), and ``GroupStream.suspend`` stops the running groups and returns
+what their samples generated so far, with log-probs.
 
 Seeds: request k of a call seeded with s uses seed ``mix_seed(s, k)``; the engine derives sample j's stream from
 (request seed, j), so results do not depend on what else the engine runs.
@@ -62,19 +65,25 @@ def completions_to_generation(completions: list, pad_id: int) -> Generation:
         if s.logprobs is not None:
             logp[i, :n] = torch.as_tensor(s.logprobs, dtype=torch.float32)
     truncated = torch.as_tensor([s.finish_reason != "stop" for s in samples], dtype=torch.bool)
-    return Generation(response_ids=ids, response_mask=mask, truncated=truncated, logprobs=logp)
+    finished = torch.as_tensor([s.finish_reason != "aborted" for s in samples], dtype=torch.bool)
+    return Generation(response_ids=ids, response_mask=mask, truncated=truncated, logprobs=logp, finished=finished)
 
 
 class GroupStream:
-    """Iterates ``(k, Generation of the n samples of prompt k)`` as groups finish; ``abort()`` stops the rest.
+    """Iterates ``(k, Generation of the samples of group k)`` as groups finish; ``abort()`` / ``suspend()`` stop the
+    rest. Group k is one request (its n samples) or, with ``group_of``, several (their samples in request order).
 
     ``generated_tokens`` counts every token the engine produced for this stream, the aborted partial samples
-    included; ``aborted_tokens`` only those."""
+    included; ``aborted_tokens`` only those (``suspend`` keeps them: they are not counted as aborted)."""
 
-    def __init__(self, client: EngineClient, ids: list, pad_id: int):
+    def __init__(self, client: EngineClient, ids: list, pad_id: int, group_of: Optional[list] = None):
         self.client, self.pad_id = client, pad_id
-        self._index = {rid: k for k, rid in enumerate(ids)}
+        self._index = {rid: (k if group_of is None else group_of[k]) for k, rid in enumerate(ids)}
+        self._members: dict = {}
+        for rid in ids:
+            self._members.setdefault(self._index[rid], []).append(rid)
         self._pending = set(ids)
+        self._held: dict = {}  # rid -> Completion of a group whose other requests still run
         self.generated_tokens = 0
         self.aborted_tokens = 0
         self.aborted_requests = 0
@@ -90,20 +99,48 @@ class GroupStream:
                 continue  # a late completion of an earlier, aborted stream
             self._pending.discard(c.id)
             self.generated_tokens += c.num_tokens
-            yield self._index[c.id], completions_to_generation([c], self.pad_id)
+            k = self._index[c.id]
+            members = self._members[k]
+            if len(members) == 1:
+                yield k, completions_to_generation([c], self.pad_id)
+                continue
+            self._held[c.id] = c
+            if all(r in self._held for r in members):
+                yield k, completions_to_generation([self._held.pop(r) for r in members], self.pad_id)
 
-    def abort(self) -> None:
-        """Abort every request still running and collect their (partial) completions."""
+    def _stop(self) -> dict:
+        """Abort every request still running; their (partial) completions, by id."""
+        got: dict = {}
         if not self._pending:
-            return
+            return got
         self.client.abort(sorted(self._pending))
         while self._pending:
             c = self.client.next_completion()
             if c.id in self._pending:
                 self._pending.discard(c.id)
                 self.generated_tokens += c.num_tokens
-                self.aborted_tokens += c.num_tokens
-                self.aborted_requests += 1
+                got[c.id] = c
+        return got
+
+    def abort(self) -> None:
+        """Abort every request still running and collect their (partial) completions."""
+        got = self._stop()
+        held, self._held = self._held, {}
+        for c in list(got.values()) + list(held.values()):
+            self.aborted_tokens += c.num_tokens
+        self.aborted_requests += len(got)
+
+    def suspend(self) -> dict:
+        """Stop every group still running; ``{k: Generation}`` of each one's samples so far (all its requests, in
+        request order; ``finished`` False on a sample cut short, whose log-probs are those it was drawn with)."""
+        got = self._stop()
+        got.update(self._held)
+        self._held = {}
+        out = {}
+        for k, members in self._members.items():
+            if any(r in got for r in members):
+                out[k] = completions_to_generation([got[r] for r in members], self.pad_id)
+        return out
 
 
 _PARTIAL = "weight update aborted: the engine holds partial weights and refuses to generate until a full update"
@@ -142,6 +179,23 @@ class EngineGenerator:
         requests = self._requests(_unpad(prompt_ids, prompt_mask), n, max_new_tokens, temperature, top_p, seed)
         self.client.submit(requests)
         return GroupStream(self.client, [r.id for r in requests], self.pad_id)
+
+    def stream_requests(self, groups: list, *, temperature: float = 1.0, top_p: float = 1.0) -> GroupStream:
+        """Submit explicit requests, ``groups[k]`` a list of ``(prompt token ids, n, max_new_tokens, seed)`` (a fresh
+        group: one request of n samples; a resumed one: a request per unfinished sample, prompt + its tokens so far);
+        returns the stream of finished groups, group k's samples in request order."""
+        self._wake()
+        requests, group_of = [], []
+        for k, parts in enumerate(groups):
+            for prompt, n, budget, seed in parts:
+                requests.append(Request(id=f"r{next(self._ids)}", prompt_ids=list(prompt), n=int(n),
+                                        max_new_tokens=int(budget), temperature=float(temperature),
+                                        top_p=float(top_p), top_k=self.top_k, seed=int(seed),
+                                        stop_token_ids=self.stop_token_ids, logprobs=True))
+                group_of.append(k)
+        if requests:
+            self.client.submit(requests)
+        return GroupStream(self.client, [r.id for r in requests], self.pad_id, group_of=group_of)
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens,
                  temperature: float = 1.0, top_p: float = 1.0, seed: Optional[int] = None) -> Generation:

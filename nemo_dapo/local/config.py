@@ -168,6 +168,7 @@ class RolloutConfig:
     engine: str = MISSING
     streaming: bool = MISSING
     on_filler_full: str = MISSING
+    max_staleness: int = MISSING
     server: EngineServerConfig = field(default_factory=EngineServerConfig)
 
 
@@ -235,7 +236,7 @@ CHOICES = {
     "data.task": ("arithmetic", "file"),
     "model.arch": ("llama", "qwen2"),
     "rollout.engine": ("inprocess", "local", "vllm"),
-    "rollout.on_filler_full": ("abort", "finish"),
+    "rollout.on_filler_full": ("abort", "finish", "suspend"),
     "rollout.server.sleep_level": (0, 1, 2),
 }
 
@@ -444,6 +445,7 @@ def validate(cfg: Config) -> Config:
     if r.streaming and r.engine == "inprocess":
         raise ConfigError("config key 'rollout.streaming' needs an engine server: set rollout.engine=local or "
                           "rollout.engine=vllm (or rollout.streaming=false)")
+    _check_partial_rollouts(cfg)
     if cfg.data.task == "file" and not cfg.data.train_file:
         raise ConfigError("config key 'data.train_file' must name a verl/DAPO-Math parquet or jsonl file when "
                           "data.task=file")
@@ -456,6 +458,21 @@ def validate(cfg: Config) -> Config:
 
 
 # ---- loading -------------------------------------------------------------------------------------------------------
+def _check_partial_rollouts(cfg) -> None:
+    r = cfg.rollout
+    if not isinstance(r.max_staleness, int) or isinstance(r.max_staleness, bool) or r.max_staleness < 0:
+        raise ConfigError(f"config key 'rollout.max_staleness' must be an int >= 0, got {r.max_staleness!r}")
+    if r.on_filler_full != "suspend" or r.max_staleness == 0:
+        return
+    if not r.streaming:
+        raise ConfigError("config key 'rollout.on_filler_full' = suspend needs streaming generation: set "
+                          "rollout.streaming=true with rollout.engine=local or vllm")
+    if cfg.algorithm.tis_cap is None:
+        raise ConfigError("config key 'rollout.on_filler_full' = suspend trains tokens sampled by older weights: set "
+                          "algorithm.tis_cap (e.g. 2.0) for their truncated importance weights, or "
+                          "rollout.max_staleness=0")
+
+
 def find_config(name: str, config_dir: Optional[str] = None) -> str:
     """Path of a config given a file path or a name looked up in ``<conf>/recipes`` then ``<conf>``."""
     if os.path.isfile(name):

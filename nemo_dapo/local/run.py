@@ -109,7 +109,8 @@ class LocalRun:
         settings, filler, loss_fn = build_algorithm(cfg)
         self.loop = DAPOLoop(policy=self.policy, generator=self.sampler, reward_fn=self.reward, loss_fn=loss_fn,
                              prompts=self.train_set, filler=filler, settings=settings,
-                             sampler=PromptSampler(len(self.train_set), seed=cfg.seed))
+                             sampler=PromptSampler(len(self.train_set), seed=cfg.seed),
+                             max_staleness=cfg.rollout.max_staleness)
         # The divergence guard's state (so a resumed run judges as the uninterrupted one) and every divergence of
         # the run (check_diverged): saved with each checkpoint.
         self.health = {"streak": 0, "start_entropy": None, "diverged": []}

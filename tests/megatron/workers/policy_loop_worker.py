@@ -15,17 +15,14 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from nemo_dapo.core.dynamic_sampling import BatchFiller
-from nemo_dapo.core.loop import DAPOLoop
+from nemo_dapo.core.loop import DAPOLoop, LoopSettings
 from nemo_dapo.core.loop_data import PromptSet
 from nemo_dapo.core.loss import make_loss_fn
-from nemo_dapo.core.packing import pack_rows
-from nemo_dapo.core.types import Generation
+from nemo_dapo.core.types import Generation, RolloutBatch
 from nemo_dapo.core.sampling import sample_next
-from nemo_dapo.megatron.model import unwrap
-from tests.support.megatron_model import GPTSpec, build_gpt_model, destroy_parallel, initialize_parallel
+from nemo_dapo.megatron.model import GPTSpec, build_gpt_model, destroy_parallel, initialize_parallel, unwrap
+from nemo_dapo.megatron.policy import MegatronPolicy, pack_left_aligned
 from nemo_dapo.megatron.reduction import DPReducer
-from tests.support.loop_settings import loop_settings
-from tests.support.megatron_policy import MegatronPolicy
 
 EOS, PAD, V = 2, 0, 64
 
@@ -45,7 +42,7 @@ class MegatronSampler:
         gen = torch.Generator().manual_seed(int(seed or 0))
         plen = prompt_mask.long().sum(-1)
         tokens = torch.full((b, p + max_new_tokens), PAD, dtype=torch.long)
-        tokens[:, :p] = pack_rows(prompt_ids, plen, prompt_ids[:, :0], PAD, p)
+        tokens[:, :p] = pack_left_aligned(_prompt_only(prompt_ids, prompt_mask), p)["tokens"]
         out = torch.full((b, max_new_tokens), PAD, dtype=torch.long)
         logps = torch.zeros(b, max_new_tokens)
         alive = torch.ones(b, dtype=torch.bool)
@@ -70,6 +67,13 @@ class MegatronSampler:
                           logprobs=logps * mask)
 
 
+def _prompt_only(prompt_ids, prompt_mask):
+    b = prompt_ids.shape[0]
+    return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=torch.zeros(b, 0).long(),
+                        response_mask=torch.zeros(b, 0), group_ids=torch.zeros(b).long(),
+                        truncated=torch.zeros(b).bool(), pad_id=PAD)
+
+
 def reward_fn(response_ids, response_mask, ground_truths):
     """Correct when the first response token is even: about half of each group, so dynamic sampling keeps most."""
     acc = (response_ids[:, 0] % 2 == 0).float() * (response_mask[:, 0] > 0).float()
@@ -86,7 +90,7 @@ def run(layout, spec, steps=2):
     prompts = PromptSet(prompt_ids=[torch.randint(3, V, (int(n),), generator=g).tolist()
                                     for n in torch.randint(2, 6, (16,), generator=g)],
                         ground_truths=["0"] * 16, pad_id=PAD)
-    settings = loop_settings(group_size=4, mini_batch_size=8, max_new_tokens=6, overlong={"l_cache": 2}, seed=5)
+    settings = LoopSettings(group_size=4, mini_batch_size=8, max_new_tokens=6, l_cache=2, seed=5)
     loop = DAPOLoop(policy=policy, generator=MegatronSampler(model), reward_fn=reward_fn,
                     loss_fn=make_loss_fn(eps_low=0.2, eps_high=0.28), prompts=prompts,
                     filler=BatchFiller(2, on_budget_exhausted="train_partial", max_gen_batches=3),

@@ -1,0 +1,205 @@
+"""Partial rollouts (core/partial.py, DAPOLoop with on_filler_full='suspend'): suspended groups keep their tokens,
+log-probs and per-token weight versions, continue after the refit, are dropped past max_staleness, survive a
+checkpoint; max_staleness 0 is the abort loop bit for bit. The engine is the toy adapter driven in this process
+(tests/support/inprocess_client.py), so every run takes the same path."""
+import pytest
+import torch
+
+from nemo_dapo.core.checkpoint import load_checkpoint, save_checkpoint
+from nemo_dapo.core.loop import DAPOLoop
+from nemo_dapo.core.partial import (SampleState, SuspendedGroup, complete, continuation_requests, split_stale,
+                                    suspend)
+from nemo_dapo.core.types import Generation
+from nemo_dapo.engines.base import Completion, Sample
+from nemo_dapo.engines.generator import EngineGenerator
+from tests.core.test_loop import FakePolicy, make_loop, steady
+from tests.engines.toy_engine import ToyEngine
+from tests.support.inprocess_client import InProcessClient
+
+EOS, MAX_NEW = 49, 40
+
+
+LENGTHS = [3, 3, 4, 3, 5, 3, 4, 40]  # sample j of a request of seed s stops after LENGTHS[(s + j) % 8] tokens
+
+
+class VersionedToy(ToyEngine):
+    """The toy engine whose log-prob of every token says which weights drew it (-0.5 - 0.01 * w[0]), and whose
+    lengths are long-tailed and follow the request's seed (not the engine's history: a resumed run sees the same)."""
+
+    def add(self, request):
+        super().add(request)
+        caps = self.queue[-1][3]
+        caps[:] = [min(c, LENGTHS[(request.seed + j) % len(LENGTHS)]) for j, c in enumerate(caps)]
+
+    def _completion(self, rid, how):
+        c = super()._completion(rid, how)
+        lp = -0.5 - 0.01 * float(self.w[0])
+        return Completion(c.id, [Sample(s.token_ids, [lp] * len(s.token_ids), s.finish_reason) for s in c.samples])
+
+
+class PushingPolicy(FakePolicy):
+    """The fake policy; each refit pushes w[0] = its update count (so each weight version samples other tokens)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pushed = []
+
+    def hf_weight_buckets(self, bucket_bytes):
+        self.pushed.append(float(self.version % 40))
+        yield [("w", torch.tensor([self.pushed[-1], 0.0, 0.0, 0.0]))]
+
+
+def loop_with(on_filler_full="suspend", max_staleness=1, groups=4, seed=3, tis_cap=2.0):
+    from nemo_dapo.core.loss import make_loss_fn
+
+    policy = PushingPolicy()
+    gen = EngineGenerator(InProcessClient(VersionedToy()), eos_id=EOS, pad_id=0)
+    base = make_loop(generator=gen, policy=policy, ds=True, groups=groups, group_size=4, mini=8,
+                     max_new_tokens=MAX_NEW, streaming=True, on_filler_full=on_filler_full, seed=seed,
+                     loss=make_loss_fn(eps_low=0.2, eps_high=0.28, clip_c=10.0, tis_cap=tis_cap))
+    return DAPOLoop(policy=policy, generator=gen, reward_fn=base.reward_fn, loss_fn=base.loss_fn,
+                    prompts=base.prompts, filler=base.filler, settings=base.settings, max_staleness=max_staleness)
+
+
+def trained(loop, step_calls):
+    """Rows of the mini-batches the policy trained on since ``step_calls``."""
+    return [mb for mb, _ in loop.policy.calls[step_calls:]]
+
+
+# ---- the bookkeeping ------------------------------------------------------------------------------------------------
+def gen_rows(rows, finished):
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask, lp = torch.zeros(len(rows), width), torch.zeros(len(rows), width)
+    for b, r in enumerate(rows):
+        ids[b, :len(r)] = torch.tensor(r)
+        mask[b, :len(r)] = 1
+        lp[b, :len(r)] = -0.1 * (b + 1)
+    return Generation(ids, mask, truncated=torch.tensor([r[-1] != EOS for r in rows]), logprobs=lp,
+                      finished=torch.tensor(finished))
+
+
+def test_suspend_continue_complete_keeps_tokens_logprobs_and_versions():
+    g = suspend(gen_rows([[5, 6, 49], [7, 8], [9]], [True, False, False]), 0, index=2, uid=11, seed=77)
+    assert g.unfinished() == [1, 2] and g.oldest_version() == 0 and g.num_tokens() == 6
+    reqs = continuation_requests(g, [1, 2], max_new_tokens=5)
+    assert [(p, n, budget) for p, n, budget, _ in reqs] == [([1, 2, 7, 8], 1, 3), ([1, 2, 9], 1, 4)]
+    assert len({seed for *_, seed in reqs}) == 2  # each continued sample draws from a stream of its own
+    g.resumes += 1
+    again = suspend(gen_rows([[10, 49], [11]], [True, False]), 1, index=2, uid=11, seed=77, prior=g)
+    assert again.unfinished() == [2] and again.samples[1].versions == [0, 0, 1, 1]
+    assert continuation_requests(again, [1, 2], 5)[0][3] != reqs[1][3]  # a new seed for each resubmission
+    out = complete(again, gen_rows([[12, 49]], [True]), 2, pad_id=0)
+    assert out.response_ids.tolist() == [[5, 6, 49, 0], [7, 8, 10, 49], [9, 11, 12, 49]]
+    assert out.token_version.tolist()[1:] == [[0, 0, 1, 1], [0, 1, 2, 2]]
+    assert out.response_mask.sum(-1).tolist() == [3, 4, 4]
+    torch.testing.assert_close(out.logprobs[2, :4], torch.tensor([-0.3, -0.2, -0.1, -0.1]))
+    assert out.truncated.tolist() == [False, False, False]  # every sample ended with EOS
+
+
+def test_a_suspended_sample_at_the_cap_counts_as_finished_and_states_round_trip():
+    g = suspend(gen_rows([[5, 6], [7]], [False, False]), 3, index=0, uid=1, seed=5, max_new_tokens=2)
+    assert g.unfinished() == [1] and g.samples[0].finish == "length"
+    assert SuspendedGroup.from_state(g.to_state()) == g
+
+
+def test_split_stale_drops_groups_whose_oldest_token_is_too_old():
+    fresh = SuspendedGroup(0, 1, 0, [SampleState([], [], [])])  # nothing generated yet: never stale
+    old = SuspendedGroup(0, 2, 0, [SampleState([4, 5], [0.0, 0.0], [1, 2])])
+    keep, drop = split_stale([fresh, old], version=3, max_staleness=1)
+    assert keep == [fresh] and drop == [old]
+    assert split_stale([old], version=3, max_staleness=2) == ([old], [])
+
+
+# ---- the loop -------------------------------------------------------------------------------------------------------
+def test_suspended_groups_continue_after_the_refit_with_per_token_versions_and_logprobs():
+    loop = loop_with()
+    m1 = loop.step()
+    assert m1["rollout/aborted_tokens"] == 0 and m1["partial/suspended_groups"] > 0
+    assert m1["partial/suspended_tokens"] > 0 and m1["partial/weight_version"] == 1
+    held = {g.uid for g in loop._suspended}
+    calls = len(loop.policy.calls)
+    m2 = loop.step()
+    assert m2["partial/resumed_groups"] == len(held) and m2["partial/stale_groups"] == 0
+    rows = trained(loop, calls)
+    resumed = [mb for mb in rows if any(int(u) in held for u in mb.group_ids)]
+    assert resumed, "a resumed group reached the update"
+    offsets = [0.0] + loop.policy.pushed  # w[0] of weight version v
+    spans = set()
+    for mb in rows:
+        valid = mb.response_mask.bool()
+        versions = mb.token_version[valid]
+        expected = -0.5 - 0.01 * torch.tensor(offsets)[versions]
+        torch.testing.assert_close(mb.engine_logp[valid], expected)  # each token's log-prob is its sampler's
+        for b in range(len(mb)):
+            spans.add(tuple(sorted(set(mb.token_version[b][valid[b]].tolist()))))
+    assert (0, 1) in spans  # a response begun by version 0 and finished by version 1
+    assert 0 < m2["partial/trained_stale_token_frac"] < 1 and m2["partial/trained_lag_max"] == 1
+
+
+def test_every_generated_token_is_trained_held_or_counted_as_dropped():
+    loop = loop_with(max_staleness=1)
+    responses = 0.0
+    for _ in range(5):
+        m = loop.step()
+        responses += m["response/tokens"]
+    c, p = loop.counters, loop.partial_counters
+    held = sum(g.num_tokens() for g in loop._suspended)
+    assert c["generated_tokens"] == responses + held + p["stale_tokens"] + c["aborted_tokens"]
+    assert c["aborted_tokens"] == 0
+    assert m["partial/discarded_token_frac"] == p["stale_tokens"] / c["generated_tokens"]
+
+
+def test_groups_older_than_max_staleness_are_dropped_and_counted():
+    loop = loop_with(max_staleness=1)
+    loop.step()
+    held = list(loop._suspended)
+    assert held and all(g.oldest_version() == 0 for g in held)
+    loop.generator.update_weights(loop.policy)  # a second refit before they could continue: now 2 versions old
+    loop._version += 1
+    m = loop.step()
+    assert m["partial/stale_groups"] == len(held) and m["partial/resumed_groups"] == 0
+    assert m["partial/stale_tokens"] == sum(g.num_tokens() for g in held) > 0
+    assert m["partial/discarded_token_frac"] > 0
+
+
+def test_max_staleness_0_is_the_abort_loop_bit_for_bit():
+    runs = []
+    for mode, staleness in (("abort", 1), ("suspend", 0)):
+        loop = loop_with(on_filler_full=mode, max_staleness=staleness)
+        runs.append(([steady(loop.step()) for _ in range(3)], loop))
+    (ma, a), (ms, s) = runs
+    assert ma == ms and ma[0]["rollout/aborted_tokens"] > 0  # the abort had work to throw away
+    assert len(a.policy.calls) == len(s.policy.calls)
+    for (x, nx), (y, ny) in zip(a.policy.calls, s.policy.calls):
+        assert nx == ny
+        for f in ("response_ids", "response_mask", "engine_logp", "old_logp", "advantages", "group_ids"):
+            assert torch.equal(getattr(x, f), getattr(y, f)), f
+    assert not any(k.startswith("partial/") for k in ma[0])  # no new metrics outside partial rollouts
+    genuine = loop_with(on_filler_full="suspend", max_staleness=1).step()
+    assert genuine["rollout/aborted_tokens"] == 0 and genuine["partial/suspended_tokens"] > 0
+
+
+def test_suspended_work_survives_a_checkpoint_and_continues_as_uninterrupted(tmp_path):
+    a = loop_with()
+    a.step()
+    path = save_checkpoint(str(tmp_path), 1, {"loop": a.state_dict()})
+    state = load_checkpoint(path)["loop"]  # the safe loader of every checkpoint
+    assert state["partial"]["suspended"]
+    b = loop_with()
+    b.load_state_dict(state)
+    assert b._version == a._version and len(b._suspended) == len(a._suspended)
+    ma, mb = steady(a.step()), steady(b.step())
+    assert ma == mb and ma["partial/resumed_groups"] == len(state["partial"]["suspended"])
+
+
+def test_suspend_needs_a_generator_that_takes_explicit_requests():
+    with pytest.raises(ValueError, match="stream_requests"):
+        base = make_loop()
+        DAPOLoop(policy=base.policy, generator=base.generator, reward_fn=base.reward_fn, loss_fn=base.loss_fn,
+                 prompts=base.prompts, filler=base.filler,
+                 settings=make_loop(on_filler_full="suspend").settings, max_staleness=1)
+    with pytest.raises(ValueError, match="max_staleness must be an int >= 0"):
+        base = make_loop()
+        DAPOLoop(policy=base.policy, generator=base.generator, reward_fn=base.reward_fn, loss_fn=base.loss_fn,
+                 prompts=base.prompts, filler=base.filler, settings=base.settings, max_staleness=-1)
