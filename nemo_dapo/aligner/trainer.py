@@ -44,7 +44,7 @@ from nemo_dapo.aligner.reward_client import ClientReward
 from nemo_dapo.core.loop import DAPOLoop
 from nemo_dapo.core.loop_data import PromptSampler, PromptSet
 from nemo_dapo.core.loop_eval import evaluate
-from nemo_dapo.core.settings import FIELDS, AlgorithmSettings, build_algorithm as core_build_algorithm, from_values
+from nemo_dapo.core.settings import FIELDS, AlgorithmSettings, build_loop_parts as core_build_algorithm, from_values
 from nemo_dapo.core.types import RolloutBatch
 
 log = logging.getLogger("nemo_dapo")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Callable, Optional
 
 import torch
@@ -55,7 +55,9 @@ COUNTERS = ("rollout_steps", "gen_batches", "optimizer_steps", "consumed_prompts
 
 @dataclass(frozen=True)
 class LoopSettings:
-    """The numbers the loop needs (the filler and loss carry their own settings)."""
+    """The numbers the loop needs (the filler and the loss carry their own settings). Built by
+    core/settings.build_loop_parts from the algorithm block, whose sub-settings it holds as they are: every field is
+    required, the defaults live in the YAML."""
 
     group_size: int  # G: responses per prompt
     mini_batch_size: int  # samples per optimizer update (paper: 512 = 32 prompts x 16)
@@ -74,13 +76,8 @@ class LoopSettings:
     # Streaming dynamic sampling: submit a generation batch at once, score each group as it finishes, and once
     # the filler is full either "abort" the requests still running or let them "finish" into the carried-over
     # groups. Needs a generator with ``stream`` (engines/generator.py); False = one blocking generate per batch.
-    streaming: bool = False
-    on_filler_full: str = "abort"
-    # History-based prompt skipping (core/prompt_history.py): the sampler passes over prompts whose recent groups
-    # were uninformative, skip probability 1 - (1 - skip_prob)^streak, at most skip_max times in a row.
-    skip_history: bool = False
-    skip_prob: float = 0.5
-    skip_max: int = 3
+    streaming: bool
+    on_filler_full: str
 
     def __post_init__(self):
         for name in ("group_size", "mini_batch_size", "max_new_tokens", "ppo_epochs"):
@@ -89,13 +86,15 @@ class LoopSettings:
         if self.on_filler_full not in FILLER_FULL_POLICIES:
             raise ValueError(f"LoopSettings.on_filler_full must be one of {FILLER_FULL_POLICIES}, got "
                              f"{self.on_filler_full!r}")
-        if self.overlong_shaping and not 0 < self.l_cache <= self.penalty_l_max:
-            raise ValueError(f"LoopSettings: need 0 < l_cache <= l_max for overlong shaping, got "
-                             f"l_cache={self.l_cache}, l_max={self.penalty_l_max}")
+        ov = {f"overlong.{f.name}": getattr(self.overlong, f.name) for f in fields(self.overlong)}
+        found = algorithm_problems(ov, self.max_new_tokens)  # l_cache against the cap a null l_max stands for
+        if found:
+            raise ValueError("; ".join(f"LoopSettings.{name} {message}" for name, message in found))
 
     @property
     def penalty_l_max(self) -> int:
-        return self.max_new_tokens if self.l_max is None else self.l_max
+        """L_max of the penalty: ``overlong.l_max``, or the generation cap when that is null (the paper's choice)."""
+        return self.max_new_tokens if self.overlong.l_max is None else self.overlong.l_max
 
 
 def _repeat_rows(t: torch.Tensor, g: int) -> torch.Tensor:
@@ -105,8 +104,8 @@ def _repeat_rows(t: torch.Tensor, g: int) -> torch.Tensor:
 class DAPOLoop:
     """Callable step by step: ``metrics = loop.step()``; ``loop.state_dict()`` / ``load_state_dict()`` for resume.
 
-    ``loss_fn``: a LossFn (core/loss.py ``make_loss_fn``); its ``normalizer(batch)`` gives a batch's share of the
-    global normaliser (valid tokens for token-mean); a plain callable falls back to ``response_mask.sum()``.
+    ``loss_fn``: a LossFn (core/types.py; core/settings.build_loss builds the DAPO one); its ``normalizer`` gives a
+    micro-batch's share of the global normaliser that each update passes the policy (core/loss.py).
     """
 
     def __init__(self, *, policy: Policy, generator: Generator, reward_fn: RewardFn, loss_fn: LossFn,
@@ -116,8 +115,9 @@ class DAPOLoop:
         self.policy, self.generator, self.reward_fn, self.loss_fn = policy, generator, reward_fn, loss_fn
         self.prompts, self.filler, self.settings = prompts, filler, settings
         self.sampler = sampler or PromptSampler(len(prompts), seed=settings.seed)
-        if settings.skip_history and self.sampler.history is None:
-            self.sampler.history = PromptHistory(SkipRule(settings.skip_prob, settings.skip_max),
+        sh = settings.skip_history
+        if sh.enabled and self.sampler.history is None:
+            self.sampler.history = PromptHistory(SkipRule(float(sh.skip_prob), int(sh.max_skips)),
                                                  seed=mix_seed(settings.seed, 104729))
         self.reducer = reducer or LocalReducer()
         self.counters = dict.fromkeys(COUNTERS, 0)
@@ -292,9 +292,9 @@ class DAPOLoop:
         score, acc = score.float(), acc.float()
         lengths = out.response_mask.sum(-1).long()
         rewards = score
-        if s.overlong_shaping:
-            rewards = score + soft_overlong_penalty(lengths, l_max=s.penalty_l_max, l_cache=s.l_cache,
-                                                    factor=s.overlong_penalty_factor)
+        if s.overlong.enabled:
+            rewards = score + soft_overlong_penalty(lengths, l_max=s.penalty_l_max, l_cache=s.overlong.l_cache,
+                                                    factor=float(s.overlong.penalty_factor))
         timers["reward"] += time.perf_counter() - t1
         group_ids = torch.as_tensor(uids, dtype=torch.long).repeat_interleave(g)
         full = RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=out.response_ids,
@@ -370,8 +370,8 @@ class DAPOLoop:
     def _train_minibatch(self, batch: RolloutBatch, share: list) -> dict:
         red = self.reducer
         mb = batch.select(share).trim()
-        num_tokens = float(red.sum(self._normalizer(mb)))
-        if num_tokens == 0:
+        norm = float(red.sum(self.loss_fn.normalizer(LossInput.of(mb)).float()))
+        if norm == 0:
             # Every token of this mini-batch is masked (empty or overlong-filtered responses): an update would only
             # apply weight decay and stale Adam momentum, so it is skipped and counted.
             log.warning("mini-batch without valid tokens (empty or filtered responses): update skipped")

@@ -6,11 +6,12 @@ per optimizer step (summed over micro-batches and data-parallel ranks). The retu
 contribution, and summing the contributions gives the mini-batch loss however the batch was split.
 
 Aggregation modes (``agg``) and their global normaliser:
-  "token-mean"              sum_{i,t} l_it / num_tokens                      (DAPO; num_tokens = valid tokens)
-  "seq-mean-token-mean"     sum_i mean_t(l_it) / num_seqs                    (original GRPO)
+  "token-mean"              sum_{i,t} l_it / num_tokens                 (DAPO; num_tokens = valid tokens)
+  "seq-mean-token-mean"     sum_i mean_t(l_it) / num_seqs               (original GRPO)
   "seq-mean-token-sum"      sum_i sum_t(l_it) / num_seqs
-  "seq-mean-token-sum-norm" sum_i sum_t(l_it) / (num_seqs * max_len)        (Dr. GRPO; max_len a constant)
-num_seqs counts sequences with at least one valid token; ``loss_normalizer`` gives a micro-batch's share of either.
+  "seq-mean-token-sum-norm" sum_i sum_t(l_it) / (num_seqs * max_new_tokens)  (Dr. GRPO; the generation cap)
+num_seqs counts sequences with at least one valid token; ``loss_normalizer`` gives a micro-batch's share of either,
+and a ``LossFn`` calls the global one of its mode ``norm`` (core/types.py).
 
 Masks are float/bool [B, T] with 1 on valid response tokens. Padding positions of logp/old_logp may hold anything:
 they are selected away with ``torch.where``, never multiplied, so garbage there cannot turn into NaN.
@@ -23,7 +24,8 @@ from typing import Optional
 import torch
 
 from nemo_dapo.core.overlong import overlong_filter_mask
-from nemo_dapo.core.types import RolloutBatch
+from nemo_dapo.core.settings import LossSettings
+from nemo_dapo.core.types import LossInput, RolloutBatch
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 LOG_RATIO_CLAMP = 20.0
@@ -48,7 +50,7 @@ METRIC_REDUCTION = {
 }
 
 
-def _check_agg(agg: str, num_tokens, num_seqs, max_len) -> None:
+def _check_agg(agg: str, num_tokens, num_seqs, max_new_tokens) -> None:
     if agg not in AGG_MODES:
         raise ValueError(f"agg={agg!r} is not one of {AGG_MODES}")
     if agg == "token-mean" and num_tokens is None:
@@ -56,9 +58,9 @@ def _check_agg(agg: str, num_tokens, num_seqs, max_len) -> None:
     if agg != "token-mean" and num_seqs is None:
         raise ValueError(f"agg={agg!r} needs num_seqs = the global count of sequences with a valid token "
                          "(sum loss_normalizer(mask, agg) over micro-batches and ranks)")
-    if agg == "seq-mean-token-sum-norm" and not (max_len is not None and max_len > 0):
-        raise ValueError(f"agg='seq-mean-token-sum-norm' needs a constant max_len > 0 (the generation cap), "
-                         f"got {max_len}")
+    if agg == "seq-mean-token-sum-norm" and not (max_new_tokens is not None and max_new_tokens > 0):
+        raise ValueError(f"agg='seq-mean-token-sum-norm' needs a constant max_new_tokens > 0 (the generation "
+                         f"cap), got {max_new_tokens}")
 
 
 def _check_shapes(logp, old_logp, advantages, mask, is_weights) -> None:
@@ -91,7 +93,7 @@ def _masked_max(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.where(valid, x, torch.full_like(x, -torch.inf)).amax() if x.numel() else x.new_tensor(-torch.inf)
 
 
-def _aggregate(x: torch.Tensor, valid: torch.Tensor, agg: str, norm, max_len) -> torch.Tensor:
+def _aggregate(x: torch.Tensor, valid: torch.Tensor, agg: str, norm, max_new_tokens) -> torch.Tensor:
     """This micro-batch's contribution to the mini-batch aggregate of per-token values ``x`` [B, T]."""
     # A global normaliser of 0 means every token of the step is masked; the numerator is then 0 as well.
     if isinstance(norm, torch.Tensor):
@@ -105,7 +107,7 @@ def _aggregate(x: torch.Tensor, valid: torch.Tensor, agg: str, norm, max_len) ->
         return per_seq.sum() / norm
     if agg == "seq-mean-token-sum":
         return _masked_sum(x, valid) / norm
-    return _masked_sum(x, valid) / (norm * max_len)
+    return _masked_sum(x, valid) / (norm * max_new_tokens)
 
 
 def _metric_mean(x: torch.Tensor, valid: torch.Tensor, agg: str, norm) -> torch.Tensor:
@@ -135,20 +137,20 @@ def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, *, eps_low: float,
 def dapo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
                      eps_low: float, eps_high: float, clip_c: Optional[float] = None, num_tokens,
                      agg: str = "token-mean", is_weights: Optional[torch.Tensor] = None, num_seqs=None,
-                     max_len: Optional[int] = None):
+                     max_new_tokens: Optional[int] = None):
     """(loss, metrics): this micro-batch's share of the DAPO clipped-surrogate loss of one optimizer step.
 
     logp [B, T] log pi_theta of the response tokens (with grad); old_logp [B, T] log pi_old (no grad needed);
     advantages [B] (broadcast over tokens) or [B, T]; mask [B, T] 1 on valid tokens.
     num_tokens: GLOBAL valid-token count of the optimizer step (all micro-batches and ranks), a number or 0-dim
     tensor; required for "token-mean" and unused (may be None) by the seq-* modes, which need ``num_seqs`` (global
-    count of sequences with a valid token) and, for "seq-mean-token-sum-norm", the constant ``max_len``.
+    count of sequences with a valid token) and, for "seq-mean-token-sum-norm", the constant ``max_new_tokens``.
     is_weights [B, T]: optional truncated importance-sampling weights multiplied into the per-token loss (treated as
     constants). The ratio is computed in (at least) fp32 from the log-ratio clamped to [-20, 20].
     A micro-batch without valid tokens returns exactly 0 with a finite (zero) gradient.
     Metrics (0-dim tensors, detached; see METRIC_REDUCTION for how to combine them across micro-batches).
     """
-    _check_agg(agg, num_tokens, num_seqs, max_len)
+    _check_agg(agg, num_tokens, num_seqs, max_new_tokens)
     _check_shapes(logp, old_logp, advantages, mask, is_weights)
     _check_clip(eps_low, eps_high, clip_c)
     norm = num_tokens if agg == "token-mean" else num_seqs
@@ -163,7 +165,7 @@ def dapo_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: tor
     per_token, low, high, dual = clipped_surrogate(ratio, adv, eps_low=eps_low, eps_high=eps_high, clip_c=clip_c)
     if is_weights is not None:
         per_token = per_token * is_weights.detach().to(dtype)
-    loss = _aggregate(per_token, valid, agg, norm, max_len)
+    loss = _aggregate(per_token, valid, agg, norm, max_new_tokens)
 
     r = ratio.detach()
     metrics = {
@@ -231,82 +233,86 @@ def _mismatch_per_token(engine_logp, trainer_logp, valid):
 
 @dataclass(frozen=True)
 class DAPOLossFn:
-    """A ``LossFn`` (core/types.py) that reads its inputs from the micro-batch; build it with ``make_loss_fn``.
+    """The DAPO loss as a ``LossFn`` (core/types.py): its options are ``settings`` (core/settings.LossSettings, the
+    loss keys of the algorithm block, held as given), ``max_new_tokens`` the generation cap (the constant of
+    "seq-mean-token-sum-norm"; None is allowed for the other modes).
 
-    Called as ``loss_fn(logp, entropy, microbatch, num_tokens)`` with logp/entropy [B, R] of the micro-batch's
-    response tokens. The 4th argument is the GLOBAL normaliser of ``agg``: the sum over the step's micro-batches and
-    ranks of ``loss_fn.normalizer(microbatch)``. For "token-mean" this is the valid-token count AFTER overlong
+    Called as ``loss_fn(logp, entropy, inputs, norm)`` with logp/entropy [B, T] aligned with ``inputs``
+    (a ``LossInput``). ``norm`` is the GLOBAL normaliser of ``settings.agg``: the sum over the step's micro-batches
+    and ranks of ``loss_fn.normalizer(inputs)``. For "token-mean" that is the valid-token count AFTER overlong
     filtering (the raw ``RolloutBatch.num_tokens()`` would over-count when truncated rows are masked out); for the
-    seq-* modes it is the number of sequences with a valid token.
-    Reads ``old_logp``, ``advantages`` and ``response_mask`` (plus ``truncated`` with overlong filtering and
-    ``engine_logp`` with TIS) from the micro-batch.
+    seq-* modes it is the number of sequences with a valid token. A new loss option is a field of LossSettings
+    (with its rule in core/settings.problems and its key in conf/algorithm/dapo.yaml) read here from ``settings``.
     """
 
-    eps_low: float
-    eps_high: float
-    clip_c: Optional[float] = None
-    agg: str = "token-mean"
-    max_len: Optional[int] = None
-    overlong_filter: bool = False
-    tis_cap: Optional[float] = None
+    settings: LossSettings
+    max_new_tokens: Optional[int] = None
 
     def __post_init__(self):
-        _check_clip(self.eps_low, self.eps_high, self.clip_c)
-        _check_agg(self.agg, 1, 1, self.max_len)
-        if self.tis_cap is not None and not self.tis_cap > 0:
-            raise ValueError(f"tis_cap must be > 0 or None to disable TIS, got {self.tis_cap}")
+        s = self.settings
+        if not isinstance(s, LossSettings):
+            raise TypeError(f"DAPOLossFn.settings must be a core.settings.LossSettings, got {type(s).__name__}")
+        _check_agg(s.agg, 1, 1, self.max_new_tokens)
 
-    def loss_mask(self, batch: RolloutBatch) -> torch.Tensor:
-        """[B, R] float: response mask, with truncated rows zeroed when overlong filtering is on."""
-        mask = batch.response_mask.float()
-        if self.overlong_filter:
-            mask = mask * overlong_filter_mask(batch.truncated).to(mask.device).unsqueeze(-1)
+    @property
+    def tis_cap(self) -> Optional[float]:
+        return self.settings.tis_cap
+
+    def loss_mask(self, inputs: LossInput) -> torch.Tensor:
+        """[B, T] float: the input's mask, with truncated rows zeroed when overlong filtering is on."""
+        inputs = _as_input(inputs)
+        mask = inputs.mask.float()
+        if self.settings.overlong_filter:
+            mask = mask * overlong_filter_mask(inputs.truncated).to(mask.device).unsqueeze(-1)
         return mask
 
-    def normalizer(self, batch: RolloutBatch) -> torch.Tensor:
-        """0-dim: this batch's share of the global normaliser (sum it over micro-batches and ranks)."""
-        return loss_normalizer(self.loss_mask(batch), self.agg)
+    def normalizer(self, inputs: LossInput) -> torch.Tensor:
+        """0-dim: this micro-batch's share of the global normaliser (sum it over micro-batches and ranks)."""
+        return loss_normalizer(self.loss_mask(inputs), self.settings.agg)
 
-    def __call__(self, logp: torch.Tensor, entropy: Optional[torch.Tensor], microbatch: RolloutBatch, num_tokens):
-        for name in ("old_logp", "advantages") + (("engine_logp",) if self.tis_cap is not None else ()):
-            if getattr(microbatch, name) is None:
-                raise ValueError(f"the micro-batch has no {name}; the step must fill RolloutBatch.{name} before "
-                                 "the update" + (" (or disable TIS: tis_cap=None)" if name == "engine_logp" else ""))
-        mask = self.loss_mask(microbatch)
+    def __call__(self, logp: torch.Tensor, entropy: Optional[torch.Tensor], inputs: LossInput, norm):
+        inputs, s = _as_input(inputs), self.settings
+        if s.tis_cap is not None and inputs.engine_logp is None:
+            raise ValueError("the micro-batch has no engine_logp; the step must fill RolloutBatch.engine_logp "
+                             "before the update (or disable TIS: tis_cap=None)")
+        mask = self.loss_mask(inputs)
         is_weights = None
-        if self.tis_cap is not None:
-            is_weights = truncated_is_weights(microbatch.old_logp, microbatch.engine_logp, mask, self.tis_cap)
-        token_mode = self.agg == "token-mean"
+        if s.tis_cap is not None:
+            is_weights = truncated_is_weights(inputs.old_logp, inputs.engine_logp, mask, float(s.tis_cap))
+        token_mode = s.agg == "token-mean"
         loss, metrics = dapo_policy_loss(
-            logp, microbatch.old_logp, microbatch.advantages, mask, eps_low=self.eps_low, eps_high=self.eps_high,
-            clip_c=self.clip_c, num_tokens=num_tokens if token_mode else None, agg=self.agg, is_weights=is_weights,
-            num_seqs=None if token_mode else num_tokens, max_len=self.max_len)
+            logp, inputs.old_logp, inputs.advantages, mask, eps_low=float(s.eps_low), eps_high=float(s.eps_high),
+            clip_c=None if s.clip_c is None else float(s.clip_c), num_tokens=norm if token_mode else None,
+            agg=s.agg, is_weights=is_weights, num_seqs=None if token_mode else norm,
+            max_new_tokens=self.max_new_tokens)
         valid = mask.bool()
 
         def avg(x):
-            return _metric_mean(x.float(), valid, self.agg, num_tokens)
+            return _metric_mean(x.float(), valid, s.agg, norm)
 
         metrics["token_prob"] = avg(logp.detach().float().exp())
         if entropy is not None:
             metrics["entropy"] = avg(entropy)
         if is_weights is not None:
             metrics["is_weight_mean"] = avg(is_weights)
-        if microbatch.engine_logp is not None:
-            metrics["logp_mismatch"] = avg(_mismatch_per_token(microbatch.engine_logp, microbatch.old_logp, valid))
-        if self.overlong_filter:
-            metrics["overlong_filtered"] = microbatch.truncated.float().sum()
+        if inputs.engine_logp is not None:
+            metrics["logp_mismatch"] = avg(_mismatch_per_token(inputs.engine_logp, inputs.old_logp, valid))
+        if s.overlong_filter:
+            metrics["overlong_filtered"] = inputs.truncated.float().sum()
         return loss, metrics
 
 
-def make_loss_fn(*, eps_low: float, eps_high: float, clip_c: Optional[float] = None, agg: str = "token-mean",
-                 max_len: Optional[int] = None, overlong_filter: bool = False,
-                 tis_cap: Optional[float] = None) -> DAPOLossFn:
-    """The DAPO loss as a ``LossFn`` for ``Policy.train_step`` (see DAPOLossFn for the normaliser convention).
+def _as_input(inputs) -> LossInput:
+    """A ``LossInput``; a core-layout RolloutBatch micro-batch is converted (``LossInput.of``), for the policies
+    that still hand the loss their micro-batch."""
+    return LossInput.of(inputs) if isinstance(inputs, RolloutBatch) else inputs
 
-    eps_low/eps_high: decoupled clip (paper 0.2/0.28; equal values give the symmetric-clip baseline);
-    clip_c: dual-clip constant (> 1) or None; agg: one of AGG_MODES; max_len: the constant of
-    "seq-mean-token-sum-norm"; overlong_filter: mask truncated samples out of the loss and the normaliser;
-    tis_cap: truncated importance sampling against ``engine_logp`` with this cap, or None.
-    """
-    return DAPOLossFn(eps_low=eps_low, eps_high=eps_high, clip_c=clip_c, agg=agg, max_len=max_len,
-                      overlong_filter=overlong_filter, tis_cap=tis_cap)
+
+def make_loss_fn(*, eps_low: float, eps_high: float, clip_c: Optional[float] = None, agg: str = "token-mean",
+                 max_new_tokens: Optional[int] = None, overlong_filter: bool = False,
+                 tis_cap: Optional[float] = None) -> DAPOLossFn:
+    """The DAPO loss with the optional techniques off unless named (tests and small scripts; a run builds its loss
+    from the algorithm block: core/settings.build_loss). Arguments: the fields of core/settings.LossSettings, and
+    ``max_new_tokens`` the generation cap (the constant of "seq-mean-token-sum-norm")."""
+    return DAPOLossFn(LossSettings(eps_low=eps_low, eps_high=eps_high, clip_c=clip_c, agg=agg,
+                                   overlong_filter=overlong_filter, tis_cap=tis_cap), max_new_tokens=max_new_tokens)

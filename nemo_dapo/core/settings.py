@@ -8,7 +8,7 @@ the nested blocks: ``dynamic_sampling.max_age``, ``overlong.l_cache``), and then
   * :func:`problems` lists what cannot train, as ``(field, message)`` pairs; each validator prefixes its own key
     (the CLI's ``local/config.py``, the NeMo-free ``cluster/config_validate.py``), so the rules live once, here;
   * :func:`from_values` builds :class:`AlgorithmSettings` (every field required: the defaults live in the YAML);
-  * :func:`build_algorithm` returns ``(LoopSettings, BatchFiller, DAPOLossFn)``.
+  * :func:`build_loop_parts` returns ``(LoopSettings, BatchFiller, DAPOLossFn)``; :func:`build_loss` the loss alone.
 
 Names follow the paper: eps_low / eps_high (decoupled clip), G = group_size, L_max / L_cache (soft overlong
 punishment, eq. 13). Importing this module loads no torch (the validators run without it); the builder imports the
@@ -66,7 +66,7 @@ class OverlongSettings:
 
 @dataclass(frozen=True)
 class LossSettings:
-    """The clipped policy-gradient loss (core/loss.make_loss_fn): the part of the block the actor needs alone."""
+    """The clipped policy-gradient loss (core/loss.DAPOLossFn holds it): the part of the block the actor needs alone."""
     eps_low: float
     eps_high: float
     clip_c: Optional[float]
@@ -211,35 +211,34 @@ def _raise(found: list, where: str) -> None:
 
 # ---- the builder -------------------------------------------------------------------------------------------------
 def build_loss(loss: LossSettings, *, max_new_tokens: int):
-    """``core.loss.make_loss_fn`` from ``loss``; ``max_new_tokens`` is seq-mean-token-sum-norm's constant."""
-    from nemo_dapo.core.loss import make_loss_fn
+    """The loss of the block, built once: ``core.loss.DAPOLossFn`` holding ``loss`` as given (a new loss option is a
+    field of LossSettings that DAPOLossFn reads; nothing between them copies fields); ``max_new_tokens`` is the
+    generation cap, the constant of seq-mean-token-sum-norm."""
+    from nemo_dapo.core.loss import DAPOLossFn
 
-    return make_loss_fn(eps_low=float(loss.eps_low), eps_high=float(loss.eps_high),
-                        clip_c=None if loss.clip_c is None else float(loss.clip_c), agg=loss.agg,
-                        max_len=int(max_new_tokens), overlong_filter=bool(loss.overlong_filter),
-                        tis_cap=None if loss.tis_cap is None else float(loss.tis_cap))
+    return DAPOLossFn(loss, max_new_tokens=int(max_new_tokens))
 
 
-def build_algorithm(a: AlgorithmSettings, *, train_batch_size: int, mini_batch_size: int, ppo_epochs: int,
-                    shuffle_minibatches: bool, max_new_tokens: int, temperature: float, top_p: float, seed: int,
-                    streaming: bool, on_filler_full: str) -> tuple:
-    """``(LoopSettings, BatchFiller, loss_fn)`` for the step loop (core/loop.DAPOLoop).
+def build_loop_parts(a: AlgorithmSettings, *, train_batch_size: int, mini_batch_size: int, ppo_epochs: int,
+                     shuffle_minibatches: bool, max_new_tokens: int, temperature: float, top_p: float, seed: int,
+                     streaming: bool, on_filler_full: str) -> tuple:
+    """``(LoopSettings, BatchFiller, loss_fn)`` for the step loop (core/loop.DAPOLoop), from the algorithm block
+    and each path's batch and rollout keys.
 
     ``train_batch_size``: prompt groups per rollout step; ``mini_batch_size``: samples per optimizer update; the
-    rollout numbers (cap, temperature, top_p, streaming) come from each path's own generation keys."""
+    rollout numbers (``max_new_tokens`` the generation cap, temperature, top_p, streaming) come from each path's own
+    generation keys. The loop and the loss hold the block's sub-settings as they are (no field is renamed)."""
     from nemo_dapo.core.dynamic_sampling import BatchFiller
     from nemo_dapo.core.loop import LoopSettings
 
     _raise(problems(flatten(a), max_new_tokens), "AlgorithmSettings")
-    ov, ds, sh = a.overlong, a.dynamic_sampling, a.skip_history
+    ds = a.dynamic_sampling
     settings = LoopSettings(group_size=a.group_size, mini_batch_size=int(mini_batch_size),
                             max_new_tokens=int(max_new_tokens), ppo_epochs=int(ppo_epochs),
-                            temperature=float(temperature), top_p=float(top_p), overlong_shaping=ov.enabled,
-                            l_cache=ov.l_cache, l_max=ov.l_max, overlong_penalty_factor=float(ov.penalty_factor),
-                            adv_eps=float(a.adv_eps), scale_by_std=a.scale_by_std,
+                            temperature=float(temperature), top_p=float(top_p), adv_eps=float(a.adv_eps),
+                            scale_by_std=a.scale_by_std, overlong=a.overlong, skip_history=a.skip_history,
                             shuffle_minibatches=bool(shuffle_minibatches), seed=int(seed), streaming=bool(streaming),
-                            on_filler_full=on_filler_full, skip_history=sh.enabled,
-                            skip_prob=float(sh.skip_prob), skip_max=int(sh.max_skips))
+                            on_filler_full=on_filler_full)
     filler = BatchFiller(int(train_batch_size), enabled=ds.enabled, max_gen_batches=ds.max_gen_batches,
                          on_budget_exhausted=ds.on_budget_exhausted, max_age=ds.max_age,
                          gen_batch_size=ds.gen_batch_size, adaptive=ds.adaptive,

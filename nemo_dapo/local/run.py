@@ -40,7 +40,7 @@ from nemo_dapo.core.loop import DAPOLoop
 from nemo_dapo.core.loop_data import PromptSampler
 from nemo_dapo.core.loop_eval import EvalResult, evaluate
 from nemo_dapo.core.reward import RuleReward
-from nemo_dapo.core.settings import build_algorithm as core_build_algorithm, from_values
+from nemo_dapo.core.settings import build_loop_parts, from_values
 from nemo_dapo.engines.base import EngineError
 from nemo_dapo.local.policy import LocalPolicy
 from nemo_dapo.local.run_dir import (DIVERGED_FILE, RunDirLock, RunInterrupted, StopSignals, check_diverged,
@@ -66,17 +66,17 @@ def set_threads(threads: Optional[int]) -> int:
     return n
 
 
-def build_algorithm(cfg: Config) -> tuple:
-    """``(LoopSettings, BatchFiller, loss_fn)`` from the algorithm block (core/settings.build_algorithm, the builder
+def local_loop_parts(cfg: Config) -> tuple:
+    """``(LoopSettings, BatchFiller, loss_fn)`` from the algorithm block (core/settings.build_loop_parts, the builder
     the NeMo-Aligner path calls too) and this config's batch and rollout keys."""
     from nemo_dapo.local.config import algorithm_values
 
     t, r = cfg.trainer, cfg.rollout
-    return core_build_algorithm(from_values(algorithm_values(cfg)), train_batch_size=t.train_batch_size,
-                                mini_batch_size=t.mini_batch_size, ppo_epochs=t.ppo_epochs,
-                                shuffle_minibatches=t.shuffle_minibatches, max_new_tokens=r.max_new_tokens,
-                                temperature=r.temperature, top_p=r.top_p, seed=cfg.seed, streaming=r.streaming,
-                                on_filler_full=r.on_filler_full)
+    return build_loop_parts(from_values(algorithm_values(cfg)), train_batch_size=t.train_batch_size,
+                            mini_batch_size=t.mini_batch_size, ppo_epochs=t.ppo_epochs,
+                            shuffle_minibatches=t.shuffle_minibatches, max_new_tokens=r.max_new_tokens,
+                            temperature=r.temperature, top_p=r.top_p, seed=cfg.seed, streaming=r.streaming,
+                            on_filler_full=r.on_filler_full)
 
 
 def build_reward(cfg: Config, tokenizer) -> RuleReward:
@@ -106,7 +106,7 @@ class LocalRun:
             self.engine = EngineRollouts(cfg, self.model, self.tokenizer, self.policy)
             self.sampler = self.engine.generator
         self.reward = build_reward(cfg, self.tokenizer)
-        settings, filler, loss_fn = build_algorithm(cfg)
+        settings, filler, loss_fn = local_loop_parts(cfg)
         self.loop = DAPOLoop(policy=self.policy, generator=self.sampler, reward_fn=self.reward, loss_fn=loss_fn,
                              prompts=self.train_set, filler=filler, settings=settings,
                              sampler=PromptSampler(len(self.train_set), seed=cfg.seed),

@@ -25,8 +25,8 @@ def test_loop_settings_follow_the_paper_recipe():
     from nemo_dapo.aligner.trainer import build_algorithm
 
     s = build_algorithm(*_cfgs())[0]
-    assert (s.group_size, s.mini_batch_size, s.max_new_tokens, s.l_cache, s.seed) == (16, 512, 20480, 4096, 3)
-    assert s.overlong_shaping and s.temperature == 1.0
+    assert (s.group_size, s.mini_batch_size, s.max_new_tokens, s.overlong.l_cache, s.seed) == (16, 512, 20480, 4096, 3)
+    assert s.overlong.enabled and s.temperature == 1.0
 
 
 def test_overlong_l_max_must_be_the_generation_cap():
@@ -85,7 +85,7 @@ from nemo_dapo.aligner.actor import loss_fn_from_cfg
 from nemo_dapo.cluster.config_validate import ConfigError, load_config
 model = load_config(None, ["model.dapo.algorithm.clip_c=3.0"]).model
 loss = loss_fn_from_cfg(model)
-print("LOSS", loss.eps_low, loss.eps_high, loss.clip_c, loss.agg, loss.max_len)
+print("LOSS", loss.settings.eps_low, loss.settings.eps_high, loss.settings.clip_c, loss.settings.agg, loss.max_new_tokens)
 del model.dapo.algorithm["clip_c"]
 try:
     loss_fn_from_cfg(model)

@@ -13,7 +13,8 @@ from nemo_dapo.core.loop_data import PromptSampler, PromptSet, balanced_split
 from nemo_dapo.core.loop_eval import evaluate
 from nemo_dapo.core.loss import make_loss_fn
 from nemo_dapo.core.overlong import soft_overlong_penalty
-from nemo_dapo.core.types import Generation, RolloutBatch
+from nemo_dapo.core.types import Generation, LossInput, RolloutBatch
+from tests.support.loop_settings import loop_settings
 
 EOS, PAD = 2, 0
 
@@ -72,7 +73,7 @@ class FakePolicy:
 
     def train_step(self, minibatch, *, num_tokens, loss_fn):
         logp = minibatch.old_logp.clone().requires_grad_()
-        loss, metrics = loss_fn(logp, torch.ones_like(logp), minibatch, num_tokens)
+        loss, metrics = loss_fn(logp, torch.ones_like(logp), LossInput.of(minibatch), num_tokens)
         loss.backward()
         self.calls.append((minibatch, num_tokens))
         skipped = len(self.calls) in self.skip_calls
@@ -100,8 +101,8 @@ def make_loop(*, groups=4, group_size=4, mini=8, epochs=1, ds=False, max_new_tok
               on_budget_exhausted="train_partial", **settings):
     policy = policy or FakePolicy()
     generator = generator or FakeGenerator(policy=policy)
-    s = LoopSettings(group_size=group_size, mini_batch_size=mini, max_new_tokens=max_new_tokens, ppo_epochs=epochs,
-                     l_cache=4, seed=seed, **settings)
+    s = loop_settings(group_size=group_size, mini_batch_size=mini, max_new_tokens=max_new_tokens, ppo_epochs=epochs,
+                      seed=seed, **settings)
     filler = BatchFiller(groups, enabled=ds, max_gen_batches=max_gen_batches, on_budget_exhausted=on_budget_exhausted)
     loss = loss or make_loss_fn(eps_low=0.2, eps_high=0.28, clip_c=10.0)
     return DAPOLoop(policy=policy, generator=generator, reward_fn=fake_reward, loss_fn=loss,
@@ -226,9 +227,12 @@ def test_resume_from_state_dict_gives_the_same_metrics():
 
 def test_settings_and_rank_errors_name_the_setting():
     with pytest.raises(ValueError, match="mini_batch_size"):
-        LoopSettings(group_size=2, mini_batch_size=0, max_new_tokens=8)
-    with pytest.raises(ValueError, match="l_cache"):
-        LoopSettings(group_size=2, mini_batch_size=4, max_new_tokens=8, l_cache=9)
+        loop_settings(group_size=2, mini_batch_size=0, max_new_tokens=8)
+    # the block's own rule (core/settings.problems), against the cap that a null l_max stands for
+    with pytest.raises(ValueError, match=r"LoopSettings.overlong.l_cache must be an integer in \(0, l_max=8\)"):
+        loop_settings(group_size=2, mini_batch_size=4, max_new_tokens=8, overlong={"l_cache": 9})
+    with pytest.raises(TypeError):  # no field has a default here: the YAML holds them
+        LoopSettings(group_size=2, mini_batch_size=4, max_new_tokens=8)
 
     class TwoRanks:
         rank, world_size = 0, 2
@@ -408,7 +412,7 @@ def _skip_loop(**kw):
     prompts = PromptSet([[1, 10 + i] for i in range(n)], [str(i) for i in range(n)], pad_id=PAD)
     gen = RecordingGenerator(correct_prompts=[10 + i for i in range(0, n, 2)])  # even prompts: always all-correct
     loop = make_loop(ds=True, groups=3, group_size=4, mini=12, prompts=prompts, generator=gen,
-                     skip_history=True, skip_prob=0.9, skip_max=2, **kw)
+                     skip_history={"enabled": True, "skip_prob": 0.9, "max_skips": 2}, **kw)
     return loop, gen
 
 

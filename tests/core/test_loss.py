@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -5,9 +6,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nemo_dapo.core.loss import (AGG_MODES, METRIC_REDUCTION, dapo_policy_loss, logp_mismatch, loss_normalizer,
-                                 make_loss_fn, truncated_is_weights)
-from nemo_dapo.core.types import RolloutBatch
+from nemo_dapo.core.loss import (AGG_MODES, METRIC_REDUCTION, DAPOLossFn, dapo_policy_loss, logp_mismatch,
+                                 loss_normalizer, make_loss_fn, truncated_is_weights)
+from nemo_dapo.core.settings import LossSettings, build_loss
+from nemo_dapo.core.types import LossFn, LossInput, RolloutBatch
 
 CLIP = dict(eps_low=0.2, eps_high=0.28)
 
@@ -15,7 +17,7 @@ CLIP = dict(eps_low=0.2, eps_high=0.28)
 def run(logp, old_logp, adv, mask, agg="token-mean", **kw):
     """Loss over one micro-batch that is the whole step (normaliser from the mask itself)."""
     n = loss_normalizer(mask, agg)
-    args = dict(CLIP, agg=agg, max_len=mask.shape[1])
+    args = dict(CLIP, agg=agg, max_new_tokens=mask.shape[1])
     args.update(kw)
     if agg == "token-mean":
         return dapo_policy_loss(logp, old_logp, adv, mask, num_tokens=n, **args)
@@ -152,7 +154,7 @@ def split_loss(logp_values, old, adv, mask, agg, parts):
         width = int(mask[rows].sum(-1).max().item()) if len(rows) else 0
         cols = slice(0, width)
         loss, m = dapo_policy_loss(logp[rows][:, cols], old[rows][:, cols], adv[rows], mask[rows][:, cols], **CLIP,
-                                   clip_c=3.0, agg=agg, num_tokens=norm, num_seqs=norm, max_len=mask.shape[1])
+                                   clip_c=3.0, agg=agg, num_tokens=norm, num_seqs=norm, max_new_tokens=mask.shape[1])
         total = total + loss
         metrics.append(m)
     total.backward()
@@ -200,14 +202,14 @@ def test_all_masked_micro_batch_adds_exactly_zero(agg):
     logp = torch.full((2, 3), float("nan")).requires_grad_()  # garbage on padding must not leak
     old = torch.full((2, 3), 1e9)
     loss, m = dapo_policy_loss(logp, old, torch.tensor([1.0, -1.0]), torch.zeros(2, 3), **CLIP, clip_c=3.0,
-                               agg=agg, num_tokens=7, num_seqs=3, max_len=3)
+                               agg=agg, num_tokens=7, num_seqs=3, max_new_tokens=3)
     assert loss.item() == 0.0 and not torch.signbit(loss)
     loss.backward()
     assert torch.isfinite(logp.grad).all() and logp.grad.abs().sum() == 0
     assert m["num_tokens"].item() == 0 and m["ratio_min"].item() == math.inf
     # the whole step masked: the global normaliser is 0, the loss is still exactly 0
     loss, _ = dapo_policy_loss(logp, old, torch.zeros(2), torch.zeros(2, 3), **CLIP, agg=agg, num_tokens=0,
-                               num_seqs=0, max_len=3)
+                               num_seqs=0, max_new_tokens=3)
     assert loss.item() == 0.0
 
 
@@ -236,26 +238,24 @@ def test_is_weights_scale_each_token():
     torch.testing.assert_close(logp.grad, -w / 3)
 
 
-# ---- make_loss_fn ---------------------------------------------------------------------------------------------------
+# ---- DAPOLossFn, the LossFn of a run ---------------------------------------------------------------------------------
 
-def rollout(truncated, engine=True):
+def loss_input(truncated, engine=True) -> LossInput:
     mask = torch.tensor([[1.0, 1, 0], [1, 1, 1], [1, 0, 0]])
-    return RolloutBatch(
-        prompt_ids=torch.ones(3, 2, dtype=torch.long), prompt_mask=torch.ones(3, 2, dtype=torch.long),
-        response_ids=torch.ones(3, 3, dtype=torch.long), response_mask=mask, group_ids=torch.tensor([0, 0, 1]),
-        truncated=torch.tensor(truncated), old_logp=torch.full((3, 3), -1.0) * mask,
-        engine_logp=torch.full((3, 3), -1.5) * mask if engine else None, advantages=torch.tensor([1.0, -0.5, 2.0]))
+    return LossInput(old_logp=torch.full((3, 3), -1.0) * mask, advantages=torch.tensor([1.0, -0.5, 2.0]), mask=mask,
+                     truncated=torch.tensor(truncated),
+                     engine_logp=torch.full((3, 3), -1.5) * mask if engine else None)
 
 
 def test_loss_fn_overlong_filter_masks_truncated_rows():
-    batch = rollout([False, True, False])
+    inputs = loss_input([False, True, False])
     fn = make_loss_fn(**CLIP, clip_c=10.0, overlong_filter=True)
-    assert fn.normalizer(batch).item() == 3  # the truncated row's 3 tokens are not counted
+    assert fn.normalizer(inputs).item() == 3  # the truncated row's 3 tokens are not counted
     logp = torch.full((3, 3), -0.9, requires_grad=True)
     entropy = torch.tensor([[1.0, 2.0, 9.0], [9.0, 9.0, 9.0], [3.0, 9.0, 9.0]])
-    loss, m = fn(logp, entropy, batch, fn.normalizer(batch))
+    loss, m = fn(logp, entropy, inputs, fn.normalizer(inputs))
     kept = torch.tensor([[1.0, 1, 0], [0, 0, 0], [1, 0, 0]])
-    want, _ = dapo_policy_loss(logp, batch.old_logp, batch.advantages, kept, **CLIP, clip_c=10.0, num_tokens=3)
+    want, _ = dapo_policy_loss(logp, inputs.old_logp, inputs.advantages, kept, **CLIP, clip_c=10.0, num_tokens=3)
     torch.testing.assert_close(loss, want)
     loss.backward()
     assert logp.grad[1].abs().sum() == 0 and logp.grad[0, 0] != 0
@@ -263,43 +263,79 @@ def test_loss_fn_overlong_filter_masks_truncated_rows():
     assert m["token_prob"].item() == pytest.approx(math.exp(-0.9))
     assert m["overlong_filtered"].item() == 1
     assert m["logp_mismatch"].item() == pytest.approx(abs(math.exp(-0.5) - 1))
+    assert m["num_tokens"].item() == 3
     # without the filter the truncated row trains
     fn = make_loss_fn(**CLIP)
-    assert fn.normalizer(batch).item() == 6
+    assert fn.normalizer(inputs).item() == 6
 
 
 def test_loss_fn_all_truncated_micro_batch_adds_zero():
-    batch = rollout([True, True, True])
     fn = make_loss_fn(**CLIP, overlong_filter=True)
     logp = torch.zeros(3, 3, requires_grad=True)
-    loss, _ = fn(logp, None, batch, 5.0)  # other micro-batches of the step hold 5 tokens
+    loss, _ = fn(logp, None, loss_input([True, True, True]), 5.0)  # other micro-batches of the step hold 5 tokens
     assert loss.item() == 0.0
     loss.backward()
     assert torch.isfinite(logp.grad).all()
 
 
 def test_loss_fn_tis_and_seq_mode():
-    batch = rollout([False, False, False])
+    inputs = loss_input([False, False, False])
     logp = torch.full((3, 3), -1.0, requires_grad=True)
     fn = make_loss_fn(**CLIP, tis_cap=2.0)
-    loss, m = fn(logp, None, batch, fn.normalizer(batch))
+    assert fn.tis_cap == 2.0 and make_loss_fn(**CLIP).tis_cap is None
+    loss, m = fn(logp, None, inputs, fn.normalizer(inputs))
     w = math.exp(0.5)  # pi_old / pi_engine = exp(-1 + 1.5), under the cap
     assert loss.item() == pytest.approx(-w * (2 * 1.0 - 3 * 0.5 + 2.0) / 6)
     assert m["is_weight_mean"].item() == pytest.approx(w)
     fn = make_loss_fn(**CLIP, agg="seq-mean-token-mean")
-    assert fn.normalizer(batch).item() == 3
-    loss, _ = fn(logp, None, batch, 3.0)
+    assert fn.normalizer(inputs).item() == 3  # the seq-* normaliser counts sequences ...
+    loss, m = fn(logp, None, inputs, 3.0)
     assert loss.item() == pytest.approx(-(1.0 - 0.5 + 2.0) / 3)
+    assert m["num_tokens"].item() == 6  # ... while the num_tokens metric still counts tokens
+
+
+def test_loss_input_of_a_rollout_batch_gives_the_same_loss_and_gradient():
+    """LossInput.of (the core layout) and the adapter for a RolloutBatch micro-batch feed the loss the same rows."""
+    inputs = loss_input([False, True, False])
+    batch = RolloutBatch(prompt_ids=torch.ones(3, 2, dtype=torch.long), prompt_mask=torch.ones(3, 2, dtype=torch.long),
+                         response_ids=torch.ones(3, 3, dtype=torch.long), response_mask=inputs.mask,
+                         group_ids=torch.tensor([0, 0, 1]), truncated=inputs.truncated, old_logp=inputs.old_logp,
+                         engine_logp=inputs.engine_logp, advantages=inputs.advantages)
+    assert len(LossInput.of(batch)) == 3
+    fn = make_loss_fn(**CLIP, clip_c=10.0, overlong_filter=True, tis_cap=2.0)
+    out = []
+    for x in (inputs, LossInput.of(batch), batch):
+        logp = torch.full((3, 3), -0.7, requires_grad=True)
+        loss, _ = fn(logp, None, x, fn.normalizer(x))
+        loss.backward()
+        out.append((loss.detach(), logp.grad))
+    for loss, grad in out[1:]:
+        assert torch.equal(loss, out[0][0]) and torch.equal(grad, out[0][1])
+    batch.old_logp = None
+    with pytest.raises(ValueError, match="RolloutBatch.old_logp"):
+        LossInput.of(batch)
+
+
+def test_the_loss_is_a_loss_fn_holding_its_settings_as_built():
+    """The seam for a new loss option: the builder hands the loss the settings object unchanged, so an option is
+    a field of LossSettings that the loss reads (a toy field here; GSPO's sequence-level ratio would be one)."""
+    @dataclasses.dataclass(frozen=True)
+    class WithToyOption(LossSettings):
+        toy_option: bool = False
+
+    settings = WithToyOption(eps_low=0.2, eps_high=0.28, clip_c=None, agg="seq-mean-token-sum-norm",
+                             overlong_filter=False, tis_cap=None, toy_option=True)
+    fn = build_loss(settings, max_new_tokens=8)
+    assert isinstance(fn, LossFn) and isinstance(fn, DAPOLossFn)
+    assert fn.settings is settings and fn.settings.toy_option and fn.max_new_tokens == 8
+    with pytest.raises(TypeError, match="LossSettings"):
+        DAPOLossFn(dict(eps_low=0.2), max_new_tokens=8)
 
 
 def test_loss_fn_errors():
     with pytest.raises(ValueError, match="engine_logp"):
-        make_loss_fn(**CLIP, tis_cap=2.0)(torch.zeros(3, 3), None, rollout([False] * 3, engine=False), 6.0)
-    batch = rollout([False] * 3)
-    batch.advantages = None
-    with pytest.raises(ValueError, match="advantages"):
-        make_loss_fn(**CLIP)(torch.zeros(3, 3), None, batch, 6.0)
-    with pytest.raises(ValueError, match="max_len"):
+        make_loss_fn(**CLIP, tis_cap=2.0)(torch.zeros(3, 3), None, loss_input([False] * 3, engine=False), 6.0)
+    with pytest.raises(ValueError, match="max_new_tokens"):
         make_loss_fn(**CLIP, agg="seq-mean-token-sum-norm")
     with pytest.raises(ValueError, match="tis_cap"):
         make_loss_fn(**CLIP, tis_cap=-1.0)
@@ -312,7 +348,7 @@ def test_loss_fn_errors():
     (dict(eps_high=-0.1), "eps_high"),
     (dict(num_tokens=None), "num_tokens"),
     (dict(agg="seq-mean-token-mean"), "num_seqs"),
-    (dict(agg="seq-mean-token-sum-norm", num_seqs=2), "max_len"),
+    (dict(agg="seq-mean-token-sum-norm", num_seqs=2), "max_new_tokens"),
     (dict(advantages=torch.zeros(3)), "advantages"),
     (dict(mask=torch.ones(2, 4)), "mask"),
     (dict(is_weights=torch.ones(2)), "is_weights"),

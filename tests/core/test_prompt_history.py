@@ -118,15 +118,16 @@ def test_config_rejects_bad_skip_history_values_naming_the_key(override, pattern
 
 def test_settings_carry_skip_history_into_the_loop_settings_default_off():
     from nemo_dapo.local.config import algorithm_values, load_config
-    from nemo_dapo.core.settings import build_algorithm, from_values, problems
+    from nemo_dapo.core.settings import build_loop_parts, from_values, problems
 
     cfg = load_config("tiny_cpu", ["algorithm.dynamic_sampling.skip_history.enabled=true",
                                    "algorithm.dynamic_sampling.skip_history.max_skips=5"])
     settings = from_values(algorithm_values(cfg))
-    loop_settings, _, _ = build_algorithm(settings, train_batch_size=4, mini_batch_size=8, ppo_epochs=1,
-                                          shuffle_minibatches=True, max_new_tokens=40, temperature=1.0, top_p=1.0,
-                                          seed=0, streaming=False, on_filler_full="abort")
-    assert loop_settings.skip_history and loop_settings.skip_max == 5 and loop_settings.skip_prob == 0.5
+    loop_settings, _, _ = build_loop_parts(settings, train_batch_size=4, mini_batch_size=8, ppo_epochs=1,
+                                           shuffle_minibatches=True, max_new_tokens=40, temperature=1.0, top_p=1.0,
+                                           seed=0, streaming=False, on_filler_full="abort")
+    sh = loop_settings.skip_history
+    assert sh.enabled and sh.max_skips == 5 and sh.skip_prob == 0.5
     assert not from_values(algorithm_values(load_config("tiny_cpu"))).skip_history.enabled
     assert problems({"dynamic_sampling.skip_history.max_skips": 2.5})[0][0] == "dynamic_sampling.skip_history.max_skips"
 

@@ -15,7 +15,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from nemo_dapo.core.dynamic_sampling import BatchFiller
-from nemo_dapo.core.loop import DAPOLoop, LoopSettings
+from nemo_dapo.core.loop import DAPOLoop
 from nemo_dapo.core.loop_data import PromptSet
 from nemo_dapo.core.loss import make_loss_fn
 from nemo_dapo.core.types import Generation, RolloutBatch
@@ -23,6 +23,7 @@ from nemo_dapo.core.sampling import sample_next
 from nemo_dapo.megatron.model import GPTSpec, build_gpt_model, destroy_parallel, initialize_parallel, unwrap
 from nemo_dapo.megatron.policy import MegatronPolicy, pack_left_aligned
 from nemo_dapo.megatron.reduction import DPReducer
+from tests.support.loop_settings import loop_settings
 
 EOS, PAD, V = 2, 0, 64
 
@@ -90,7 +91,7 @@ def run(layout, spec, steps=2):
     prompts = PromptSet(prompt_ids=[torch.randint(3, V, (int(n),), generator=g).tolist()
                                     for n in torch.randint(2, 6, (16,), generator=g)],
                         ground_truths=["0"] * 16, pad_id=PAD)
-    settings = LoopSettings(group_size=4, mini_batch_size=8, max_new_tokens=6, l_cache=2, seed=5)
+    settings = loop_settings(group_size=4, mini_batch_size=8, max_new_tokens=6, overlong={"l_cache": 2}, seed=5)
     loop = DAPOLoop(policy=policy, generator=MegatronSampler(model), reward_fn=reward_fn,
                     loss_fn=make_loss_fn(eps_low=0.2, eps_high=0.28), prompts=prompts,
                     filler=BatchFiller(2, on_budget_exhausted="train_partial", max_gen_batches=3),
