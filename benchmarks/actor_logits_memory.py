@@ -9,7 +9,7 @@ and backward ``(logp * adv * mask).sum()`` (entropy logged only, as in DAPO) int
   logits  what the actor did before: megatron-core's output layer ``h @ W.T`` [S, b, V/tp], GPTModel's
           ``transpose(0, 1).contiguous()``, megatron's Float16Module cast to fp32, then
           ``vocab_parallel.vocab_parallel_logits_logprobs_entropy`` on ``logits[:, :-1]``
-  hidden  the actor now: the Float16Module's fp32 copy of h, then ``megatron.policy.hidden_logprobs_entropy``
+  hidden  the actor now: the Float16Module's fp32 copy of h, then ``megatron.step.hidden_logprobs_entropy``
           (the same function the actor calls; chunked, logits recomputed per chunk in backward)
 Peak: the torch allocator's live bytes during one fwd+bwd (profiler memory events), beyond the inputs; the
 gradients (same in both) are included. Time: median wall / CPU seconds, variants interleaved. TP=1 process group
@@ -99,7 +99,7 @@ def make_inputs(n, hid, v_local, dtype, seed=0):
 
 
 def step(variant, chunk, h, w, tokens, adv, mask):
-    from nemo_dapo.megatron.policy import hidden_logprobs_entropy
+    from nemo_dapo.megatron.step import hidden_logprobs_entropy
     from nemo_dapo.megatron.vocab_parallel import vocab_parallel_logits_logprobs_entropy
     if variant == "logits":
         logits = (h @ w.t()).transpose(0, 1).contiguous().float()  # output layer, GPTModel, Float16Module

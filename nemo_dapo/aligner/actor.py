@@ -17,7 +17,7 @@ Batch layout (NeMo-Aligner's): ``response_tokens`` [B, S] long = prompt + respon
 right-padded; per-token tensors ``mask``, ``prev_logprobs``, ``engine_logprobs`` are [B, S-1] and aligned with the
 shifted log-probs (entry t belongs to token t + 1); ``mask`` is 1 on response tokens (EOS included);
 ``advantages`` [B]; ``is_end`` [B] (1: the response ended with EOS / an end string, 0: truncated at the cap).
-``layout.pack_rollout`` / ``layout.unpack_response`` convert from / to the core layout (types.py).
+``megatron.layout.pack_rollout`` / ``unpack_response`` convert from / to the core layout (types.py).
 """
 from __future__ import annotations
 
@@ -26,21 +26,19 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mcore_ps
-from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
-from megatron.core.utils import get_model_config
 from omegaconf import DictConfig, OmegaConf
 
 from nemo_aligner.utils.distributed import broadcast_tensor_within_pp
 from nemo_aligner.utils.train_utils import set_sync_funcs
 from nemo_dapo.aligner.compat import CHECKPOINT_KEY, actor_base
-from nemo_dapo.cluster.layout import as_rollout, pad_rows
+from nemo_dapo.megatron.layout import as_rollout
 from nemo_dapo.cluster.config_validate import nemo_model_key, required
 from nemo_dapo.core.metrics import combine_metrics, reduce_over_ranks
 from nemo_dapo.core.settings import LOSS_FIELDS, LossSettings, build_loss
-from nemo_dapo.core.microbatch import plan_microbatches
 from nemo_dapo.megatron.model import gpt_layer_spec
-from nemo_dapo.megatron.policy import hidden_logprobs_entropy, hidden_states_only
-from nemo_dapo.megatron.reduction import DPReducer, agreed_microbatches, from_last_pipeline_stage, megatron_loss_scale
+from nemo_dapo.megatron.reduction import DPReducer, from_last_pipeline_stage, megatron_loss_scale
+from nemo_dapo.megatron.step import (forward_backward, hidden_logprobs_entropy, hidden_states_only, loss_share,
+                                     microbatches)
 from nemo_dapo.megatron.vocab_parallel import vocab_parallel_logits_logprobs_entropy
 
 MegatronGPTActorModel = actor_base()
@@ -54,66 +52,6 @@ def seq_len_multiple(cfg: DictConfig) -> int:
     tp = int(nemo_model_key(cfg, "tensor_model_parallel_size"))
     base = 8 * tp if bool(nemo_model_key(cfg, "sequence_parallel")) else 16
     return base * int(nemo_model_key(cfg, "context_parallel_size"))
-
-
-def pad_seq_len(batch: dict, multiple: int, pad_id: int) -> tuple:
-    """(batch, S): ``response_tokens`` [B, S] right-padded with ``pad_id`` to S' (a multiple of ``multiple``) and
-    the shifted per-token fields [B, S-1] (mask, prev/engine log-probs) with zeros to [B, S'-1], so the added
-    positions are masked out of the loss; causal attention keeps them from changing the real positions' outputs.
-    Per-row fields ([B]) are unchanged. S is the original length (log-probs are cut back to S-1)."""
-    s = batch["response_tokens"].shape[1]
-    target = -(-s // multiple) * multiple
-    if target == s:
-        return batch, s
-    out = {}
-    for k, v in batch.items():
-        if k == "response_tokens":
-            out[k] = torch.cat([v, v.new_full((v.shape[0], target - s), pad_id)], 1)
-        elif isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape[1] == s - 1:
-            out[k] = torch.cat([v, v.new_zeros((v.shape[0], target - s))], 1)
-        else:
-            out[k] = v
-    return out, s
-
-
-def row_lengths(batch: dict) -> torch.Tensor:
-    """[B] real tokens of each row: ``response_lengths`` (prompt + response, as pack_rollout writes it) when the
-    batch has it, else the full width S (nothing known: no row is trimmed)."""
-    b, s = batch["response_tokens"].shape
-    if "response_lengths" in batch:
-        return batch["response_lengths"].long().clamp(1, s)
-    return torch.full((b,), s, dtype=torch.long)
-
-
-def _take(batch: dict, rows: torch.Tensor, width: int) -> dict:
-    """Rows ``rows`` of ``batch``, its [B, S] tokens cut to ``width`` columns and [B, S-1] fields to width - 1."""
-    s = batch["response_tokens"].shape[1]
-    out = {}
-    for k, v in batch.items():
-        v = v[rows]
-        if k == "response_tokens":
-            v = v[:, :width]
-        elif v.dim() == 2 and v.shape[1] == s - 1:
-            v = v[:, :width - 1]
-        out[k] = v
-    return out
-
-
-def split_microbatches(batch: dict, groups: list, n_total: int, multiple: int, pad_id: int) -> list:
-    """One batch dict per group of row indices (core.microbatch.plan_microbatches): its rows trimmed to the group's
-    longest row and right-padded to a multiple of ``multiple`` (pad_seq_len); then all-masked filler micro-batches
-    (one row of ``multiple`` pad tokens, ended, zero mask) up to ``n_total`` (the DP-agreed count)."""
-    lengths, s = row_lengths(batch), batch["response_tokens"].shape[1]
-    out = []
-    for g in groups:
-        rows = torch.tensor(g, dtype=torch.long)
-        out.append(pad_seq_len(_take(batch, rows, max(2, int(lengths[rows].max()))), multiple, pad_id)[0])
-    if len(out) < n_total:
-        blank, _ = pad_rows({k: v[:0] for k, v in batch.items()}, 1, pad_id)
-        filler = pad_seq_len(_take(blank, torch.zeros(1, dtype=torch.long), max(2, min(s, multiple))),
-                             multiple, pad_id)[0]
-        out += [filler] * (n_total - len(out))
-    return out
 
 
 # ---- the actor -----------------------------------------------------------------------------------------------------
@@ -222,7 +160,7 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
     def _logprobs_entropy(self, out: torch.Tensor, tokens: torch.Tensor, model=None, mask=None) -> tuple:
         """fp32 (logp, entropy) [b, S-1] of tokens 1..S-1 of ``tokens`` [b, S] from the last stage's output of
         ``_forward_logprob`` on ``model``: final hidden states [S(/tp with SP), b, H] through the output-layer
-        shard, chunk by chunk (megatron.policy.hidden_logprobs_entropy), or with ``logprobs_from_logits`` logits
+        shard, chunk by chunk (megatron.step.hidden_logprobs_entropy), or with ``logprobs_from_logits`` logits
         [b, S, V/tp]. ``mask`` [b, S-1]: only positions with mask != 0 are computed (the others are 0)."""
         if self.logprobs_from_logits:
             return vocab_parallel_logits_logprobs_entropy(out[:, :-1], tokens[:, 1:],
@@ -249,82 +187,56 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
         return dict(batch, attention_mask=attention_mask, position_ids=position_ids)
 
     # ---- training ------------------------------------------------------------------------------------------------
-    def get_actor_forward_output_and_loss_func(self, loss_fn=None, num_tokens=None, scale: float = 1.0):
-        loss_fn = loss_fn or self.loss_fn
+    def _on_device(self, mb: dict) -> dict:
+        return {k: (v.cuda(non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in mb.items()}
 
-        def fwd_output_and_loss_func(data_iterator, model):
-            mb = {k: (v.cuda(non_blocking=True) if isinstance(v, torch.Tensor) else v)
-                  for k, v in next(data_iterator).items()}
-            out = self._forward_logprob(model, mb)
-
-            def loss_func(out):
-                logp, entropy = self._logprobs_entropy(out, mb["response_tokens"], model, mb["mask"])
-                loss, metrics = loss_fn(logp, entropy, as_rollout(mb), num_tokens)
-                metrics = {k: torch.as_tensor(v).detach().float() for k, v in metrics.items()}
-                metrics["loss"] = loss.detach().float()
-                # The schedule divides every micro-batch loss by num_microbatches and the DP gradient sync averages
-                # over ranks; the scale (megatron.reduction) undoes both so the gradient is that of the summed shares.
-                return loss * scale, metrics
-
-            return out, loss_func
-
-        return fwd_output_and_loss_func
-
-    def global_normalizer(self, batch: dict, loss_fn=None) -> torch.Tensor:
-        """The loss normaliser of this optimizer step: ``loss_fn.normalizer`` summed over the local rows and DP."""
-        loss_fn = loss_fn or self.loss_fn
-        local = loss_fn.normalizer(as_rollout(batch)).float().reshape(1).cuda()
-        dist.all_reduce(local, group=mcore_ps.get_data_parallel_group())
-        return local[0].cpu()
-
-    def _plan(self, batch: dict, rows: int) -> list:
-        """Groups of row indices, one per micro-batch (core.microbatch.plan_microbatches): longest rows first, at most
-        ``model.dapo.micro_batch_tokens`` rows x padded length each (null: ``rows`` rows each)."""
+    def _microbatches(self, batch: dict, rows: int) -> tuple:
+        """(groups, micro) of megatron.step.microbatches: longest rows first, at most
+        ``model.dapo.micro_batch_tokens`` rows x padded length each (null: ``rows`` rows each), padded to
+        ``seq_len_multiple``, the same count on every DP rank."""
         budget = self.cfg.dapo.get("micro_batch_tokens")
-        return plan_microbatches(row_lengths(batch).tolist(), multiple=self.seq_len_multiple,
-                                 max_tokens=None if budget is None else int(budget),
-                                 max_rows=rows if budget is None else None)
+        return microbatches(batch, multiple=self.seq_len_multiple, pad_id=self.tokenizer.eos_id,
+                            max_tokens=None if budget is None else int(budget),
+                            max_rows=rows if budget is None else None)
 
-    def _run_schedule(self, forward_step_func, microbatches: list, forward_only: bool, **kw):
-        """The Megatron schedule over ``microbatches`` (dicts of different shapes). With pipeline parallelism the
-        stages exchange activation shapes before each transfer (``variable_seq_lengths``), as the shapes change."""
-        config = get_model_config(self.model[0] if isinstance(self.model, list) else self.model)
-        saved = config.variable_seq_lengths
-        config.variable_seq_lengths = saved or mcore_ps.get_pipeline_model_parallel_world_size() > 1
-        try:
-            return get_forward_backward_func()(
-                forward_step_func=forward_step_func,
-                data_iterator=self._make_data_iterator_list(iter([self._with_masks(mb) for mb in microbatches])),
-                model=self.model, num_microbatches=len(microbatches), forward_only=forward_only,
-                seq_length=max(mb["response_tokens"].shape[1] for mb in microbatches),
-                micro_batch_size=max(mb["response_tokens"].shape[0] for mb in microbatches), **kw)
-        finally:
-            config.variable_seq_lengths = saved
+    def _schedule(self, forward, micro: list, forward_only: bool, **kw) -> list:
+        """megatron.step.forward_backward with NeMo's masks, sync functions and per-chunk data iterators."""
+        set_sync_funcs(self, forward_only)
+        return forward_backward(self.model, forward, micro, forward_only=forward_only,
+                                data_iterator=self._make_data_iterator_list(iter([self._with_masks(mb)
+                                                                                  for mb in micro])), **kw)
 
     def get_loss_and_metrics(self, batch: dict, forward_only: bool, *, num_tokens=None, loss_fn=None,
                              reduce_over_dp: bool = True):
         """(loss, metrics) of one optimizer step's local share ``batch`` (any number of rows, including 0).
 
-        Micro-batches: see ``_plan`` (rows sorted by ``response_lengths``, each group padded only to its own longest
-        row, rounded to ``seq_len_multiple``); every DP rank runs the same number (filler micro-batches).
+        Micro-batches: see ``_microbatches`` (rows sorted by ``response_lengths``, each group padded only to its own
+        longest row, rounded to ``seq_len_multiple``); every DP rank runs the same number (filler micro-batches).
         ``num_tokens``: the global normaliser (computed here over DP when None). Metrics are combined over
         micro-batches as core.loss.METRIC_REDUCTION says, over DP when ``reduce_over_dp`` (else they are this DP
         rank's shares), and returned on every rank. ``loss`` is the step's loss (the DAPO objective of the global
         batch when reduced over DP, else this rank's share of it).
         """
         loss_fn = loss_fn or self.loss_fn
-        groups = self._plan(batch, int(self.cfg.micro_batch_size))
-        num_microbatches = agreed_microbatches(len(groups))
-        micro = split_microbatches(batch, groups, num_microbatches, self.seq_len_multiple, self.tokenizer.eos_id)
+        _, micro = self._microbatches(batch, int(self.cfg.micro_batch_size))
         if num_tokens is None:  # the normaliser is additive over rows, and filler rows add nothing
             num_tokens = torch.stack([loss_fn.normalizer(as_rollout(mb)).float() for mb in micro]).sum().reshape(1)
             num_tokens = num_tokens.cuda()
             dist.all_reduce(num_tokens, group=mcore_ps.get_data_parallel_group())
             num_tokens = num_tokens[0].cpu()
-        scale = megatron_loss_scale(num_microbatches)
-        set_sync_funcs(self, forward_only)
-        per_mb = self._run_schedule(self.get_actor_forward_output_and_loss_func(loss_fn, num_tokens, scale), micro,
-                                    forward_only)
+        scale = megatron_loss_scale(len(micro))
+
+        def forward(mb, model):
+            mb = self._on_device(mb)
+            out = self._forward_logprob(model, mb)
+
+            def loss_func(out):
+                logp, entropy = self._logprobs_entropy(out, mb["response_tokens"], model, mb["mask"])
+                return loss_share(loss_fn, logp, entropy, mb, num_tokens, scale)
+
+            return out, loss_func
+
+        per_mb = self._schedule(forward, micro, forward_only)
         metrics = self._combine_metrics(per_mb, reduce_over_dp)
         return metrics["loss"], metrics
 
@@ -340,9 +252,27 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
         return from_last_pipeline_stage(out)
 
     # ---- old log-probs -------------------------------------------------------------------------------------------
-    def _logprob_entropy_func(self):
-        def fwd(data_iterator, model):
-            mb = {k: v.cuda(non_blocking=True) for k, v in next(data_iterator).items()}
+    @torch.no_grad()
+    def get_logprobs_and_entropy(self, response_tokens: torch.Tensor, forward_micro_batch_size: Optional[int] = None,
+                                 lengths: Optional[torch.Tensor] = None):
+        """fp32 (logp, entropy), each [B, S-1], of tokens 1..S-1 of ``response_tokens`` [B, S]; on every rank.
+
+        ``lengths`` [B] (optional): real tokens of each row; positions t >= lengths[b] - 1 are then not computed
+        (0). Micro-batches as in training (``_microbatches`` with ``forward_micro_batch_size`` rows when there is no
+        token budget). The same forward and log-prob code as the loss (so the first update of a step has ratio
+        exactly 1).
+        """
+        fmbs = int(forward_micro_batch_size or self.forward_micro_batch_size)
+        n, s = response_tokens.shape
+        batch = {"response_tokens": response_tokens}
+        if lengths is not None:
+            batch["response_lengths"] = lengths
+        groups, micro = self._microbatches(batch, fmbs)
+        for mb in micro:
+            mb.pop("response_lengths", None)
+
+        def forward(mb, model):
+            mb = self._on_device(mb)
             out = self._forward_logprob(model, mb)
 
             def collect(out, non_loss_data=True):
@@ -351,29 +281,7 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
 
             return out, collect
 
-        return fwd
-
-    @torch.no_grad()
-    def get_logprobs_and_entropy(self, response_tokens: torch.Tensor, forward_micro_batch_size: Optional[int] = None,
-                                 lengths: Optional[torch.Tensor] = None):
-        """fp32 (logp, entropy), each [B, S-1], of tokens 1..S-1 of ``response_tokens`` [B, S]; on every rank.
-
-        ``lengths`` [B] (optional): real tokens of each row; positions t >= lengths[b] - 1 are then not computed
-        (0). Micro-batches as in training (``_plan`` with ``forward_micro_batch_size`` rows when there is no token
-        budget). The same forward and log-prob code as the loss (so the first update of a step has ratio exactly 1).
-        """
-        fmbs = int(forward_micro_batch_size or self.forward_micro_batch_size)
-        n, s = response_tokens.shape
-        batch = {"response_tokens": response_tokens}
-        if lengths is not None:
-            batch["response_lengths"] = lengths
-        groups = self._plan(batch, fmbs)
-        micro = split_microbatches(batch, groups, agreed_microbatches(len(groups)), self.seq_len_multiple,
-                                   self.tokenizer.eos_id)
-        for mb in micro:
-            mb.pop("response_lengths", None)
-        set_sync_funcs(self, forward_only=True)
-        out = self._run_schedule(self._logprob_entropy_func(), micro, True, collect_non_loss_data=True)
+        out = self._schedule(forward, micro, True, collect_non_loss_data=True)
         stacked = None
         if mcore_ps.is_pipeline_last_stage():
             stacked = torch.zeros(2, n, max(s - 1, 0), dtype=torch.float32)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_dapo.cluster.config_validate import nemo_model_key, required
-from nemo_dapo.cluster.layout import pack_tokens
+from nemo_dapo.megatron.layout import pack_tokens
 from nemo_dapo.aligner.legacy_export import (TPPaddedVocab, attention_bias_overrides, banned_ids_list,
                                              engine_config_overrides, with_zero_dense_bias)
 from nemo_dapo.core.packing import cut_responses

@@ -5,10 +5,12 @@ Modules (import them directly; this package imports nothing so that ``import nem
 * ``vocab_parallel``  taken-token log-prob and entropy from the TP-sharded output layer, no vocabulary gather
 * ``reduction``       exact token-level loss scaling under megatron's schedules and DDP; global token counts;
                       ``DPReducer`` (the loop's Reducer over the data-parallel group)
-* ``policy``          ``MegatronPolicy``: the core ``Policy`` protocol on a GPTModel (TP, PP, EP, DP)
+* ``step``            one training step: micro-batches of the packed layout, the schedule, the loss share, the
+                      skip decision (the NeMo actor and the tests' bare-GPTModel policy both run it)
+* ``layout``          the actor's packed rows <-> the core RolloutBatch; filler rows
 * ``refit_gather``    expert-aware, bucketed weight gather for a rollout engine with its own TP size
 * ``refit_hf``        the whole model as bounded buckets of (HF name, tensor) for an engine's weight update
-* ``model``           a small GPTModel from a plain ``GPTSpec``; the sharded <-> full parameter map
+* ``model``           the GPT layer spec (QK-norm); the sharded <-> full parameter map
 * ``convert``         Hugging Face Llama / Qwen2 / Mixtral / Qwen2-MoE / Qwen3 / Qwen3-MoE <-> megatron-core state
                       dicts (torch only)
 * ``convert_shard``   TP / PP / EP sharding and merging of converted state dicts (torch only)

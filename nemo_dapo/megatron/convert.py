@@ -356,38 +356,13 @@ def _to_hf(rule: Rule, tensor: torch.Tensor, arch: HFArch) -> tuple:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# whole state dicts
+# megatron -> HF, tensor by tensor
 # ---------------------------------------------------------------------------------------------------------------
 
-def hf_to_megatron(hf_state: Mapping, hf_config, *, padded_vocab: int | None = None, spec: str = "local") -> dict:
-    """Single-rank megatron state dict from a HF state dict (``model.state_dict()`` or the checkpoint's tensors).
-
-    ``padded_vocab``: rows of the embedding / output layer after zero padding (default: no padding). With tied
-    embeddings ``lm_head.weight`` may be present but must equal the embedding. Every HF tensor must be used: an
-    unknown key is an error (a config / checkpoint mismatch), as is a missing one. Tensors that need no
-    rearranging (norms, ``o_proj``, ``down_proj``, the router) are the HF tensors themselves, not copies.
-    """
-    arch = hf_arch(hf_config)
-    padded_vocab = check_padded_vocab(arch, padded_vocab)
-    out, used = {}, set()
-    for rule in conversion_rules(arch, spec):
-        out[rule.mc] = megatron_tensor(rule, hf_state, arch, padded_vocab)
-        used.update(rule.hf)
-    if arch.tied and "lm_head.weight" in hf_state:
-        if not torch.equal(hf_state["lm_head.weight"], hf_state["model.embed_tokens.weight"]):
-            raise ValueError("hf_to_megatron: hf_config.tie_word_embeddings=True but lm_head.weight differs from "
-                             "model.embed_tokens.weight; fix the config")
-        used.add("lm_head.weight")
-    unused = sorted(set(hf_state) - used)
-    if unused:
-        raise KeyError(f"hf_to_megatron: HF tensors not covered by the {arch.family} map: {unused[:8]}"
-                       f"{' ...' if len(unused) > 8 else ''}")
-    return out
-
-
 def megatron_to_hf_items(items: Iterable, hf_config, *, spec: str = "local") -> Iterator:
-    """Stream form of :func:`megatron_to_hf`: (megatron full name, tensor) -> (HF name, tensor) pairs, one megatron
-    tensor at a time (e.g. on a refit stream). ``_extra_state`` entries are skipped; unknown names are an error."""
+    """HF tensors of megatron ones: (megatron full name, tensor) -> (HF name, tensor) pairs, one megatron tensor
+    at a time (a refit stream, a checkpoint export; un-padded vocabulary, no ``lm_head.weight`` when tied).
+    ``_extra_state`` entries are skipped; unknown names are an error."""
     arch = hf_arch(hf_config)
     by_name = {rule.mc: rule for rule in conversion_rules(arch, spec)}
     tied_output = "output_layer.weight" if arch.tied else None
@@ -398,15 +373,3 @@ def megatron_to_hf_items(items: Iterable, hf_config, *, spec: str = "local") -> 
         if rule is None:
             raise KeyError(f"megatron_to_hf: {name!r} is not a tensor of the {arch.family} map (spec={spec!r})")
         yield from zip(rule.hf, _to_hf(rule, tensor, arch))
-
-
-def megatron_to_hf(mc_state: Mapping, hf_config, *, spec: str = "local") -> dict:
-    """HF state dict (un-padded vocabulary, as ``save_pretrained`` writes it: no ``lm_head.weight`` when tied)
-    from a single-rank megatron state dict. Every megatron tensor of the map must be present."""
-    arch = hf_arch(hf_config)
-    missing = [r.mc for r in conversion_rules(arch, spec) if r.mc not in mc_state]
-    if missing:
-        raise KeyError(f"megatron_to_hf: {missing[:8]} missing from the megatron state dict; merge the shards "
-                       "first (convert_shard.merge_state_dicts) or check spec=")
-    return dict(megatron_to_hf_items(mc_state.items(), hf_config, spec=spec))
-

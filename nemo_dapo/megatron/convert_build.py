@@ -1,6 +1,6 @@
 """The megatron-core GPTModel (local spec) that matches a Hugging Face config, for the current parallel state.
 
-Pair with ``convert.hf_to_megatron`` + ``convert_shard.shard_state_dict``: the per-rank state dict loads into this
+Pair with ``convert_shard.hf_to_megatron_shard``: the per-rank state dict loads into this
 model with ``load_state_dict(strict=True)``. Version notes: megatron-core 0.10.0's local spec asks for Transformer
 Engine when given experts (NameError), so its MoE block is rebuilt with ``use_te=False``; its TransformerConfig has
 no ``moe_shared_expert_gate`` (0.11+), so the gate is switched on in the shared-expert spec instead.

@@ -1,6 +1,6 @@
-"""Cut a single-rank megatron-core GPTModel state dict into the per-rank state dicts of a TP x PP x EP layout, and
-merge them back. Torch only: the split rules come from the parameter names, not from a built model.
-``hf_to_megatron_shard`` converts a HF checkpoint straight into one rank's state dict, reading only its tensors.
+"""The per-rank state dicts of a TP x PP x EP layout: ``hf_to_megatron_shard`` converts a HF checkpoint straight
+into one rank's state dict, reading only its tensors; ``tp_shard`` / ``tp_unshard`` cut and join one tensor. Torch
+only: the split rules come from the parameter names, not from a built model.
 
 Per-rank names are those of ``GPTModel.state_dict()`` on that rank (local layer and expert indices; no
 ``_extra_state`` entries: megatron's linears fill those in on load). Rules, for the local (and TE) spec names of
@@ -21,7 +21,6 @@ Per-rank names are those of ``GPTModel.state_dict()`` on that rank (local layer 
 from __future__ import annotations
 
 import re
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
@@ -72,16 +71,21 @@ def tp_split_rule(name: str, gated: bool = True) -> tuple:
 
 def tp_shard(full: torch.Tensor, dim: int, stride: int, size: int, rank: int, *, name: str = "") -> torch.Tensor:
     """Rank ``rank``'s slice: ``full`` cut into ``stride * size`` blocks along ``dim``; rank r keeps blocks
-    r, size + r, ... (stride 1: the r-th contiguous block)."""
+    r, size + r, ... (stride 1: the r-th contiguous block, returned as a VIEW of ``full``; stride > 1: a new
+    tensor). A caller that keeps the slice beyond ``full`` (a state dict to save) clones it."""
     if full.shape[dim] % (size * stride):
         raise ValueError(f"{name or 'tensor'}: dim {dim} of size {full.shape[dim]} does not split into {size} "
                          f"tensor-parallel shards x {stride} block(s); pick a TP size that divides it")
     blocks = full.chunk(size * stride, dim)
-    return torch.cat([blocks[k * size + rank] for k in range(stride)], dim).clone()
+    if stride == 1:
+        return blocks[rank]
+    return torch.cat([blocks[k * size + rank] for k in range(stride)], dim)
 
 
 def tp_unshard(shards: list, dim: int, stride: int) -> torch.Tensor:
     """Inverse of :func:`tp_shard` from the slices of ranks 0 .. size-1."""
+    if stride == 1:
+        return torch.cat(shards, dim)
     blocks = [s.chunk(stride, dim) for s in shards]
     return torch.cat([blocks[r][k] for k in range(stride) for r in range(len(shards))], dim)
 
@@ -149,32 +153,16 @@ class _Rank:
             return tensor.clone()
         p = self.parallel
         size, rank = (p.expert_tp, self.tp_rank if p.expert_tp == p.tp else 0) if expert else (p.tp, self.tp_rank)
-        return tp_shard(tensor, dim, stride, size, rank, name=name)
-
-
-def shard_state_dict(full: Mapping, parallel: Parallel, *, tp_rank: int = 0, pp_rank: int = 0, ep_rank: int = 0,
-                     gated: bool = True) -> dict:
-    """The state dict of rank (tp_rank, pp_rank, ep_rank) from the single-rank state dict ``full``.
-
-    ``gated``: the MLPs are SwiGLU (``linear_fc1`` = [gate; up]). Tied embeddings are recognised by the absence of
-    ``output_layer.weight`` in ``full``. The returned tensors are copies.
-    """
-    rank = _Rank(parallel, tp_rank, pp_rank, ep_rank, *_counts(full))
-    out = {}
-    for name, tensor in full.items():
-        local, expert = rank.local_name(name)
-        if local is not None and not name.endswith("_extra_state"):
-            out[local] = rank.cut(name, tensor, expert, gated)
-    if rank.last_stage and parallel.pp > 1 and _OUTPUT not in full:  # tied: the last stage's embedding copy
-        out[_OUTPUT] = rank.cut(_EMBEDDING, full[_EMBEDDING], False, gated)
-    return out
+        piece = tp_shard(tensor, dim, stride, size, rank, name=name)
+        return piece.clone() if stride == 1 else piece  # a view would keep (and torch.save write) the whole tensor
 
 
 def hf_to_megatron_shard(hf_state: Mapping, hf_config, parallel: Parallel, *, tp_rank: int = 0, pp_rank: int = 0,
                          ep_rank: int = 0, padded_vocab: Optional[int] = None, spec: str = "local") -> dict:
-    """``shard_state_dict(hf_to_megatron(hf_state, ...), ...)`` converting only this rank's tensors: with a lazy
+    """This rank's megatron state dict converted from a HF one, only its own tensors: with a lazy
     ``hf_state`` (e.g. a mapping over safetensors files) each rank reads just the HF tensors it holds, one megatron
-    tensor at a time. Unlike ``hf_to_megatron`` it does not check for HF tensors outside the map."""
+    tensor at a time. It does not check for HF tensors outside the map (the tests' whole-dict reference,
+    tests/support/megatron_convert.py, does)."""
     arch = hf_arch(hf_config)
     padded_vocab = check_padded_vocab(arch, padded_vocab)
     rank = _Rank(parallel, tp_rank, pp_rank, ep_rank, arch.num_layers, arch.num_experts)
@@ -198,40 +186,3 @@ def _global_name(local: str, pp_rank: int, per_stage: int, ep_rank: int, per_ep:
     if e:
         rest = f"{e.group(1)}{int(e.group(2)) + ep_rank * per_ep}.{e.group(3)}"
     return f"decoder.layers.{int(m.group(1)) + pp_rank * per_stage}.{rest}", bool(e)
-
-
-def merge_state_dicts(shards: Mapping, parallel: Parallel, *, gated: bool = True, tied: bool = False) -> dict:
-    """The single-rank state dict from per-rank ones, ``shards[(tp_rank, pp_rank, ep_rank)]`` (every rank of the
-    layout). Replicated tensors (and TP shards repeated over EP) must agree exactly across ranks, else ValueError.
-    ``tied``: the model shares embedding and output weights; the last stage's copy is checked and dropped."""
-    p = parallel
-    want = {(t, s, e) for t in range(p.tp) for s in range(p.pp) for e in range(p.ep)}
-    if set(shards) != want:
-        raise ValueError(f"merge_state_dicts: shards for {p} must be keyed by every (tp_rank, pp_rank, ep_rank); "
-                         f"missing {sorted(want - set(shards))[:4]}, unexpected {sorted(set(shards) - want)[:4]}")
-    per_stage, per_ep = _counts(shards[(0, 0, 0)])
-    pieces = defaultdict(dict)  # full name -> {tp rank: [tensor from each ep rank / replica]}
-    for (t, s, e), state in shards.items():
-        for local, tensor in state.items():
-            if local.endswith("_extra_state"):
-                continue
-            name, expert = _global_name(local, s, per_stage, e, per_ep)
-            rank = t if not expert or p.expert_tp == p.tp else 0
-            pieces[name].setdefault(rank, []).append((tensor, (t, s, e)))
-    full = {}
-    for name, by_rank in pieces.items():
-        dim, stride = tp_split_rule(name, gated)
-        groups = [[c for r in sorted(by_rank) for c in by_rank[r]]] if dim is None else list(by_rank.values())
-        for copies in groups:  # copies that must be identical
-            for tensor, where in copies[1:]:
-                if not torch.equal(tensor, copies[0][0]):
-                    raise ValueError(f"merge_state_dicts: {name!r} differs between ranks {copies[0][1]} and {where} "
-                                     "although it is replicated there")
-        firsts = [by_rank[r][0][0] for r in sorted(by_rank)]
-        full[name] = firsts[0].clone() if dim is None else tp_unshard(firsts, dim, stride)
-    if tied and _OUTPUT in full:
-        if not torch.equal(full[_OUTPUT], full[_EMBEDDING]):
-            raise ValueError("merge_state_dicts: tied=True but the last stage's output_layer.weight differs from the "
-                             "embedding")
-        del full[_OUTPUT]
-    return full

@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from nemo_dapo.megatron.model import (ParamLayout, param_layouts, tp_group_of, tp_shard, tp_unshard, unwrap,
-                                      with_expert_index)
+from nemo_dapo.megatron.convert_shard import tp_shard, tp_unshard
+from nemo_dapo.megatron.model import ParamLayout, param_layouts, tp_group_of, unwrap, with_expert_index
 
 
 @dataclass

@@ -10,9 +10,9 @@ at a time. :func:`hf_weight_buckets` chains the two halves the repository alread
   name -> HF names, fused QKV split per query group into ``q/k/v_proj``, ``linear_fc1`` into ``gate/up_proj``
   (Mixtral: ``w1/w3``), the vocabulary padding cut off (HF shapes).
 
-HF names are exactly those of :func:`convert.megatron_to_hf` (``save_pretrained``'s set: with tied embeddings there
-is no ``lm_head.weight``, which an engine built from a config with ``tie_word_embeddings`` shares with the
-embedding; vLLM's Llama / Qwen2 ``load_weights`` skip it then). Experts carry their GLOBAL index, e.g.
+HF names are exactly those of :func:`convert.megatron_to_hf_items` (``save_pretrained``'s set: with tied
+embeddings there is no ``lm_head.weight``, which an engine built from a config with ``tie_word_embeddings`` shares
+with the embedding; vLLM's Llama / Qwen2 ``load_weights`` skip it then). Experts carry their GLOBAL index, e.g.
 ``model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight`` (Mixtral; ``w3`` gate-up partner, ``w2`` down) and
 ``model.layers.{i}.mlp.experts.{j}.gate_proj.weight`` (Qwen2-MoE, plus ``mlp.shared_expert.*`` and
 ``mlp.shared_expert_gate.weight``; Qwen3-MoE the same without the shared expert, router ``mlp.gate.weight``).

@@ -45,7 +45,7 @@ def write_data(out: Path, task) -> dict:
 
 def warm_up(actor, rows: list, steps: int) -> None:
     """Supervised updates on ``prompt -> 'Answer: <ground truth>' EOS`` through the actor's own loss path."""
-    from nemo_dapo.cluster.layout import pack_rollout
+    from nemo_dapo.megatron.layout import pack_rollout
     from nemo_dapo.core.loop_data import PromptSet
     from nemo_dapo.core.types import RolloutBatch
 

@@ -67,7 +67,7 @@ def tiny_cfg(tok_dir: str):
 def greedy_agreement(actor, prompt_ids, prompt_mask, gen) -> dict:
     """Teacher-force Megatron on prompt + engine response: fraction of response positions where Megatron's argmax is
     the engine's token, and the largest gap between Megatron's max log-prob and its log-prob of the engine token."""
-    from nemo_dapo.cluster.layout import pack_rollout
+    from nemo_dapo.megatron.layout import pack_rollout
     from nemo_dapo.core.types import RolloutBatch
 
     b = prompt_ids.shape[0]
@@ -90,7 +90,7 @@ def logprob_agreement(actor, prompt_ids, prompt_mask, gen, engine_logprobs) -> d
     """Engine vs actor log-probs of the tokens the engine sampled. ``engine_logprobs`` [B, 1, L]: TensorRT-LLM's
     ``log_probs`` output (GenerationSession: [batch, beam, max_seq_length]), the token at row position j (prompt
     at 0..p_b-1, response token t at p_b + t) stored at index j."""
-    from nemo_dapo.cluster.layout import pack_rollout
+    from nemo_dapo.megatron.layout import pack_rollout
     from nemo_dapo.core.types import RolloutBatch
 
     b, r = gen.response_ids.shape

@@ -41,12 +41,13 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config  # noqa:
 
 from nemo_dapo.core.logprobs import reference_logprobs_entropy  # noqa: E402
 from nemo_dapo.core.loss import dapo_policy_loss, make_loss_fn  # noqa: E402
-from nemo_dapo.megatron.convert import gpt_model_kwargs_from_hf, hf_to_megatron  # noqa: E402
+from nemo_dapo.megatron.convert import gpt_model_kwargs_from_hf  # noqa: E402
+from tests.support.megatron_convert import hf_to_megatron  # noqa: E402
 from nemo_dapo.megatron.convert_build import (gpt_model_from_hf, layer_spec_from_hf,  # noqa: E402
                                               transformer_config_from_hf)
-from nemo_dapo.megatron.model import (GPTSpec, build_gpt_model, destroy_parallel, initialize_parallel,  # noqa: E402
-                                      load_full_state_dict, single_rank_state_dict)
-from nemo_dapo.megatron.policy import MegatronPolicy  # noqa: E402
+from tests.support.megatron_model import (GPTSpec, build_gpt_model, destroy_parallel, initialize_parallel,  # noqa: E402
+                                          load_full_state_dict, single_rank_state_dict)
+from tests.support.megatron_policy import MegatronPolicy  # noqa: E402
 from nemo_dapo.megatron.reduction import scale_for_schedule, schedule_loss_scale  # noqa: E402
 from nemo_dapo.megatron.vocab_parallel import (tp_vocab_shard, vocab_parallel_logits_logprobs_entropy,  # noqa: E402
                                                vocab_parallel_logprobs_entropy)

@@ -75,9 +75,10 @@ def megatron_from_hf(hf_model):
     """A single-process megatron-core GPTModel holding ``hf_model``'s weights (the trainer's side of a refit)."""
     pytest.importorskip("megatron.core", reason="the refit check needs megatron-core in this container")
     import torch.distributed as dist
-    from nemo_dapo.megatron.convert import hf_to_megatron, padded_vocab_size
+    from nemo_dapo.megatron.convert import padded_vocab_size
+    from tests.support.megatron_convert import hf_to_megatron
     from nemo_dapo.megatron.convert_build import gpt_model_from_hf
-    from nemo_dapo.megatron.model import initialize_parallel, load_full_state_dict
+    from tests.support.megatron_model import initialize_parallel, load_full_state_dict
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
         initialize_parallel(1, 1, 1)
@@ -91,8 +92,8 @@ def megatron_from_hf(hf_model):
 
 def test_refit_from_megatron_then_logprobs_match(served):
     from transformers import Qwen2ForCausalLM
-    from nemo_dapo.megatron.convert import megatron_to_hf
-    from nemo_dapo.megatron.model import single_rank_state_dict
+    from tests.support.megatron_convert import megatron_to_hf
+    from tests.support.megatron_model import single_rank_state_dict
     from nemo_dapo.megatron.refit_hf import hf_weight_buckets
     model, client = served
     mc = megatron_from_hf(model)

@@ -16,10 +16,10 @@ pytest.importorskip("transformers", reason="the conversion tests compare against
 from transformers import LlamaConfig  # noqa: E402
 
 from nemo_dapo.megatron.convert import (conversion_rules, fuse_qkv, gpt_model_kwargs_from_hf, hf_arch,  # noqa: E402
-                                        hf_to_megatron, megatron_config_from_hf, megatron_to_hf,
-                                        megatron_to_hf_items, padded_vocab_size, split_qkv)
-from nemo_dapo.megatron.convert_shard import (Parallel, hf_to_megatron_shard, merge_state_dicts,  # noqa: E402
-                                              shard_state_dict, tp_shard, tp_unshard)
+                                        megatron_config_from_hf, megatron_to_hf_items, padded_vocab_size, split_qkv)
+from nemo_dapo.megatron.convert_shard import Parallel, hf_to_megatron_shard, tp_shard, tp_unshard  # noqa: E402
+from tests.support.megatron_convert import (hf_to_megatron, megatron_to_hf, merge_state_dicts,  # noqa: E402
+                                            shard_state_dict)
 from tests.megatron.workers.convert_models import PADDED_VOCAB, configs, tiny_model  # noqa: E402
 from tests.support.dist import run_torchrun  # noqa: E402
 

@@ -1,76 +1,18 @@
-"""MegatronPolicy: packing (fast, one process) and parity with a single-rank reference under TP=2, PP=2 and EP=2
-(slow: tests/megatron/workers/policy_worker.py), plus two DAPO loop steps on the megatron policy
-(tests/megatron/workers/policy_loop_worker.py)."""
+"""MegatronPolicy (tests/support/megatron_policy.py: a bare GPTModel through megatron/step.py) against a
+single-rank reference under TP=2, PP=2 and EP=2 (slow: tests/megatron/workers/policy_worker.py), plus two DAPO loop
+steps on it (tests/megatron/workers/policy_loop_worker.py)."""
 import json
 from pathlib import Path
 
 import pytest
-import torch
 
-from nemo_dapo.core.types import Policy, RolloutBatch
-from nemo_dapo.megatron.policy import MegatronPolicy, blank_rows, pack_left_aligned
+from nemo_dapo.core.types import Policy
 from tests.support.dist import run_torchrun
+from tests.support.megatron_policy import MegatronPolicy
 
 WORKERS = Path(__file__).parent / "workers"
 LOGP_TOL = 5e-6  # fp32; the reference runs each row unpadded through full logits
 UPDATE_TOL = 2e-6  # relative to the largest reference weight change
-
-
-def batch(prompt_lens, resp_lens, P=5, R=4, pad=0):
-    g = torch.Generator().manual_seed(0)
-    plen, rlen = torch.tensor(prompt_lens), torch.tensor(resp_lens)
-    b = len(prompt_lens)
-    prompt_mask = (torch.arange(P)[None] >= (P - plen)[:, None]).long()
-    resp_mask = (torch.arange(R)[None] < rlen[:, None]).float()
-    return RolloutBatch(prompt_ids=torch.randint(1, 50, (b, P), generator=g) * prompt_mask + pad * (1 - prompt_mask),
-                        prompt_mask=prompt_mask,
-                        response_ids=torch.randint(1, 50, (b, R), generator=g) * resp_mask.long(),
-                        response_mask=resp_mask, group_ids=torch.zeros(b).long(), truncated=torch.zeros(b).bool(),
-                        pad_id=pad)
-
-
-def test_pack_left_aligned_matches_row_by_row():
-    mb = batch([2, 5, 1], [4, 0, 2])
-    S = 9
-    out = pack_left_aligned(mb, S)
-    for b in range(3):
-        prompt = mb.prompt_ids[b][mb.prompt_mask[b].bool()].tolist()
-        resp = mb.response_ids[b].tolist()
-        row = prompt + resp
-        assert out["tokens"][b].tolist() == row + [mb.pad_id] * (S - len(row))
-        n = int(mb.response_mask[b].sum())
-        for t in range(n):  # the output at pred_pos predicts response token t
-            assert out["pred_pos"][b, t] == len(prompt) - 1 + t
-            assert out["tokens"][b, out["pred_pos"][b, t] + 1] == resp[t] == out["targets"][b, t]
-        assert out["mask"][b].sum() == n
-
-
-def test_pack_rejects_right_padded_prompts_and_short_seq_len():
-    mb = batch([2, 3], [1, 1])
-    bad = RolloutBatch(**{**mb.__dict__, "prompt_mask": mb.prompt_mask.flip(-1)})
-    with pytest.raises(ValueError, match="LEFT-padded"):
-        pack_left_aligned(bad, 9)
-    with pytest.raises(ValueError, match="seq_len"):
-        pack_left_aligned(mb, 3)
-    empty_prompt = batch([0, 3], [2, 1])
-    with pytest.raises(ValueError, match="empty prompt"):
-        pack_left_aligned(empty_prompt, 9)
-
-
-def test_blank_rows_are_fully_masked_and_mirror_optional_fields():
-    mb = batch([2, 3], [1, 4])
-    mb.old_logp = torch.randn(2, 4)
-    mb.advantages = torch.randn(2, 4)
-    blank = blank_rows(mb, 3)
-    assert blank.response_mask.sum() == 0 and blank.response_ids.shape == (3, 4)
-    assert blank.old_logp.shape == (3, 4) and blank.advantages.shape == (3, 4)
-    assert blank.engine_logp is None and blank.rewards is None  # absent in `mb`, absent here
-    joined = RolloutBatch.cat([mb, blank])
-    assert len(joined) == 5 and joined.old_logp is not None
-    packed = pack_left_aligned(blank, 5)
-    assert not packed["mask"].any()
-    full = blank_rows(None, 2)  # a rank with no sample: every optional field present
-    assert all(getattr(full, f) is not None for f in ("old_logp", "advantages", "engine_logp"))
 
 
 def test_policy_class_satisfies_protocol_surface():

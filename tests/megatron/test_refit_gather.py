@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_dapo.megatron.model import tp_shard, tp_unshard, with_expert_index
+from nemo_dapo.megatron.convert_shard import tp_shard, tp_unshard
+from nemo_dapo.megatron.model import with_expert_index
 from tests.support.dist import run_torchrun
 
 WORKER = Path(__file__).parent / "workers" / "refit_worker.py"
@@ -31,7 +32,7 @@ def test_gated_fc1_shard_holds_gate_and_up_slices():
 
 
 def test_tp_shard_rejects_indivisible_dim():
-    with pytest.raises(ValueError, match="cannot be split"):
+    with pytest.raises(ValueError, match="does not split"):
         tp_shard(torch.zeros(10, 4), 0, 2, 3, 0, name="decoder.layers.0.mlp.linear_fc1.weight")
 
 

@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("transformers", reason="the HF refit tests compare against transformers' models")
 
-from nemo_dapo.megatron.convert import hf_to_megatron, megatron_to_hf  # noqa: E402
+from tests.support.megatron_convert import hf_to_megatron, megatron_to_hf  # noqa: E402
 from nemo_dapo.megatron.refit_gather import RefitStats  # noqa: E402
 from nemo_dapo.megatron.refit_hf import hf_buckets  # noqa: E402
 from tests.megatron.workers.convert_models import PADDED_VOCAB, configs, randomize_, tiny_model  # noqa: E402

@@ -27,7 +27,7 @@ from megatron.core.pipeline_parallel.schedules import get_forward_backward_func 
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region  # noqa: E402
 
 from nemo_aligner.utils.distributed import broadcast_tensor_within_pp  # noqa: E402
-from nemo_dapo.cluster.layout import pack_rollout, unpack_response  # noqa: E402
+from nemo_dapo.megatron.layout import pack_rollout, unpack_response  # noqa: E402
 from nemo_dapo.core.loss import make_loss_fn  # noqa: E402
 from nemo_dapo.aligner.generation import MegatronSampler  # noqa: E402
 from nemo_dapo.megatron.reduction import DPReducer  # noqa: E402

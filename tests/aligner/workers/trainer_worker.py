@@ -95,7 +95,7 @@ class SFTLoss:
 
 def warm_up(actor, steps: int = 60) -> None:
     """Teach the random model to end with ' Answer: 1' or ' Answer: 2' (50/50) and EOS, with its own loss path."""
-    from nemo_dapo.cluster.layout import pack_rollout
+    from nemo_dapo.megatron.layout import pack_rollout
     from nemo_dapo.core.loop_data import PromptSet
     from nemo_dapo.core.types import RolloutBatch
 

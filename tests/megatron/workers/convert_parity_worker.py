@@ -24,10 +24,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-from nemo_dapo.megatron.convert import hf_to_megatron, megatron_to_hf
+from tests.support.megatron_convert import hf_to_megatron, megatron_to_hf
 from nemo_dapo.megatron.convert_build import gpt_model_from_hf
-from nemo_dapo.megatron.convert_shard import Parallel, merge_state_dicts, shard_state_dict, tp_shard
-from nemo_dapo.megatron.model import destroy_parallel, initialize_parallel, load_full_state_dict
+from nemo_dapo.megatron.convert_shard import Parallel, tp_shard
+from tests.support.megatron_convert import merge_state_dicts, shard_state_dict
+from tests.support.megatron_model import destroy_parallel, initialize_parallel, load_full_state_dict
 from tests.megatron.workers.convert_models import PADDED_VOCAB, VOCAB, configs, tiny_model, tokens
 
 LAYOUTS = {"tp1": (Parallel(), ("llama", "qwen2", "mixtral", "qwen2_moe")),

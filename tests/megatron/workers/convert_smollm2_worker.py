@@ -19,9 +19,10 @@ from transformers import AutoModelForCausalLM
 
 from megatron.core.models.gpt import GPTModel
 
-from nemo_dapo.megatron.convert import gpt_model_kwargs_from_hf, hf_to_megatron, padded_vocab_size
+from nemo_dapo.megatron.convert import gpt_model_kwargs_from_hf, padded_vocab_size
+from tests.support.megatron_convert import hf_to_megatron
 from nemo_dapo.megatron.convert_build import gpt_model_from_hf, layer_spec_from_hf, transformer_config_from_hf
-from nemo_dapo.megatron.model import initialize_parallel
+from tests.support.megatron_model import initialize_parallel
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

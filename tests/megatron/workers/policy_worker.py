@@ -24,10 +24,11 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from nemo_dapo.core.loss import make_loss_fn
 from nemo_dapo.core.types import RolloutBatch
-from nemo_dapo.megatron.model import (GPTSpec, build_gpt_model, destroy_parallel, initialize_parallel,
-                                      load_full_state_dict, param_layouts, single_rank_state_dict, tp_group_of,
-                                      tp_shard, unwrap)
-from nemo_dapo.megatron.policy import MegatronPolicy
+from nemo_dapo.megatron.convert_shard import tp_shard
+from nemo_dapo.megatron.model import param_layouts, tp_group_of, unwrap
+from tests.support.megatron_model import (GPTSpec, build_gpt_model, destroy_parallel, initialize_parallel,
+                                          load_full_state_dict, single_rank_state_dict)
+from tests.support.megatron_policy import MegatronPolicy
 
 DENSE = GPTSpec(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
                 ffn_hidden_size=48, add_qkv_bias=True, max_sequence_length=64)

@@ -21,12 +21,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 
-from nemo_dapo.megatron.convert import hf_to_megatron, load_hf_config  # noqa: E402
+from nemo_dapo.megatron.convert import load_hf_config  # noqa: E402
+from tests.support.megatron_convert import hf_to_megatron  # noqa: E402
 from nemo_dapo.megatron.convert_ckpt import (SafetensorsReader, build_model, hf_to_nemo, load_nemo_weights,  # noqa
                                              nemo_model_config, nemo_to_hf, save_nemo_checkpoint)
 from nemo_dapo.megatron.convert_build import gpt_model_from_hf  # noqa: E402
 from nemo_dapo.megatron.convert_shard import Parallel, hf_to_megatron_shard  # noqa: E402
-from nemo_dapo.megatron.model import destroy_parallel, initialize_parallel, load_full_state_dict  # noqa: E402
+from tests.support.megatron_model import destroy_parallel, initialize_parallel, load_full_state_dict  # noqa: E402
 from tests.megatron.workers.convert_parity_worker import forward  # noqa: E402
 from tests.megatron.workers.qwen3_models import CONFIGS, PADDED_VOCAB, VOCAB, tokens  # noqa: E402
 

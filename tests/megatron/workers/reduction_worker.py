@@ -26,9 +26,10 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from nemo_dapo.core.loss import dapo_policy_loss
-from nemo_dapo.megatron.model import (GPTSpec, build_gpt_model, destroy_parallel, initialize_parallel,
-                                      load_full_state_dict, param_layouts, single_rank_state_dict, tp_group_of,
-                                      tp_shard)
+from nemo_dapo.megatron.convert_shard import tp_shard
+from nemo_dapo.megatron.model import param_layouts, tp_group_of
+from tests.support.megatron_model import (GPTSpec, build_gpt_model, destroy_parallel, initialize_parallel,
+                                          load_full_state_dict, single_rank_state_dict)
 from nemo_dapo.megatron.reduction import global_token_count, per_token_output, scale_for_schedule, \
     schedule_loss_scale
 

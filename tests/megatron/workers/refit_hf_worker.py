@@ -22,11 +22,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from nemo_dapo.megatron.convert import hf_to_megatron
+from tests.support.megatron_convert import hf_to_megatron
 from nemo_dapo.megatron.convert_build import gpt_model_from_hf
-from nemo_dapo.megatron.convert_shard import Parallel, shard_state_dict
-from nemo_dapo.megatron.model import destroy_parallel, initialize_parallel
-from nemo_dapo.megatron.policy import MegatronPolicy
+from nemo_dapo.megatron.convert_shard import Parallel
+from tests.support.megatron_convert import shard_state_dict
+from tests.support.megatron_model import destroy_parallel, initialize_parallel
+from tests.support.megatron_policy import MegatronPolicy
 from nemo_dapo.megatron.refit_gather import RefitStats
 from nemo_dapo.megatron import refit_hf
 from nemo_dapo.megatron.refit_hf import hf_weight_buckets

@@ -43,11 +43,13 @@ from nemo_dapo.core.loss import make_loss_fn
 from nemo_dapo.core.types import RolloutBatch
 from nemo_dapo.engines.base import Request
 from nemo_dapo.engines.client import EngineClient, EngineProcess
-from nemo_dapo.megatron.convert import conversion_rules, hf_arch, hf_to_megatron, load_hf_config, megatron_to_hf
+from nemo_dapo.megatron.convert import conversion_rules, hf_arch, load_hf_config
+from tests.support.megatron_convert import hf_to_megatron, megatron_to_hf
 from nemo_dapo.megatron.convert_build import gpt_model_from_hf
-from nemo_dapo.megatron.convert_shard import Parallel, merge_state_dicts, shard_state_dict
-from nemo_dapo.megatron.model import destroy_parallel, initialize_parallel
-from nemo_dapo.megatron.policy import MegatronPolicy
+from nemo_dapo.megatron.convert_shard import Parallel
+from tests.support.megatron_convert import merge_state_dicts, shard_state_dict
+from tests.support.megatron_model import destroy_parallel, initialize_parallel
+from tests.support.megatron_policy import MegatronPolicy
 
 ROOT = Path(__file__).resolve().parents[3]
 HELPER = ROOT / "tests" / "support" / "hf_tiny.py"

@@ -14,8 +14,10 @@ import tests.support.megatron_cpu_shim  # noqa: F401  (before megatron)
 import torch
 import torch.distributed as dist
 
-from nemo_dapo.megatron.model import (GPTSpec, build_gpt_model, destroy_parallel, initialize_parallel,
-                                      load_full_state_dict, param_layouts, single_rank_state_dict, tp_shard)
+from nemo_dapo.megatron.convert_shard import tp_shard
+from nemo_dapo.megatron.model import param_layouts
+from tests.support.megatron_model import (GPTSpec, build_gpt_model, destroy_parallel, initialize_parallel,
+                                          load_full_state_dict, single_rank_state_dict)
 from nemo_dapo.megatron.refit_gather import RefitStats, full_state_dict, iter_refit_buckets
 
 DENSE = GPTSpec(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,

@@ -3,8 +3,8 @@ packed rows (prompt + response from position 0, per-token values on the shifted 
 import pytest
 import torch
 
-from nemo_dapo.cluster.layout import (
-    as_rollout, pack_rollout, pack_tokens, pad_rows, prompt_lengths_of, to_shifted, unpack_response)
+from nemo_dapo.megatron.layout import (
+    as_rollout, blank_rows, pack_rollout, pack_tokens, prompt_lengths_of, to_shifted, unpack_response)
 from nemo_dapo.core.types import RolloutBatch
 
 PAD = 0
@@ -67,14 +67,20 @@ def test_as_rollout_exposes_the_per_token_fields_to_the_loss():
     assert torch.equal(view.truncated, packed["is_end"] < 0.5)
 
 
-def test_pad_rows_appends_masked_rows_and_handles_empty_batches():
+def test_blank_rows_are_fully_masked_rows_of_the_packed_layout():
     packed = pack_rollout(_batch([2, 3, 1], [4, 2, 1]), PAD)
-    out, n = pad_rows(packed, 2, PAD)
-    assert n == 3 and out["response_tokens"].shape[0] == 4
-    assert out["mask"][3].sum() == 0 and out["is_end"][3] == 1 and out["advantages"][3] == 0
-    empty = {k: v[:0] for k, v in packed.items()}
-    out, n = pad_rows(empty, 2, PAD, min_rows=6)
-    assert n == 0 and out["response_tokens"].shape[0] == 6 and out["mask"].sum() == 0
+    blank = blank_rows(packed.keys(), 2, PAD, 6)
+    assert set(blank) == set(packed)
+    for k, v in blank.items():  # the real batch's dtypes and widths: the two concatenate
+        assert v.dtype == packed[k].dtype and v.dim() == packed[k].dim(), k
+        torch.cat([packed[k][:, :v.shape[1]] if v.dim() == 2 else packed[k], v])
+    assert blank["response_tokens"].shape == (2, 6) and (blank["response_tokens"] == PAD).all()
+    assert blank["mask"].shape == (2, 5) and blank["mask"].sum() == 0 and (blank["is_end"] == 1).all()
+    assert blank["advantages"].sum() == 0 and as_rollout(blank).truncated.sum() == 0
+    empty = blank_rows(("response_tokens", "mask"), 0, PAD, 2)
+    assert empty["response_tokens"].shape == (0, 2) and empty["mask"].shape == (0, 1)
+    with pytest.raises(KeyError, match="not a field"):
+        blank_rows(("rewards",), 1, PAD, 2)
 
 
 def test_empty_prompt_is_rejected():

@@ -65,21 +65,25 @@ def as_rollout(mb: dict) -> RolloutBatch:
                         old_logp=mb.get("prev_logprobs"), advantages=mb.get("advantages"))
 
 
-def pad_rows(batch: dict, multiple: int, pad_id: int, min_rows: int = 0) -> tuple:
-    """(batch, n_real): rows appended (all-masked, ``pad_id`` tokens, ended) until B is a multiple of ``multiple``
-    and at least ``min_rows``; an empty batch gets one micro-batch of padding so that the caller still joins every
-    collective."""
-    n = batch["response_tokens"].shape[0]
-    target = max(multiple, -(-n // multiple) * multiple, min_rows)
-    if target == n:
-        return batch, n
+# The fields of the packed layout: (kind, dtype). kind "tokens": [B, S]; "shifted": [B, S-1] on the shifted
+# log-prob grid; "row": [B]. Filler rows (blank_rows) are built from this table, so every builder agrees.
+FIELDS = {"response_tokens": ("tokens", torch.long), "mask": ("shifted", torch.float32),
+          "prev_logprobs": ("shifted", torch.float32), "engine_logprobs": ("shifted", torch.float32),
+          "is_end": ("row", torch.float32), "advantages": ("row", torch.float32),
+          "prompt_lengths": ("row", torch.long), "response_lengths": ("row", torch.long)}
+
+
+def blank_rows(keys, n: int, pad_id: int, width: int) -> dict:
+    """``n`` fully masked rows of the packed layout with the fields ``keys`` (names of :data:`FIELDS`):
+    ``response_tokens`` [n, width] of ``pad_id``, ``is_end`` 1 (an ended row: no overlong term), every other field
+    0 (shifted fields [n, width - 1], per-row fields [n]). On such rows every loss term and metric share is 0; a
+    rank with no sample runs them so that it still joins every collective of the step. ``n`` may be 0."""
     out = {}
-    for k, v in batch.items():
-        if k == "response_tokens":
-            fill = v.new_full((target - n,) + tuple(v.shape[1:]), pad_id)
-        elif k == "is_end":
-            fill = v.new_ones((target - n,) + tuple(v.shape[1:]))
-        else:
-            fill = v.new_zeros((target - n,) + tuple(v.shape[1:]))
-        out[k] = torch.cat([v, fill], 0)
-    return out, n
+    for k in keys:
+        if k not in FIELDS:
+            raise KeyError(f"blank_rows: {k!r} is not a field of the packed layout ({sorted(FIELDS)})")
+        kind, dtype = FIELDS[k]
+        shape = {"tokens": (n, width), "shifted": (n, width - 1), "row": (n,)}[kind]
+        fill = pad_id if k == "response_tokens" else 1 if k == "is_end" else 0
+        out[k] = torch.full(shape, fill, dtype=dtype)
+    return out
