@@ -31,15 +31,15 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as mcore_ps
 from omegaconf import DictConfig
 
 from nemo_aligner.utils.distributed import ScopedTimer
 from nemo_aligner.utils.train_utils import clip_gradients, set_eval, set_train
-from nemo_dapo.cluster.layout import pack_rollout, prompt_lengths_of, unpack_response
+from nemo_dapo.megatron.layout import blank_rows, pack_rollout, prompt_lengths_of, unpack_response
 from nemo_dapo.aligner.compat import pack_state, unpack_state
 from nemo_dapo.cluster.config_validate import ALGORITHM_BLOCK, ALGORITHM_KEYS, required
 from nemo_dapo.megatron.reduction import DPReducer
+from nemo_dapo.megatron.step import skip_update
 from nemo_dapo.aligner.reward_client import ClientReward
 from nemo_dapo.core.loop import DAPOLoop
 from nemo_dapo.core.loop_data import PromptSampler, PromptSet
@@ -50,13 +50,9 @@ from nemo_dapo.core.types import RolloutBatch
 log = logging.getLogger("nemo_dapo")
 
 
-def _empty_actor_batch(tis: bool) -> dict:
-    """A 0-row batch in the actor's layout: the rank still joins every collective of the update."""
-    out = {"response_tokens": torch.zeros(0, 2, dtype=torch.long), "mask": torch.zeros(0, 1),
-           "prev_logprobs": torch.zeros(0, 1), "advantages": torch.zeros(0), "is_end": torch.ones(0)}
-    if tis:
-        out["engine_logprobs"] = torch.zeros(0, 1)
-    return out
+# The fields of a training batch in the actor's layout (megatron.layout.pack_rollout); a rank without a sample
+# trains on 0 rows of them (it still joins every collective of the update: megatron.step adds the filler).
+TRAIN_FIELDS = ("response_tokens", "mask", "prev_logprobs", "advantages", "is_end")
 
 
 class ActorPolicy:
@@ -74,8 +70,9 @@ class ActorPolicy:
     @torch.no_grad()
     def logprobs(self, batch: Optional[RolloutBatch]) -> tuple:
         empty = batch is None or len(batch) == 0
-        packed = {"response_tokens": torch.zeros(0, 2, dtype=torch.long), "response_lengths": torch.zeros(0)} \
-            if empty else pack_rollout(batch, self.actor.tokenizer.eos_id)
+        pad_id = self.actor.tokenizer.eos_id
+        packed = blank_rows(("response_tokens", "response_lengths"), 0, pad_id, 2) if empty \
+            else pack_rollout(batch, pad_id)
         set_eval(self.actor)
         try:  # the lengths let each micro-batch stop at its own longest row
             lp, ent = self.actor.get_logprobs_and_entropy(packed["response_tokens"],
@@ -93,7 +90,8 @@ class ActorPolicy:
         actor.prepare_for_training()  # onloads optimizer states offloaded for generation
         self.optimizer.zero_grad()
         actor.prepare_for_training_step()
-        batch = _empty_actor_batch(getattr(loss_fn, "tis_cap", None) is not None) \
+        tis = getattr(loss_fn, "tis_cap", None) is not None
+        batch = blank_rows(TRAIN_FIELDS + (("engine_logprobs",) if tis else ()), 0, actor.tokenizer.eos_id, 2) \
             if minibatch is None or len(minibatch) == 0 else pack_rollout(minibatch, actor.tokenizer.eos_id)
         _, metrics = actor.get_loss_and_metrics(batch, forward_only=False, num_tokens=num_tokens, loss_fn=loss_fn,
                                                 reduce_over_dp=False)
@@ -102,11 +100,8 @@ class ActorPolicy:
         grad_norm = clip_gradients(actor, self.gradient_clip_val)
         grad_norm = float(grad_norm) if grad_norm is not None else None
         # the skip decision needs the global loss, so that every rank skips together
-        total = torch.tensor([metrics["loss"]], dtype=torch.float64).cuda()
-        dist.all_reduce(total, group=mcore_ps.get_data_parallel_group())
-        total = float(total.item())
+        total, skipped = skip_update(metrics["loss"], grad_norm)
         lr = self.optimizer.param_groups[0]["lr"]
-        skipped = not math.isfinite(total) or (grad_norm is not None and not math.isfinite(grad_norm))
         if skipped:
             log.warning("non-finite loss (%s) or gradient norm (%s): optimizer step skipped", total, grad_norm)
             self.optimizer.zero_grad()

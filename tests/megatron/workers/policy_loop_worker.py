@@ -18,12 +18,14 @@ from nemo_dapo.core.dynamic_sampling import BatchFiller
 from nemo_dapo.core.loop import DAPOLoop
 from nemo_dapo.core.loop_data import PromptSet
 from nemo_dapo.core.loss import make_loss_fn
-from nemo_dapo.core.types import Generation, RolloutBatch
+from nemo_dapo.core.packing import pack_rows
+from nemo_dapo.core.types import Generation
 from nemo_dapo.core.sampling import sample_next
-from nemo_dapo.megatron.model import GPTSpec, build_gpt_model, destroy_parallel, initialize_parallel, unwrap
-from nemo_dapo.megatron.policy import MegatronPolicy, pack_left_aligned
+from nemo_dapo.megatron.model import unwrap
+from tests.support.megatron_model import GPTSpec, build_gpt_model, destroy_parallel, initialize_parallel
 from nemo_dapo.megatron.reduction import DPReducer
 from tests.support.loop_settings import loop_settings
+from tests.support.megatron_policy import MegatronPolicy
 
 EOS, PAD, V = 2, 0, 64
 
@@ -43,7 +45,7 @@ class MegatronSampler:
         gen = torch.Generator().manual_seed(int(seed or 0))
         plen = prompt_mask.long().sum(-1)
         tokens = torch.full((b, p + max_new_tokens), PAD, dtype=torch.long)
-        tokens[:, :p] = pack_left_aligned(_prompt_only(prompt_ids, prompt_mask), p)["tokens"]
+        tokens[:, :p] = pack_rows(prompt_ids, plen, prompt_ids[:, :0], PAD, p)
         out = torch.full((b, max_new_tokens), PAD, dtype=torch.long)
         logps = torch.zeros(b, max_new_tokens)
         alive = torch.ones(b, dtype=torch.bool)
@@ -66,13 +68,6 @@ class MegatronSampler:
             mask[r, :n] = 1.0
         return Generation(response_ids=out * mask.long(), response_mask=mask, truncated=~(out == EOS).any(-1),
                           logprobs=logps * mask)
-
-
-def _prompt_only(prompt_ids, prompt_mask):
-    b = prompt_ids.shape[0]
-    return RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=torch.zeros(b, 0).long(),
-                        response_mask=torch.zeros(b, 0), group_ids=torch.zeros(b).long(),
-                        truncated=torch.zeros(b).bool(), pad_id=PAD)
 
 
 def reward_fn(response_ids, response_mask, ground_truths):
