@@ -35,8 +35,9 @@ from nemo_dapo.core.overlong import soft_overlong_penalty
 from nemo_dapo.core.partial import (SuspendedGroup, assemble, complete, continuation_requests, split_stale, stamp,
                                     suspend)
 from nemo_dapo.core.prompt_history import PromptHistory, SkipRule
-from nemo_dapo.core.types import (Generation, Generator, LocalReducer, LossFn, Policy, Reducer, RewardFn,
-                                  RolloutBatch)
+from nemo_dapo.core.settings import OverlongSettings, SkipHistorySettings, problems as algorithm_problems
+from nemo_dapo.core.types import (Generation, Generator, LocalReducer, LossFn, LossInput, Policy, Reducer,
+                                  RewardFn, RolloutBatch)
 
 log = logging.getLogger("nemo_dapo")
 
@@ -61,18 +62,18 @@ class LoopSettings:
 
     group_size: int  # G: responses per prompt
     mini_batch_size: int  # samples per optimizer update (paper: 512 = 32 prompts x 16)
-    max_new_tokens: int  # generation cap
-    ppo_epochs: int = 1  # passes over the training batch (mu in Algorithm 1)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    overlong_shaping: bool = True  # add R_length (Soft Overlong Punishment) to the reward
-    l_cache: int = 4096  # L_cache of the penalty (only used with overlong_shaping)
-    l_max: Optional[int] = None  # L_max of the penalty; None = max_new_tokens (the paper's choice)
-    overlong_penalty_factor: float = 1.0
-    adv_eps: float = 1e-6
-    scale_by_std: bool = True  # False: Dr. GRPO advantages (no std division)
-    shuffle_minibatches: bool = True  # shuffle samples before cutting mini-batches (seeded by the step)
-    seed: int = 0
+    max_new_tokens: int  # generation cap (EOS included)
+    ppo_epochs: int  # passes over the training batch (mu in Algorithm 1)
+    temperature: float
+    top_p: float
+    adv_eps: float  # A = (R - mean) / (std + adv_eps)
+    scale_by_std: bool  # False: Dr. GRPO advantages (no std division)
+    overlong: OverlongSettings  # Soft Overlong Punishment added to the reward (core/overlong.py)
+    # History-based prompt skipping (core/prompt_history.py): the sampler passes over prompts whose recent groups
+    # were uninformative, skip probability 1 - (1 - skip_prob)^streak, at most max_skips times in a row.
+    skip_history: SkipHistorySettings
+    shuffle_minibatches: bool  # shuffle samples before cutting mini-batches (seeded by the step)
+    seed: int
     # Streaming dynamic sampling: submit a generation batch at once, score each group as it finishes, and once
     # the filler is full either "abort" the requests still running or let them "finish" into the carried-over
     # groups. Needs a generator with ``stream`` (engines/generator.py); False = one blocking generate per batch.
@@ -309,10 +310,6 @@ class DAPOLoop:
         return groups
 
     # ---- phase 2: the update --------------------------------------------------------------------------------------
-    def _normalizer(self, batch: RolloutBatch) -> torch.Tensor:
-        norm = getattr(self.loss_fn, "normalizer", None)
-        return norm(batch).float() if norm is not None else batch.response_mask.sum().float()
-
     def _minibatch_shares(self, batch: RolloutBatch) -> list:
         """For each mini-batch, this rank's sample indices (token-balanced split of the mini-batch).
 
@@ -377,7 +374,7 @@ class DAPOLoop:
             log.warning("mini-batch without valid tokens (empty or filtered responses): update skipped")
             self.counters["skipped_updates"] += 1
             return {"skipped": 1.0}
-        out = self.policy.train_step(mb, num_tokens=num_tokens, loss_fn=self.loss_fn)
+        out = self.policy.train_step(mb, num_tokens=norm, loss_fn=self.loss_fn)
         out = reduce_over_ranks(out, self.reducer, _POLICY_METRIC_REDUCTION)
         if out.get("skipped", 0.0) > 0:
             log.warning("rollout step %d: non-finite loss or gradient, optimizer update skipped (weights unchanged)",
@@ -526,9 +523,9 @@ def _generation_metrics(generated: list, s: LoopSettings) -> dict:
     out = {"train/reward": float(rewards.mean()), "train/acc": float(acc.mean()),
            **{f"response/{k}": v for k, v in length_stats(lengths, truncated).items()},
            "response/tokens": float(lengths.sum()), "response/samples": float(lengths.numel())}
-    if s.overlong_shaping:
-        penalty = soft_overlong_penalty(lengths.long(), l_max=s.penalty_l_max, l_cache=s.l_cache,
-                                        factor=s.overlong_penalty_factor)
+    if s.overlong.enabled:
+        penalty = soft_overlong_penalty(lengths.long(), l_max=s.penalty_l_max, l_cache=s.overlong.l_cache,
+                                        factor=float(s.overlong.penalty_factor))
         out["train/overlong_penalty"] = float(penalty.mean())
         out["train/overlong_frac"] = float((penalty < 0).float().mean())
     return out

@@ -169,8 +169,9 @@ class Policy(Protocol):
     def train_step(self, minibatch: RolloutBatch, *, num_tokens: float, loss_fn: "LossFn") -> dict:
         """One optimizer update on this rank's share of a mini-batch.
 
-        ``num_tokens`` is the GLOBAL valid-token count of the mini-batch (all micro-batches, all ranks);
-        ``loss_fn(logp, entropy, microbatch, num_tokens) -> (loss, metrics)`` returns this micro-batch's
+        ``num_tokens`` is the GLOBAL normaliser of ``loss_fn`` for the mini-batch (the sum of
+        ``loss_fn.normalizer`` over all micro-batches and ranks; see LossFn); for each micro-batch
+        ``loss_fn(logp, entropy, LossInput.of(microbatch), num_tokens) -> (loss, metrics)`` returns its
         contribution so that summing over micro-batches and ranks gives the mini-batch loss.
         Returns metrics including ``grad_norm`` and ``skipped`` (1.0 when a non-finite loss/grad skipped it).
         """
@@ -181,10 +182,62 @@ class Policy(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-# loss_fn(logp, entropy, microbatch, num_tokens) -> (loss, metrics). A loss_fn may also carry
-# ``normalizer(batch) -> Tensor``: the micro-batch's share of the global count that ``num_tokens`` sums (tokens after
-# overlong filtering, or sequences for the sequence-level modes); the loop uses it when present, see core/loss.py.
-LossFn = Callable[[torch.Tensor, torch.Tensor, RolloutBatch, float], tuple]
+@dataclass(frozen=True)
+class LossInput:
+    """What the policy loss reads besides the policy's own log-probs, for B rows of T per-token positions.
+
+    Every per-token tensor is [B, T] and aligned with the ``logp`` / ``entropy`` the loss is called with (entry
+    [b, t] of each belongs to the same token). T is the response width R in the core layout (:meth:`of`), or the
+    S - 1 shifted positions of a packed prompt + response row (the actor's layout, nemo_dapo/megatron/layout.py).
+    ``mask`` is 1 exactly on the response tokens (EOS included) and 0 on prompt and padding positions; values at
+    mask-0 positions may be anything (the loss selects them away, it never multiplies by them).
+
+      old_logp     [B, T] float  log pi_old of the tokens, recomputed by the trainer before the update
+      advantages   [B] float (broadcast over the row's tokens) or [B, T]
+      mask         [B, T] float  1 on response tokens
+      truncated    [B] bool      the response hit the generation cap without EOS (overlong filtering reads it)
+      engine_logp  [B, T] float  the generator's sampling log-probs, or None (truncated IS and the mismatch metric)
+    """
+
+    old_logp: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor
+    truncated: torch.Tensor
+    engine_logp: Optional[torch.Tensor] = None
+
+    def __len__(self) -> int:
+        return self.mask.shape[0]
+
+    @staticmethod
+    def of(batch: RolloutBatch) -> "LossInput":
+        """The loss input of a core-layout batch (T = R); the step must have filled ``old_logp`` and
+        ``advantages``."""
+        for name in ("old_logp", "advantages"):
+            if getattr(batch, name) is None:
+                raise ValueError(f"the micro-batch has no {name}; the step must fill RolloutBatch.{name} before "
+                                 "the update")
+        return LossInput(old_logp=batch.old_logp, advantages=batch.advantages, mask=batch.response_mask.float(),
+                         truncated=batch.truncated.bool(), engine_logp=batch.engine_logp)
+
+
+@runtime_checkable
+class LossFn(Protocol):
+    """The policy loss of one micro-batch, split-invariant through a GLOBAL normaliser (core/loss.py DAPOLossFn).
+
+    ``normalizer(inputs)`` is the micro-batch's share (0-dim float) of the normaliser; ``norm`` is the sum of those
+    shares over every micro-batch and data-parallel rank of the optimizer step (valid tokens after overlong
+    filtering for token-mean, sequences with a valid token for the seq-* modes; see core/loss.py). The call
+    returns (this micro-batch's share of the mini-batch loss, metrics combined by core/loss.METRIC_REDUCTION).
+    ``tis_cap``: the truncated importance-sampling cap, or None; when set, ``inputs.engine_logp`` is required.
+    """
+
+    @property
+    def tis_cap(self) -> Optional[float]: ...
+
+    def normalizer(self, inputs: LossInput) -> torch.Tensor: ...
+
+    def __call__(self, logp: torch.Tensor, entropy: Optional[torch.Tensor], inputs: LossInput,
+                 norm) -> tuple: ...
 
 
 @runtime_checkable
