@@ -1,0 +1,93 @@
+"""Partial rollouts vs abort on the CPU job: the waste of streaming dynamic sampling, measured in one run.
+
+Runs ``nemo-dapo train`` (the tiny_cpu recipe through an engine server, streaming dynamic sampling) once per
+(policy, seed) for ``rollout.on_filler_full`` = abort (the baseline) and suspend (partial rollouts, max_staleness
+1), all from the same base model and stopped by the same budget of generated responses, one run at a time. From each
+run's counters it takes
+
+  discarded fraction       tokens generated and thrown away (abort: the aborted requests; suspend: partial work
+                           dropped past max_staleness, plus what is still suspended when the run ends) / generated
+  tokens per trained resp. generated tokens / trained responses
+  held-out accuracy        summary.json's final_accuracy (eval.n_samples samples per problem)
+
+and prints one row per run, the medians per policy and the RESULT line: suspend's medians against abort's (ratios).
+
+    OMP_NUM_THREADS=1 nice -n 10 python benchmarks/partial_rollouts.py --base-model DIR [--seeds 3] [--engine local]
+
+``--base-model``: a warmed model directory (a run's ``base_model/``), so that the runs measure RL only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+POLICIES = {"abort": ["rollout.on_filler_full=abort"],
+            "suspend": ["rollout.on_filler_full=suspend", "rollout.max_staleness=1"]}
+
+
+def run_once(out: str, policy: str, seed: int, args) -> dict:
+    run_dir = os.path.join(out, f"{policy}_seed{seed}")
+    overrides = [f"run_dir={run_dir}", f"model.path={args.base_model}", f"seed={seed}",
+                 f"rollout.engine={args.engine}", "rollout.streaming=true", "algorithm.tis_cap=2.0",
+                 f"trainer.max_samples={args.max_samples}", "trainer.max_steps=1000", "trainer.val_every=0",
+                 f"data.heldout_size={args.heldout}", f"eval.n_samples={args.eval_samples}", "trainer.plots=false",
+                 *POLICIES[policy], *args.override]
+    if not os.path.exists(os.path.join(run_dir, "summary.json")):
+        with open(run_dir + ".log", "w") as log:
+            subprocess.run([sys.executable, "-m", "nemo_dapo.cli", "train", *overrides], cwd=ROOT, stdout=log,
+                           stderr=subprocess.STDOUT, check=True)
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    last = [r for r in rows if "counters/generated_tokens" in r][-1]
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    generated, trained = last["counters/generated_tokens"], last["counters/trained_samples"]
+    discarded = last["counters/aborted_tokens"] + last.get("partial/stale_tokens", 0.0) + \
+        last.get("partial/suspended_tokens", 0.0)
+    return dict(policy=policy, seed=seed, generated_tokens=generated, trained_responses=trained,
+                discarded_frac=discarded / generated, tokens_per_trained=generated / trained,
+                accuracy=summary["final_accuracy"], base_accuracy=summary["base_accuracy"],
+                steps=last["counters/rollout_steps"])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--base-model", required=True)
+    p.add_argument("--out", default=os.path.join(ROOT, "runs", "partial_rollouts"))
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--engine", default="local", choices=("local", "vllm"))
+    p.add_argument("--max-samples", type=int, default=2560, help="response budget of every run")
+    p.add_argument("--heldout", type=int, default=128)
+    p.add_argument("--eval-samples", type=int, default=4)
+    p.add_argument("override", nargs="*", help="more key=value overrides for every run")
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    results = []
+    for seed in range(1, args.seeds + 1):
+        for policy in POLICIES:
+            r = run_once(args.out, policy, seed, args)
+            results.append(r)
+            print(f"{policy:8s} seed {seed}: discarded {r['discarded_frac']:.3f} | tokens/trained response "
+                  f"{r['tokens_per_trained']:.2f} | held-out {r['base_accuracy']:.3f} -> {r['accuracy']:.3f} | "
+                  f"{r['steps']:.0f} steps", flush=True)
+    med = {pol: {k: statistics.median(r[k] for r in results if r["policy"] == pol)
+                 for k in ("discarded_frac", "tokens_per_trained", "accuracy")} for pol in POLICIES}
+    acc = {pol: [r["accuracy"] for r in results if r["policy"] == pol] for pol in POLICIES}
+    for pol, m in med.items():
+        spread = (max(acc[pol]) - min(acc[pol])) if acc[pol] else 0.0
+        print(f"median {pol:8s}: discarded {m['discarded_frac']:.3f} | tokens/trained response "
+              f"{m['tokens_per_trained']:.2f} | held-out {m['accuracy']:.3f} (seed range {spread:.3f})")
+    a, s = med["abort"], med["suspend"]
+    print(f"RESULT suspend vs abort ({args.seeds} seeds, {args.max_samples} responses, engine {args.engine}): "
+          f"discarded {s['discarded_frac']:.3f} vs {a['discarded_frac']:.3f}; tokens per trained response x"
+          f"{s['tokens_per_trained'] / a['tokens_per_trained']:.3f}; held-out accuracy {s['accuracy']:.3f} vs "
+          f"{a['accuracy']:.3f}")
+    json.dump(results, open(os.path.join(args.out, "results.json"), "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
