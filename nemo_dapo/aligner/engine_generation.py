@@ -1,4 +1,5 @@
-"""Rollouts of the NeMo-Aligner run through engine servers (``trainer.dapo.rollout_engine: trtllm | vllm | local``).
+"""Rollouts of the NeMo-Aligner run through engine servers (``trainer.dapo.rollout_engine``: a served engine of
+``nemo_dapo.core.engine_registry``: trtllm | vllm | local).
 
 The servers (``python -m nemo_dapo.engines.server``) are started by the launcher (``containers/dapo.sbatch``) on the
 GPUs of the training ranks, colocated; this module connects the trainer to them.
@@ -55,8 +56,6 @@ from nemo_dapo.core.loop_data import mix_seed
 from nemo_dapo.core.types import Generation
 
 log = logging.getLogger("nemo_dapo")
-
-SERVER_ENGINES = ("trtllm", "vllm", "local")  # rollout_engine values served by nemo_dapo.engines.server
 
 
 @dataclass(frozen=True)

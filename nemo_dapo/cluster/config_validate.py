@@ -16,14 +16,13 @@ from typing import Any, Iterable, Optional, Sequence, Union
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from nemo_dapo.core import engine_registry  # torch-free: trainer.dapo.rollout_engine's values
 from nemo_dapo.core import settings as algorithm  # torch-free: the rules of the algorithm block, shared with the CLI
 
 AGG_MODES, BUDGET_POLICIES = algorithm.AGG_MODES, algorithm.BUDGET_POLICIES
 VERIFIERS = ("dapo", "tolerant", "math_verify")  # the CPU path's reward.verifier choices (nemo_dapo/local/config.py)
 DATA_FORMATS = ("dapo_math", "verl", "aime2024", "aime2025", "math500", "gsm8k")  # nemo_dapo.data.readers.READERS
 DISTRIBUTED_OPTIMIZERS = ("distributed_fused_adam", "mcore_distributed_optim")
-ROLLOUT_ENGINES = ("legacy", "trtllm", "vllm", "local")  # trainer.dapo.rollout_engine (engine-server names)
-ENGINE_SERVERS = ("trtllm", "vllm", "local")  # the ones served by nemo_dapo.engines.server
 ENGINE_SLEEP_LEVELS = (0, 1, 2)  # trainer.dapo.engine_server.sleep_level
 
 # The shared algorithm block (nemo_dapo.core.settings.FIELDS) is one block of gpt_dapo_actor.yaml, under model.dapo
@@ -366,8 +365,8 @@ def _moved(cfg: dict, s: dict):
 
 def _rollout_engine(cfg: dict, s: dict):
     engine = select(cfg, "trainer.dapo.rollout_engine")
-    if engine not in ROLLOUT_ENGINES:
-        yield f"trainer.dapo.rollout_engine={engine!r} must be one of {ROLLOUT_ENGINES}"
+    if engine not in engine_registry.rollout_engines():
+        yield f"trainer.dapo.rollout_engine={engine!r} must be one of {engine_registry.rollout_engines()}"
 
 
 def _algorithm(cfg: dict, s: dict):
@@ -460,7 +459,7 @@ def _arch_agrees(cfg: dict, s: dict):
 
 def _engine_server(cfg: dict, s: dict):
     """trainer.dapo.engine_server when the rollout engine is an engine server (aligner/engine_generation.py)."""
-    if select(cfg, "trainer.dapo.rollout_engine") not in ENGINE_SERVERS:
+    if not engine_registry.is_served(select(cfg, "trainer.dapo.rollout_engine")):
         return
     key = "trainer.dapo.engine_server"
     srv = select(cfg, key)

@@ -19,6 +19,8 @@ import json
 import sys
 from pathlib import Path
 
+from nemo_dapo.core import engine_registry
+
 KEY = "trainer.dapo.engine_server"
 LENGTH_KEY = "model.dapo.length_params.max_length"
 SCHEDULERS = ("max_utilization", "guaranteed_no_evict")
@@ -77,7 +79,7 @@ def _refuse(engine: str, key: str, value, why: str):
                              f"fix: change {KEY}.{key} or trainer.dapo.rollout_engine")
 
 
-def _trtllm(s: dict) -> dict:
+def trtllm_options(s: dict) -> dict:
     """nemo_dapo/engines/trtllm.py TRTLLMEngine; it has no pipeline parallelism. Several TP engines in one run get
     ``allreduce_strategy="NCCL"``: TensorRT-LLM's own AsyncLLM (llmapi/async_llm.py) forces it for RL, whose default
     AllReduce gave wrong log-probs at large batch with several rollout instances (nvbugs/5727691); verl does the same."""
@@ -93,7 +95,7 @@ def _trtllm(s: dict) -> dict:
             "enable_sleep": s["sleep_level"] > 0}
 
 
-def _vllm(s: dict) -> dict:
+def vllm_options(s: dict) -> dict:
     """nemo_dapo/engines/vllm.py VLLMEngine (its **engine_kwargs go to vllm.EngineArgs)."""
     # vLLM sizes its KV cache by gpu_memory_utilization, a share of the TOTAL memory that includes the weights;
     # free_gpu_memory_fraction is a share of what is free after loading: no static conversion exists.
@@ -102,7 +104,7 @@ def _vllm(s: dict) -> dict:
             "loading; the cluster launcher has no vLLM memory mapping yet")
 
 
-def _local(s: dict) -> dict:
+def local_options(s: dict) -> dict:
     """nemo_dapo/engines/local.py LocalEngine.from_path: one device, a dense cache of max_batch_size x max_seq_len
     (the KV pool keys - fraction, block reuse, scheduler, max_num_tokens - size nothing there)."""
     for k in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size"):
@@ -111,25 +113,24 @@ def _local(s: dict) -> dict:
     return {"max_batch_size": s["max_batch_size"], "max_seq_len": s["max_seq_len"]}
 
 
-MAPPERS = {"trtllm": _trtllm, "vllm": _vllm, "local": _local}
-
-
 def engine_options(cfg: dict) -> dict:
     """``{"engine", "engine_gpus", "options"}`` for ``trainer.dapo.rollout_engine`` of a resolved plain-dict config;
     raises :class:`EngineOptionsError` naming the key and the fix."""
     from nemo_dapo.cluster.config_validate import _engine_server, sizes
 
     engine = _at(cfg, "trainer.dapo.rollout_engine")
-    if engine not in MAPPERS:
+    spec = engine_registry.ENGINES.get(engine) if isinstance(engine, str) else None
+    if spec is None or spec.options is None:
+        mapped = sorted(n for n, e in engine_registry.ENGINES.items() if e.options is not None)
         raise EngineOptionsError(f"trainer.dapo.rollout_engine={engine!r} runs no engine server; the servers are "
-                                 f"{sorted(MAPPERS)}")
+                                 f"{mapped}")
     problems = list(_engine_server(cfg, sizes(cfg)))
     if problems:
         raise EngineOptionsError("; ".join(problems))
     s = read_server(cfg)
     s["num_engines"] = max(1, sizes(cfg)["world"] // (s["tensor_parallel_size"] * s["pipeline_parallel_size"]))
     return {"engine": engine, "engine_gpus": s["tensor_parallel_size"] * s["pipeline_parallel_size"],
-            "options": MAPPERS[engine](s)}
+            "options": engine_registry.load(spec.options)(s)}
 
 
 def main(argv=None) -> int:

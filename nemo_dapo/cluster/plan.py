@@ -25,14 +25,15 @@ from __future__ import annotations
 import math
 import sys
 
-from nemo_dapo.cluster.plan_engine_server import (SERVER_ENGINES, concurrency, gather_buffer_bytes, server_layout,
-                                                 server_overhead, server_phases)
-from nemo_dapo.cluster.plan_generation import (ENGINE_MODEL, MODEL_LABELS, PlanError, ResponseLengths,
+from nemo_dapo.cluster.plan_engine_server import (concurrency, gather_buffer_bytes, server_layout, server_overhead,
+                                                 server_phases)
+from nemo_dapo.cluster.plan_generation import (MODEL_LABELS, PlanError, ResponseLengths,
                                               decode_step_seconds, engine_memory, generation_times,
                                               inflight_tokens_per_s_per_gpu, needed_fraction)
 from nemo_dapo.cluster.plan_report import format_plan
 from nemo_dapo.cluster.plan_model import (ARCH_KEYS, ARCH_PRESETS, GPUS, Arch, Gpu, Layout, default_hfu,
                                          params_per_gpu, training_memory, training_seconds)
+from nemo_dapo.core import engine_registry
 
 __all__ = ["PlanError", "make_plan", "format_plan", "run_cli", "Arch", "Gpu", "GPUS", "Layout", "ARCH_PRESETS",
            "params_per_gpu", "training_memory", "training_seconds", "engine_memory", "decode_step_seconds",
@@ -169,9 +170,10 @@ def make_plan(cfg: dict) -> dict:
                     sequence_parallel=bool(select(cfg, "model.sequence_parallel", False)),
                     etp=select(cfg, "model.expert_tensor_parallel_size"))
     engine = _need(select(cfg, "trainer.dapo.rollout_engine"), "trainer.dapo.rollout_engine")
-    if engine not in ENGINE_MODEL:
+    if engine not in engine_registry.planned_engines():
         raise PlanError(f"trainer.dapo.rollout_engine={engine!r}: `nemo-dapo plan` models "
-                        f"{sorted(ENGINE_MODEL)} ('local', the project's small-model engine, is not sized here)")
+                        f"{sorted(engine_registry.planned_engines())} (the others, e.g. 'local', the project's "
+                        "small-model engine, are not sized here)")
     offload = select(cfg, "plan.generate_offload")
     if offload not in GENERATE_OFFLOADS:
         raise PlanError(f"plan.generate_offload={offload!r} must be null (what this stack does) or 'training_state'")
@@ -225,7 +227,7 @@ def _memory_phases(cfg: dict, arch: Arch, layout: Layout, a: dict, *, gpu: Gpu, 
            "batch": select(cfg, "model.dapo.rollout_micro_batch_size"),
            "max_seq": trt.get("max_input_len", 0) + select(cfg, "model.dapo.length_params.max_length"),
            "offloaded": offloaded}
-    if gen["engine"] in SERVER_ENGINES:
+    if engine_registry.is_served(gen["engine"]):
         srv = server_layout(cfg, arch, layout.world)
         mp = layout.tp * layout.pp * layout.cp
         owners = max(1, mp // (srv["tp"] * srv["pp"]))
@@ -295,7 +297,7 @@ def _generation(cfg: dict, plan: dict, *, generated: float, l_max: int, oversamp
                            pipeline_stages=g["pp"], max_slots=max_slots)
     return {**t, "gen": gen, "engines": engines, "batches_per_engine": gen["batches"], "pass_rate": pass_rate,
             "steps_per_batch": gen["batch_max"], "step_ms": gen["static_step_s"] * 1e3,
-            "generation": gen[ENGINE_MODEL[g["engine"]]]}
+            "generation": gen[engine_registry.ENGINES[g["engine"]].plan]}
 
 
 def _pipeline_bubble(cfg: dict, layout: Layout, tokens_per_update: float) -> float:

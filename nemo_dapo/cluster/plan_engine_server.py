@@ -32,7 +32,6 @@ from nemo_dapo.cluster.plan_generation import PlanError, engine_memory
 
 GB = 1e9
 MB = 1 << 20
-SERVER_ENGINES = ("trtllm", "vllm")
 SCHEDULERS = ("guaranteed_no_evict", "max_utilization")
 KEY = "trainer.dapo.engine_server"
 

@@ -44,6 +44,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Callable, Optional
 
+from nemo_dapo.core import engine_registry
+
 if TYPE_CHECKING:  # plan.py imports this module; the shapes are only read through their attributes
     from nemo_dapo.cluster.plan import Arch, Gpu
 
@@ -211,15 +213,15 @@ def generation_times(lengths: ResponseLengths, *, requests: float, group_size: i
             "needed": needed, "inflight_parts": parts}
 
 
-# Which model the selected ``trainer.dapo.rollout_engine`` runs (engine names of the engine-server issue).
-ENGINE_MODEL = {"legacy": "static", "trtllm": "inflight", "vllm": "inflight"}
+# The generation models; the one a ``trainer.dapo.rollout_engine`` runs is its registry row's ``plan``
+# (nemo_dapo.core.engine_registry.PLAN_MODELS; "streaming" is what early stopping would save, selected by none).
 MODEL_LABELS = {"static": "static batches", "inflight": "in-flight batching", "streaming": "streaming + early stop"}
 
 
 def format_generation(gen: dict, totals: dict, *, engine: str, batch: int, gpus_per_engine: int, ceiling: float,
                       oversample: float, pass_rate: float, total: float) -> list:
     """Report lines: generation seconds and the step total under each engine model, the selected one marked."""
-    selected = ENGINE_MODEL[engine]
+    selected = engine_registry.ENGINES[engine].plan
     details = {
         "static": f"{gen['batches']} batches/engine x {gen['batch_max']:.0f} steps (E[longest of {batch}]) x "
                   f"{gen['static_step_s'] * 1e3:.1f} ms",

@@ -302,7 +302,7 @@ class EngineProcess:
                  env: Optional[dict] = None, authkey: Optional[bytes] = None):
         import json
 
-        from nemo_dapo.engines.server import install_hint
+        from nemo_dapo.core.engine_registry import install_hint
 
         self.engine, self.address = engine, address
         self.python = python or sys.executable

@@ -25,7 +25,6 @@ engine could not be built (a dependency that does not import, or its constructor
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import os
@@ -36,27 +35,13 @@ import threading
 import time
 from typing import Optional
 
+from nemo_dapo.core import engine_registry
 from nemo_dapo.engines import protocol as P
 from nemo_dapo.engines.base import WAKE_TAGS, EngineError, EngineWeightError, Request, check_finite, check_token_ids
 
 log = logging.getLogger("nemo_dapo.engine")
 
-# engine name -> "module:factory"; factory(model_dir, **options) returns an EngineAdapter
-ENGINES = {
-    "local": "nemo_dapo.engines.local:LocalEngine.from_path",
-    "vllm": "nemo_dapo.engines.vllm:VLLMEngine",
-    "trtllm": "nemo_dapo.engines.trtllm:TRTLLMEngine",
-}
-_INSTALL = {
-    "local": "install nemo_dapo with its dependencies (bash scripts/install.sh VENV core)",
-    "vllm": "run the server with the python of the venv made by `bash scripts/install.sh VENV engine-vllm`",
-    "trtllm": "run the server in the engine image built from containers/Dockerfile.engine",
-}
 MAX_SAMPLES_IN_FLIGHT = 65536  # samples queued or running at once (the recipes hold at most a few thousand)
-
-
-def install_hint(engine: str) -> str:
-    return _INSTALL.get(engine, f"install what {engine.partition(':')[0]!r} needs into the engine's environment")
 
 
 class StartError(Exception):
@@ -68,17 +53,17 @@ class StartError(Exception):
 
 
 def make_engine(name: str, model_dir: str, options: dict):
-    """``name``: a key of ENGINES, or ``package.module:factory`` for an engine of your own."""
-    if name not in ENGINES and ":" not in name:
-        raise StartError(f"--engine {name!r}: unknown; choose one of {sorted(ENGINES)} or give module:factory", 2)
-    if name in ENGINES and not os.path.isfile(os.path.join(model_dir, "config.json")):
+    """``name``: a served engine of ``nemo_dapo.core.engine_registry``, or ``package.module:factory`` for an engine
+    of your own."""
+    served = engine_registry.is_served(name)
+    if not served and ":" not in name:
+        raise StartError(f"--engine {name!r}: unknown; choose one of {sorted(engine_registry.served_engines())} or "
+                         "give module:factory", 2)
+    if served and not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise StartError(f"--model {model_dir!r}: not a Hugging Face checkpoint directory (no config.json in it); "
                          "give the directory that save_pretrained wrote", 2)
-    module, _, attr = ENGINES.get(name, name).partition(":")
     try:
-        factory = importlib.import_module(module)
-        for part in attr.split("."):
-            factory = getattr(factory, part)
+        factory = engine_registry.load(engine_registry.ENGINES[name].adapter if served else name)
     except ImportError as e:
         raise _import_failed(name, e) from None
     except AttributeError as e:
@@ -97,7 +82,7 @@ def make_engine(name: str, model_dir: str, options: dict):
 
 def _import_failed(name: str, e: ImportError) -> StartError:
     return StartError(f"engine {name!r} cannot start: module {e.name or '?'!r} does not import "
-                      f"({type(e).__name__}: {e}); fix: {install_hint(name)}", 3)
+                      f"({type(e).__name__}: {e}); fix: {engine_registry.install_hint(name)}", 3)
 
 
 class EngineServer:
@@ -424,7 +409,8 @@ def _positive(kind):
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m nemo_dapo.engines.server", description=__doc__.split("\n\n")[0])
-    p.add_argument("--engine", required=True, help=f"one of {sorted(ENGINES)}, or module:factory")
+    p.add_argument("--engine", required=True, help=f"one of {sorted(engine_registry.served_engines())}, or "
+                   "module:factory")
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory (config.json + weights)")
     p.add_argument("--address", required=True, help="unix:/path/to.sock or tcp://127.0.0.1:PORT")
     p.add_argument("--option", action="append", help="engine constructor argument key=value (JSON value); "

@@ -21,6 +21,8 @@ import os
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Dict, List, Optional
 
+from nemo_dapo.core import engine_registry
+
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")  # nemo_dapo/conf
 DEFAULT_CONFIG = "tiny_cpu"
 
@@ -235,7 +237,7 @@ CHOICES = {
     "reward.verifier": ("dapo", "tolerant", "math_verify"),
     "data.task": ("arithmetic", "file"),
     "model.arch": ("llama", "qwen2"),
-    "rollout.engine": ("inprocess", "local", "vllm"),
+    "rollout.engine": ("inprocess", *sorted(engine_registry.cpu_engines())),  # inprocess: no engine server
     "rollout.on_filler_full": ("abort", "finish", "suspend"),
     "rollout.server.sleep_level": (0, 1, 2),
 }

@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 
+from nemo_dapo.core import engine_registry
 from nemo_dapo.engines.client import EngineClient, EngineProcess
 from nemo_dapo.engines.generator import EngineGenerator
 from nemo_dapo.engines.protocol import parse_address
@@ -57,7 +58,7 @@ class EngineRollouts:
         self._sock_dir = tempfile.mkdtemp(prefix="nemo-dapo-")  # mode 0700: only this user can reach the socket
         address = f"unix:{self._sock_dir}/engine.sock"
         options = {"max_batch_size": srv.max_batch_size}
-        if engine == "vllm":
+        if engine_registry.ENGINES[engine].engine_seed:
             options["seed"] = cfg.seed
         self.proc = EngineProcess(engine=engine, model_dir=model_dir, address=address, python=srv.python,
                                   options=options, threads=srv.threads,

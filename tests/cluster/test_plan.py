@@ -327,9 +327,9 @@ def test_rollout_engine_selects_the_model_and_the_total(capsys):
     assert run_cli("qwen2.5-32b_h100", "trainer.dapo.rollout_engine=trt") == 2
     assert "config problem: trainer.dapo.rollout_engine='trt' must be one of" in capsys.readouterr().out
     assert run_cli("qwen2.5-32b_h100", "trainer.dapo.rollout_engine=local") == 2
-    from nemo_dapo.cluster.config_validate import ROLLOUT_ENGINES
+    from nemo_dapo.core import engine_registry
 
-    assert set(P.ENGINE_MODEL) < set(ROLLOUT_ENGINES)
+    assert {engine_registry.ENGINES[e].plan for e in engine_registry.planned_engines()} <= set(G.MODEL_LABELS)
 
 
 def test_streaming_without_dynamic_sampling_aborts_nothing():

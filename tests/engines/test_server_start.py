@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from nemo_dapo.core import engine_registry
 from nemo_dapo.engines import protocol as P
 from nemo_dapo.engines import server as S
 from nemo_dapo.engines.base import EngineError
@@ -164,7 +165,7 @@ def test_an_engine_dependency_that_does_not_import_is_a_clean_engine_error(env, 
     from nemo_dapo.cli import EXIT_ENGINE, _exit_code_and_message
 
     assert _exit_code_and_message("train", EngineError("x"))[0] == EXIT_ENGINE == 4
-    assert "scripts/install.sh VENV engine-vllm" in S.install_hint("vllm")
+    assert "scripts/install.sh VENV engine-vllm" in engine_registry.install_hint("vllm")
 
 
 def test_the_missing_python_message_names_install_modes_that_exist():

@@ -169,7 +169,10 @@ def test_unknown_option_is_a_clear_error(tmp_path):
 
 
 def test_registered_as_trtllm():
-    assert S.ENGINES["trtllm"] == "nemo_dapo.engines.trtllm:TRTLLMEngine"
+    from nemo_dapo.core import engine_registry
+    from nemo_dapo.engines.trtllm import TRTLLMEngine
+
+    assert engine_registry.load(engine_registry.ENGINES["trtllm"].adapter) is TRTLLMEngine
 
 
 def _adapter_calls():
