@@ -34,7 +34,8 @@ from typing import Optional
 import torch
 
 from nemo_dapo.local.config import Config
-from nemo_dapo.core.checkpoint import latest_checkpoint, list_checkpoints, rng_state, save_checkpoint, set_rng_state
+from nemo_dapo.core.checkpoint import (atomic_directory, latest_checkpoint, list_checkpoints, rng_state,
+                                       save_checkpoint, set_rng_state)
 from nemo_dapo.core.health import DivergenceGuard, TrainingDiverged, diverged_message
 from nemo_dapo.core.loop import DAPOLoop
 from nemo_dapo.core.loop_data import PromptSampler
@@ -49,7 +50,7 @@ from nemo_dapo.local.run_dir import (DIVERGED_FILE, RunDirLock, RunInterrupted, 
 from nemo_dapo.local.run_data import build_prompt_sets
 from nemo_dapo.local.run_model import prepare_base_model
 from nemo_dapo.local.run_parallel import ParallelSampler
-from nemo_dapo.local.logging import RunLogger, setup_console_logging, write_json, write_text
+from nemo_dapo.local.run_log import RunLogger, setup_console_logging, write_json, write_text
 
 log = logging.getLogger("nemo_dapo")
 
@@ -325,17 +326,9 @@ def _train_steps(run: LocalRun, logger: RunLogger, base_eval: dict, t_start: flo
 
 def _save_final_model(run: LocalRun) -> None:
     """The trained policy in save_pretrained layout (model + tokenizer), for `nemo-dapo eval --model`."""
-    directory = os.path.join(run.cfg.run_dir, "final_model")
-    tmp = directory + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a killed save (check_no_links refused a link here)
-    try:
+    with atomic_directory(os.path.join(run.cfg.run_dir, "final_model")) as tmp:
         run.model.save_pretrained(tmp, safe_serialization=True)
         run.tokenizer.save_pretrained(tmp)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(directory, ignore_errors=True)
-    os.replace(tmp, directory)
 
 
 def _summary(run: LocalRun, base_eval: dict, final_eval: dict, *, wall_seconds: float, rl_seconds: float,

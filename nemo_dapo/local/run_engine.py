@@ -77,9 +77,8 @@ class EngineRollouts:
 
 
 def _save_hf(model, tokenizer, directory: str) -> None:
-    tmp = directory + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(directory, ignore_errors=True)
-    os.replace(tmp, directory)
+    from nemo_dapo.core.checkpoint import atomic_directory
+
+    with atomic_directory(directory) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
