@@ -3,13 +3,17 @@
 Everything here is an ESTIMATE from closed-form arithmetic, not a measurement; it imports nothing of NeMo, Megatron
 or torch, so ``nemo-dapo plan`` runs anywhere. The pieces:
 
-* ``plan_model.py``: GPUs, architectures (``plan.arch``, or ``plan.arch.preset``), training memory and FLOPs
+* ``plan_shapes.py``: GPUs, architectures (``plan.arch``, or ``plan.arch.preset``) and training layouts;
+  ``plan_assumptions.py``: every ``plan.assume`` default with its reason and range.
+* ``plan_model.py``: training memory and FLOPs
   (6N per trained token, 8N with full recompute; a forward 2N per log-prob pass: the old policy, plus a KL
   reference policy when ``plan.reference_logprob_pass`` is set; DAPO has none).
 * ``plan_engine_server.py``: the engine servers' layout and the three colocated phases (train with the engine
   asleep, refit with the KV asleep, generate), the results-gather buffer, concurrency, refit and sleep / wake time.
 * ``plan_generation.py``: decode steps from the bytes each GPU reads (its weight shard + the KV it attends over) at
   its memory bandwidth, and the generation time of one step under static, in-flight and streaming engines.
+* ``plan_async.py``: the same step under partial rollouts and the disaggregated one-step-off layout (trainer
+  nodes vs engine nodes, the network refit, the overlap bounded by ``plan.async.max_staleness``).
 * ``plan_calibration.py``: the same planner run on published runs (benchmarks/calibration/); the error band it
   finds is printed beside every estimate (``plan_report.py`` prints the plan).
 
@@ -25,6 +29,9 @@ from __future__ import annotations
 import math
 import sys
 
+from nemo_dapo.cluster.plan_async import layouts, settings as async_settings
+from nemo_dapo.cluster.plan_assumptions import (ASSUMPTION_RANGES, ASSUMPTIONS, DEFAULT_ASSUMPTIONS,
+                                               LOGPROB_HFU_RATIO)
 from nemo_dapo.cluster.plan_engine_server import (concurrency, gather_buffer_bytes, server_layout, server_overhead,
                                                  server_phases)
 from nemo_dapo.cluster.plan_generation import (MODEL_LABELS, PlanError, ResponseLengths,
@@ -42,45 +49,7 @@ __all__ = ["PlanError", "make_plan", "format_plan", "run_cli", "Arch", "Gpu", "G
 GB = 1e9
 KIB = 1024
 
-# (default, reason). One set for every recipe and for every calibration row; the calibrated ones were chosen on
-# benchmarks/calibration/ (3 published runs) and are checked there by tests/cluster/test_plan_calibration.py.
-ASSUMPTIONS = {
-    "mean_prompt_tokens": (250, "GUESS: DAPO-Math-17k prompts with the template"),
-    "mean_response_tokens": (6000, "GUESS: mid-run mean response of DAPO at 20k tokens (paper Fig. 7a: ~1-4k early)"),
-    "truncated_fraction": (0.05, "GUESS: share of responses that hit the generation cap"),
-    "oversample": (3.0, "the reference's 3x generation batch (verl / NeMo-RL DAPO recipes)"),
-    "pass_rate": (None, "null: model.dapo.algorithm.dynamic_sampling.prior_pass_rate (share of groups kept)"),
-    "hfu": (None, "null: 0.40 dense (calibrated: the NeMo-RL H100 rows and the verl H20 row), 0.25 MoE (GUESS: "
-                  "no MoE row)"),
-    "logprob_hfu": (None, "null: half the update's (calibrated: verl 7B H20, old log-prob 54 s = 2N vs update "
-                          "114 s = 8N; forward-only passes use the GPU about half as well)"),
-    "decode_efficiency": (0.75, "achieved fraction of HBM bandwidth while decoding (SCALE.md 3.3)"),
-    "decode_step_overhead_ms": (3.0, "calibrated: fixed cost of a decode step (scheduling, sampling, launches); "
-                                     "the verl row's generation is mostly the 28.7k steps of its longest response"),
-    "allreduce_us": (15.0, "GUESS: latency of one small NVLink all-reduce (2 per layer per decode step at TP > 1)"),
-    "decode_step_floor_ms": (None, "null: no floor (the step follows bytes / bandwidth + overhead)"),
-    "refit_gb_per_s": (5.0, "GUESS: legacy engine weight refit per GPU (convert + trt.Refitter)"),
-    "handover_gb_per_s": (5.0, "GUESS: engine servers: HF-named gather over TP/PP/EP + shared-memory handover"),
-    "sleep_wake_s": (5.0, "GUESS: engine servers: one sleep + wake of a colocated engine"),
-    "pcie_gb_per_s": (25.0, "host <-> device copies (PCIe Gen5 x16 achieved) for offload and reload"),
-    "engine_workspace_gb": (3.0, "GUESS: TRT-LLM activations and workspace"),
-    "cuda_reserved_gb": (3.0, "GUESS: CUDA context, NCCL buffers"),
-    "usable_fraction": (0.95, "GUESS: allocator fragmentation margin"),
-}
-DEFAULT_ASSUMPTIONS = {k: v for k, (v, _) in ASSUMPTIONS.items()}
-# The range of each assumption as (low, low allowed, high or None): rates, lengths and utilisations must be > 0
-# (they divide), fractions lie in [0, 1] or (0, 1], overheads may be 0, and a null takes the default above.
-ASSUMPTION_RANGES = {
-    "mean_prompt_tokens": (0, False, None), "mean_response_tokens": (0, False, None),
-    "truncated_fraction": (0, True, 1), "oversample": (1, True, None), "pass_rate": (0, False, 1),
-    "hfu": (0, False, 1), "logprob_hfu": (0, False, 1), "decode_efficiency": (0, False, 1),
-    "decode_step_overhead_ms": (0, True, None), "allreduce_us": (0, True, None),
-    "decode_step_floor_ms": (0, True, None), "refit_gb_per_s": (0, False, None),
-    "handover_gb_per_s": (0, False, None), "sleep_wake_s": (0, True, None), "pcie_gb_per_s": (0, False, None),
-    "engine_workspace_gb": (0, True, None), "cuda_reserved_gb": (0, True, None), "usable_fraction": (0, False, 1),
-}
 GENERATE_OFFLOADS = (None, "training_state")
-LOGPROB_HFU_RATIO = 0.5  # logprob_hfu when null: this share of the update's HFU (ASSUMPTIONS["logprob_hfu"])
 
 
 def _range_text(low: float, closed: bool, high):
@@ -182,6 +151,9 @@ def make_plan(cfg: dict) -> dict:
     plan = {"gpu": gpu, "gpu_key": gpu_key, "arch": arch, "layout": layout, "assume": a, "phases": phases,
             "budget": budget, "fits": all(sum(p.values()) <= budget for p in phases.values()), "gen": gen}
     plan["time"] = _step_time(cfg, plan)
+    plan["async"] = async_settings(cfg)
+    plan["layouts"] = layouts(cfg, plan, plan["async"], training_state=training_state, bubble=_pipeline_bubble,
+                              step_fn=decode_step_fn(plan))
     return plan
 
 
@@ -206,20 +178,28 @@ def _gen_rows_per_dp(cfg: dict, dp: int) -> float:
     return prompts * select(cfg, "model.dapo.algorithm.group_size") / dp
 
 
-def _memory_phases(cfg: dict, arch: Arch, layout: Layout, a: dict, *, gpu: Gpu, budget: float) -> tuple:
-    """({phase: {part: bytes}}, generation settings) per GPU."""
+def training_state(cfg: dict, arch: Arch, layout: Layout) -> dict:
+    """Bytes per GPU of the training state and one step's activations of ``layout`` (plan_model.training_memory
+    with the recipe's micro-batch, recompute, optimizer and log-prob chunk)."""
     from nemo_dapo.cluster.config_validate import DISTRIBUTED_OPTIMIZERS, select
 
     mbs, gbs = select(cfg, "model.micro_batch_size"), select(cfg, "model.global_batch_size")
     seq = select(cfg, "model.encoder_seq_length")
     tokens = select(cfg, "model.dapo.micro_batch_tokens") or mbs * seq  # packed micro-batches, worst case
-    optim = select(cfg, "model.optim.name")
     in_flight = min(layout.pp, max(1, gbs // (mbs * layout.dp)))
-    train = training_memory(arch, layout, seq_tokens=tokens, in_flight=in_flight,
-                            recompute=select(cfg, "model.activations_checkpoint_granularity"),
-                            distributed_optimizer=optim in DISTRIBUTED_OPTIMIZERS,
-                            grad_bytes=2 if select(cfg, "model.optim.grad_sync_dtype") in ("bf16", "fp16") else 4,
-                            logprob_chunk=select(cfg, "model.dapo.logprob_chunk_size"))
+    return training_memory(arch, layout, seq_tokens=tokens, in_flight=in_flight,
+                           recompute=select(cfg, "model.activations_checkpoint_granularity"),
+                           distributed_optimizer=select(cfg, "model.optim.name") in DISTRIBUTED_OPTIMIZERS,
+                           grad_bytes=2 if select(cfg, "model.optim.grad_sync_dtype") in ("bf16", "fp16") else 4,
+                           logprob_chunk=select(cfg, "model.dapo.logprob_chunk_size"))
+
+
+def _memory_phases(cfg: dict, arch: Arch, layout: Layout, a: dict, *, gpu: Gpu, budget: float) -> tuple:
+    """({phase: {part: bytes}}, generation settings) per GPU."""
+    from nemo_dapo.cluster.config_validate import select
+
+    optim = select(cfg, "model.optim.name")
+    train = training_state(cfg, arch, layout)
     trt = select(cfg, "trainer.dapo.trt_llm", {})
     offloaded = _offloaded(cfg, optim)
     gen = {"tp": layout.tp, "pp": 1 if trt.get("reshard") else layout.pp, "trt": bool(trt.get("enable")),
@@ -332,7 +312,7 @@ def _step_time(cfg: dict, plan: dict) -> dict:
     t.update(training_seconds(arch, gpu, world=layout.world, tokens=tokens, seq_len=seq_len, hfu=hfu,
                               logprob_hfu=logprob_hfu, recompute=recompute, logprob_passes=passes,
                               bubble=bubble), hfu=hfu, logprob_hfu=logprob_hfu, recompute=recompute,
-             logprob_passes=passes, bubble=bubble)
+             logprob_passes=passes, bubble=bubble, trained_tokens=tokens, seq_len=seq_len)
     train = plan["phases"]["train"]
     moved = sum(train[k] for k, off in g["offloaded"].items() if off)
     parts = {"offload": 2 * moved / (a["pcie_gb_per_s"] * GB)}

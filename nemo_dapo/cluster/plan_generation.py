@@ -42,12 +42,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
+from nemo_dapo.cluster.plan_shapes import Arch, Gpu
 from nemo_dapo.core import engine_registry
-
-if TYPE_CHECKING:  # plan.py imports this module; the shapes are only read through their attributes
-    from nemo_dapo.cluster.plan import Arch, Gpu
 
 SHAPE_LIMIT = 500.0  # |a| bound of the exponential's shape (keeps e^a finite): means 0.2 % .. 99.8 % of l_max
 QUADRATURE_POINTS = 4096

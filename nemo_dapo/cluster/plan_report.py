@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import textwrap
 
+from nemo_dapo.cluster.plan_assumptions import ASSUMPTIONS
 from nemo_dapo.cluster.plan_engine_server import format_server
 from nemo_dapo.cluster.plan_generation import MODEL_LABELS, format_generation
 
@@ -49,10 +50,82 @@ def _band_text(band) -> str:
     return f", {band['low']:+.0%} / {band['high']:+.0%} on published runs"
 
 
+LAYOUT_ASSUMPTIONS = (
+    "steady state: every step generates its share; the first step's cold start is not counted",
+    "partial rollouts: a response admitted at a uniform point of a generation phase may decode the rest of it plus "
+    "max_staleness phases, else it is dropped and generated again; the suspended requests' KV is recomputed after "
+    "each refit at the log-prob passes' utilisation",
+    "disaggregated: the trainer keeps the recipe's TP / PP / CP / EP with DP shrunk and the same utilisation (linear "
+    "in GPUs), the engines the recipe's engine layout; no sleep, wake or offload; the split is whole nodes",
+    "one-step-off: step = max(train side, generation side) + network refit at max_staleness >= 1, their sum at 0; "
+    "the refit sends the whole bf16 model at network_gb_per_s and stalls both sides (no double-buffered weights); "
+    "a deeper staleness absorbs timing noise (not modelled) but no step is shorter than its slower side",
+)
+
+
+def _layout_detail(key: str, row: dict, plan: dict) -> str:
+    parts = " + ".join(f"{k} {v:.0f}" for k, v in row["parts"].items())
+    if key.startswith("colocated"):
+        text = parts
+    else:
+        lay, p = row["trainer_layout"], row["parts"]
+        join = "max({}, {})".format(*[f"{k} {p[k]:.0f}" for k in ("train side", "generation side")]) \
+            if row["overlap"] else f"train side {p['train side']:.0f} + generation side {p['generation side']:.0f}"
+        text = (f"{row['trainer_nodes']} trainer nodes ({lay.world} GPUs, TP{lay.tp} PP{lay.pp} CP{lay.cp} "
+                f"EP{lay.ep} DP{lay.dp}, {row['trainer_memory'] / GB:.1f} GB/GPU) + {row['engine_gpus']} engine GPUs "
+                f"({row['engines']} engines; split: {row['chosen']}): {join} + network refit {p['network refit']:.0f}"
+                f" ({2 * plan['arch'].total_params() / GB:.0f} GB at {plan['assume']['network_gb_per_s']} GB/s); "
+                f"train side = " + " + ".join(f"{k.replace('_', ' ')} {v:.0f}" for k, v in row["train"].items()))
+        if "prefill" in row:
+            text += f"; generation includes re-prefill {row['prefill']:.0f}"
+    if "dropped" in row:
+        text += (f"; {row['dropped']:.1%} of responses outlive max_staleness and are generated again "
+                 f"({row['wasted']:.1%} of generated tokens wasted)")
+    return text
+
+
+def format_layouts(plan: dict, band) -> list:
+    """Report lines: the step under each layout (plan_async.py), the fastest, and the layout assumptions."""
+    from nemo_dapo.cluster.plan_async import LAYOUT_LABELS
+
+    rows, base, s = plan["layouts"], plan["layouts"]["colocated"]["step"], plan["async"]
+    lines = ["", f"layouts (est., the same {plan['layout'].world} GPUs; nemo_dapo/cluster/plan_async.py; "
+                 f"plan.async.max_staleness={s['max_staleness']}, old_logprob_pass={s['old_logprob_pass']})"]
+    for key, label in LAYOUT_LABELS.items():
+        row = rows[key]
+        if "refused" in row:
+            lines += textwrap.wrap(f"{label:<48} not estimated: {row['refused']}", 117, initial_indent="  ",
+                                   subsequent_indent="      ")
+            continue
+        mark = "  <- what the recipe runs" if key == "colocated" else ""
+        lines.append(f"  {label:<46}{row['step']:7.0f} s ({row['step'] / 60:3.0f} min) {base / row['step']:5.2f}x"
+                     f"  {_layout_band(key, band)}{mark}")
+        lines += textwrap.wrap(_layout_detail(key, row, plan), 115, initial_indent="      ",
+                               subsequent_indent="      ")
+    fine = {k: r for k, r in rows.items() if "refused" not in r}
+    best = min(fine, key=lambda k: fine[k]["step"])
+    if best == "colocated":
+        lines.append(f"  fastest: {LAYOUT_LABELS[best]} (no other layout estimated here is faster)")
+    else:
+        lines.append(f"  fastest: {LAYOUT_LABELS[best]}, {base / fine[best]['step']:.2f}x faster than today "
+                     f"({fine[best]['step']:.0f} s vs {base:.0f} s per step, est.)")
+    lines.append("  layout assumptions:")
+    for text in LAYOUT_ASSUMPTIONS:
+        lines += textwrap.wrap(text, 115, initial_indent="    ", subsequent_indent="      ")
+    return lines
+
+
+def _layout_band(key: str, band) -> str:
+    if band is None:
+        return ""
+    kind = band.get("layouts", {}).get(key)
+    if kind is None:
+        return "uncalibrated"
+    return f"{kind['low']:+.0%} / {kind['high']:+.0%} on {kind['rows']} run{'s' if kind['rows'] > 1 else ''}"
+
+
 def format_plan(plan: dict, title: str = "", band=None) -> str:
     """The printed plan; ``band``: plan_calibration.error_band() (None: not shown)."""
-    from nemo_dapo.cluster.plan import ASSUMPTIONS  # plan.py imports this module
-
     arch, gpu, lay, g, t, a = plan["arch"], plan["gpu"], plan["layout"], plan["gen"], plan["time"], plan["assume"]
     gb = lambda x: f"{x / GB:7.1f}"  # noqa: E731
     moe = (f", {arch.num_moe_experts} experts top-{arch.moe_router_topk} of width {arch.moe_ffn_hidden_size}"
@@ -90,7 +163,7 @@ def format_plan(plan: dict, title: str = "", band=None) -> str:
     lines.append(f"  {'total':<31}" + "".join(f"  {gb(sum(p.values()))}" for p in phases.values())
                  + f"   budget {gb(plan['budget']).strip()} ({a['usable_fraction']:.0%} of {gpu.memory_gb:.0f})"
                  f" -> {verdict}")
-    lines += [*_format_time(plan, band), "",
+    lines += [*_format_time(plan, band), *format_layouts(plan, band), "",
               "assumptions (plan.assume.*; one set for every recipe and calibration row):"]
     for key, value in a.items():
         lines += textwrap.wrap(f"{key}={value}: {ASSUMPTIONS[key][1]}", 117, initial_indent="  ",

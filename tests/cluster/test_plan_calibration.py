@@ -1,5 +1,6 @@
 """`nemo-dapo plan` against published step times (benchmarks/calibration/): every row and every published phase
-within +/-20 %, with one set of assumptions for all rows, and the band that `plan` prints is the table's."""
+within +/-20 % or a miss recorded with its reason, with one set of assumptions for all rows, and the bands that
+`plan` prints are the table's (colocated rows for the colocated step, the async row for its layout)."""
 import argparse
 
 import pytest
@@ -19,28 +20,53 @@ def rows():
 
 def test_every_published_run_has_a_recipe_and_a_source():
     published = C.published_runs()
-    assert len(published) == 3
+    assert len(published) == 5
     for name, pub in published.items():
-        assert (C.CALIBRATION_DIR / f"{name}.yaml").is_file(), name
+        assert (C.CALIBRATION_DIR / f"{pub.get('recipe', name)}.yaml").is_file(), name
         assert pub["step_s"] > 0 and pub["source"] and pub["label"]
+        assert pub.get("layout", "colocated") in C.LAYOUTS
         for phase in pub.get("phases") or {}:
             assert phase in C.PHASES, phase
+        for key, reason in (pub.get("misses") or {}).items():  # a miss names a published figure and says why
+            assert key in {"step", *(pub.get("phases") or {})} and len(reason) > 20, (name, key)
 
 
 @pytest.mark.parametrize("name", sorted(C.published_runs()))
-def test_step_and_each_phase_within_20_percent(rows, name):
+def test_step_and_each_phase_within_20_percent_or_a_recorded_miss(rows, name):
+    """Every published figure is within +/-20 %, except the misses published.yaml records with their reason; a
+    recorded miss must still be one (a change that fixes it must update the record)."""
     row = next(r for r in rows if r["name"] == name)
-    for key, err in row["errors"].items():
-        assert abs(err) <= TOLERANCE, f"{name} {key}: ours {row['ours'][key]:.1f} s, error {err:+.1%}"
     assert set(row["errors"]) == {"step", *(row["published"].get("phases") or {})}
+    for key, err in row["errors"].items():
+        where = f"{name} {key}: ours {row['ours'][key]:.1f} s, error {err:+.1%}"
+        if key in row["misses"]:
+            assert abs(err) > TOLERANCE, f"{where} is back within +/-20 %: drop it from published.yaml's misses"
+        else:
+            assert abs(err) <= TOLERANCE, where
+
+
+def test_the_async_row_is_the_disaggregated_partial_layout_of_the_sync_rows_recipe(rows):
+    """The verl 30B pair plans one recipe: the fully-async row only changes the plan.async keys the script sets."""
+    pub = C.published_runs()
+    sync, fast = "verl-fully-async-qwen3-30b-a3b-128xh20", "verl-fully-async-qwen3-30b-a3b-96-32xh20"
+    assert pub[fast]["recipe"] == sync and pub[fast]["layout"] == "disaggregated_partial"
+    assert all(o.startswith("plan.async.") for o in pub[fast]["overrides"])
+    row = next(r for r in rows if r["name"] == fast)
+    cfg = OmegaConf.to_container(load_config(C.CALIBRATION_DIR / f"{sync}.yaml", pub[fast]["overrides"]),
+                                 resolve=True)
+    lay = P.make_plan(cfg)["layouts"]["disaggregated_partial"]
+    assert lay["trainer_nodes"] == 4 and lay["engine_gpus"] == 96 and lay["train"]["old_logprob"] == 0.0
+    assert row["ours"]["step"] == pytest.approx(lay["step"])
 
 
 def test_one_set_of_assumptions_for_every_row():
     """A calibration recipe may set only what its run publishes (the mean response length); every rate, utilisation
     and overhead is the planner's default."""
-    for name in C.published_runs():
-        raw = OmegaConf.to_container(OmegaConf.load(C.CALIBRATION_DIR / f"{name}.yaml"))
+    for name, pub in C.published_runs().items():
+        raw = OmegaConf.to_container(OmegaConf.load(C.CALIBRATION_DIR / f"{pub.get('recipe', name)}.yaml"))
         assert set(raw["plan"].get("assume") or {}) <= {"mean_response_tokens"}, name
+    for name, pub in C.published_runs().items():  # overrides only choose the layout, never an assumption
+        assert all(o.startswith("plan.async.") for o in pub.get("overrides") or []), name
 
 
 def test_the_table_can_fail():
@@ -59,8 +85,10 @@ def test_the_table_can_fail():
 
 def test_plan_prints_the_band_of_the_table(rows, capsys):
     band = C.error_band()
-    steps = [r["errors"]["step"] for r in rows]
-    assert (band["low"], band["high"]) == (min(steps), max(steps))
+    steps = [r["errors"]["step"] for r in rows if r["layout"] == "colocated"]
+    assert (band["low"], band["high"]) == (min(steps), max(steps)) and band["rows"] == 4
+    fast = [r["errors"]["step"] for r in rows if r["layout"] == "disaggregated_partial"]
+    assert band["layouts"]["disaggregated_partial"] == {"low": min(fast), "high": max(fast), "rows": 1}
     ap = argparse.ArgumentParser()
     P.add_cli(ap.add_subparsers())
     args = ap.parse_args(["plan", "qwen2.5-32b_h100"])
@@ -68,10 +96,15 @@ def test_plan_prints_the_band_of_the_table(rows, capsys):
     out = capsys.readouterr().out
     total = next(line for line in out.splitlines() if line.startswith("  total ("))
     assert total.endswith(f"{band['low']:+.0%} / {band['high']:+.0%} on published runs")
+    fast = band["layouts"]["disaggregated_partial"]
+    line = next(x for x in out.splitlines() if x.startswith("  disaggregated one-step-off + partial rollouts"))
+    assert f"{fast['low']:+.0%} / {fast['high']:+.0%} on 1 run" in line
+    assert "uncalibrated" in next(x for x in out.splitlines() if x.startswith("  colocated + partial rollouts"))
     for key in P.ASSUMPTIONS:  # every assumption printed with its reason
         assert f"  {key}=" in out and P.ASSUMPTIONS[key][1][:30] in out.replace("\n      ", " ")
 
 
 def test_format_table_names_each_source(rows):
     table = C.format_table(rows)
-    assert table.count("source: ") == 3 and "6c70893" in table and "b178a3cd5" in table
+    assert table.count("source: ") == 5 and "6c70893" in table and "b178a3cd5" in table
+    assert table.count("(known miss, published.yaml)") == sum(len(r["misses"]) for r in rows)
