@@ -1,0 +1,38 @@
+"""Contract test (TensorRT-LLM cannot run here): what partial rollouts need from the TRT-LLM adapter, against the fake
+shaped like the pinned release (tests/engines/fake_trtllm.py). A cancelled sample's final result carries the tokens
+and log-probs generated so far (PyExecutor._handle_canceled_requests marks the request finished with reason
+CANCELLED and sends it through the ordinary response path); the adapter reports them as "aborted", and prompt +
+partial response with the remaining budget is an ordinary request."""
+import time
+
+from nemo_dapo.engines.base import Request
+from tests.engines.test_trtllm_engine import VOCAB, engine, events  # noqa: F401 - the fixture
+
+BUDGET = 400
+
+
+def drawn(req, k):
+    """The fake's tokens of sample k of an ignore_eos request (tensorrt_llm seeds each sample as the adapter does)."""
+    return [(req.seed * 1_000_003 + k + 3 * t + req.prompt_ids[-1]) % VOCAB for t in range(req.max_new_tokens)]
+
+
+def test_an_aborted_sample_reports_its_prefix_and_continues_from_prompt_plus_partial(engine):  # noqa: F811
+    client, _, log = engine
+    r = Request(id="long", prompt_ids=[1, 4], n=2, max_new_tokens=BUDGET, seed=3, ignore_eos=True)
+    client.submit([r])
+    time.sleep(0.05)  # the fake draws a token every 2 ms
+    assert client.abort(["long"]) == 1
+    (c,) = [client.next_completion()]
+    for k, s in enumerate(c.samples):
+        n = len(s.token_ids)
+        assert s.finish_reason == "aborted" and 0 < n < BUDGET
+        assert s.token_ids == drawn(r, k)[:n]
+        assert len(s.logprobs) == n and s.logprobs[-1] == -0.1 * n  # the log-prob of each token it drew
+    p = c.samples[0]
+    cont = Request(id="cont", prompt_ids=r.prompt_ids + p.token_ids, n=1, max_new_tokens=BUDGET - len(p.token_ids),
+                   seed=9, ignore_eos=True)
+    client.submit([cont])
+    got = client.next_completion()
+    assert got.id == "cont" and got.samples[0].token_ids == drawn(cont, 0)
+    assert len(p.token_ids) + len(got.samples[0].token_ids) == BUDGET and got.samples[0].finish_reason == "length"
+    assert events(log, "SamplingParams")[-1]["max_tokens"] == BUDGET - len(p.token_ids)
