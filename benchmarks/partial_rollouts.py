@@ -8,11 +8,15 @@ run's counters it takes
   discarded fraction       tokens generated and thrown away (abort: the aborted requests; suspend: partial work
                            dropped past max_staleness, plus what is still suspended when the run ends) / generated
   tokens per trained resp. generated tokens / trained responses
+  never trained            1 - trained tokens / generated tokens (also the groups dynamic sampling filters out and
+                           the surplus left when the run ends: the same for both policies up to the surplus)
   held-out accuracy        summary.json's final_accuracy (eval.n_samples samples per problem)
 
-and prints one row per run, the medians per policy and the RESULT line: suspend's medians against abort's (ratios).
+and prints one row per run, the medians per policy and a RESULT line of key=value fields (suspend's medians against
+abort's).
 
     OMP_NUM_THREADS=1 nice -n 10 python benchmarks/partial_rollouts.py --base-model DIR [--seeds 3] [--engine local]
+        [--config-name tiny_cpu_long]
 
 ``--base-model``: a warmed model directory (a run's ``base_model/``), so that the runs measure RL only.
 """
@@ -32,7 +36,7 @@ POLICIES = {"abort": ["rollout.on_filler_full=abort"],
 
 def run_once(out: str, policy: str, seed: int, args) -> dict:
     run_dir = os.path.join(out, f"{policy}_seed{seed}")
-    overrides = [f"run_dir={run_dir}", f"model.path={args.base_model}", f"seed={seed}",
+    overrides = ["--config-name", args.config_name, f"run_dir={run_dir}", f"model.path={args.base_model}", f"seed={seed}",
                  f"rollout.engine={args.engine}", "rollout.streaming=true", "algorithm.tis_cap=2.0",
                  f"trainer.max_samples={args.max_samples}", "trainer.max_steps=1000", "trainer.val_every=0",
                  f"data.heldout_size={args.heldout}", f"eval.n_samples={args.eval_samples}", "trainer.plots=false",
@@ -49,6 +53,7 @@ def run_once(out: str, policy: str, seed: int, args) -> dict:
         last.get("partial/suspended_tokens", 0.0)
     return dict(policy=policy, seed=seed, generated_tokens=generated, trained_responses=trained,
                 discarded_frac=discarded / generated, tokens_per_trained=generated / trained,
+                untrained_frac=1.0 - last["counters/trained_tokens"] / generated,
                 accuracy=summary["final_accuracy"], base_accuracy=summary["base_accuracy"],
                 steps=last["counters/rollout_steps"])
 
@@ -56,6 +61,7 @@ def run_once(out: str, policy: str, seed: int, args) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--base-model", required=True)
+    p.add_argument("--config-name", default="tiny_cpu", help="recipe (its base model: --base-model)")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "partial_rollouts"))
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--engine", default="local", choices=("local", "vllm"))
@@ -70,7 +76,8 @@ def main() -> int:
         for policy in POLICIES:
             r = run_once(args.out, policy, seed, args)
             results.append(r)
-            print(f"{policy:8s} seed {seed}: discarded {r['discarded_frac']:.3f} | tokens/trained response "
+            print(f"{policy:8s} seed {seed}: discarded {r['discarded_frac']:.3f} | never trained "
+                  f"{r['untrained_frac']:.3f} | tokens/trained response "
                   f"{r['tokens_per_trained']:.2f} | held-out {r['base_accuracy']:.3f} -> {r['accuracy']:.3f} | "
                   f"{r['steps']:.0f} steps", flush=True)
     med = {pol: {k: statistics.median(r[k] for r in results if r["policy"] == pol)
@@ -81,10 +88,10 @@ def main() -> int:
         print(f"median {pol:8s}: discarded {m['discarded_frac']:.3f} | tokens/trained response "
               f"{m['tokens_per_trained']:.2f} | held-out {m['accuracy']:.3f} (seed range {spread:.3f})")
     a, s = med["abort"], med["suspend"]
-    print(f"RESULT suspend vs abort ({args.seeds} seeds, {args.max_samples} responses, engine {args.engine}): "
-          f"discarded {s['discarded_frac']:.3f} vs {a['discarded_frac']:.3f}; tokens per trained response x"
-          f"{s['tokens_per_trained'] / a['tokens_per_trained']:.3f}; held-out accuracy {s['accuracy']:.3f} vs "
-          f"{a['accuracy']:.3f}")
+    print(f"RESULT seeds={args.seeds} responses={args.max_samples} engine={args.engine} "
+          f"discarded_abort={a['discarded_frac']:.3f} discarded_suspend={s['discarded_frac']:.3f} "
+          f"tokens_per_trained_ratio={s['tokens_per_trained'] / a['tokens_per_trained']:.3f} "
+          f"accuracy_abort={a['accuracy']:.3f} accuracy_suspend={s['accuracy']:.3f}")
     json.dump(results, open(os.path.join(args.out, "results.json"), "w"), indent=1)
     return 0
 
