@@ -36,7 +36,8 @@ POLICIES = {"abort": ["rollout.on_filler_full=abort"],
 
 def run_once(out: str, policy: str, seed: int, args) -> dict:
     run_dir = os.path.join(out, f"{policy}_seed{seed}")
-    overrides = ["--config-name", args.config_name, f"run_dir={run_dir}", f"model.path={args.base_model}", f"seed={seed}",
+    overrides = ["--config-name", args.config_name, f"run_dir={run_dir}", f"model.path={args.base_model}",
+                 f"seed={seed}",
                  f"rollout.engine={args.engine}", "rollout.streaming=true", "algorithm.tis_cap=2.0",
                  f"trainer.max_samples={args.max_samples}", "trainer.max_steps=1000", "trainer.val_every=0",
                  f"data.heldout_size={args.heldout}", f"eval.n_samples={args.eval_samples}", "trainer.plots=false",
