@@ -7,7 +7,6 @@ from importlib import import_module
 
 _EXPORTS = {
     "MegatronGPTDAPOActorModel": "nemo_dapo.aligner.actor",
-    "loss_fn_from_cfg": "nemo_dapo.aligner.actor",
     "DAPOTrainer": "nemo_dapo.aligner.trainer",
     "ActorPolicy": "nemo_dapo.aligner.trainer",
     "TRTLLMGenerator": "nemo_dapo.aligner.generation",

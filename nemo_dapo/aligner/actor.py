@@ -1,9 +1,13 @@
 """The DAPO actor: NeMo-Aligner 0.7.0's Megatron GPT actor with the DAPO loss of ``nemo_dapo.core``.
 
 What changes against NeMo-Aligner's PPO actor (``MegatronGPTActorModel``), everything else is inherited:
-  * the loss is ``core.loss.make_loss_fn`` (decoupled clip eps_low/eps_high, dual clip, token-level aggregation,
-    overlong filtering through ``is_end``, optional truncated importance sampling), fed with log-probs and entropies
-    from the vocab-parallel logits by ``megatron.vocab_parallel`` (the vocabulary is never gathered);
+  * the loss is the core ``LossFn`` the trainer builds once (core.loss.DAPOLossFn: decoupled clip eps_low/eps_high,
+    dual clip, token-level aggregation, overlong filtering through ``is_end``, optional truncated importance
+    sampling) and hands to the actor (``actor.loss_fn``), fed with log-probs and entropies from the final hidden
+    states and the output-layer shard (``megatron.step``; the vocabulary is never gathered) and with the packed
+    batch's ``megatron.layout.loss_input``;
+  * forward-backward, micro-batches, filler rows and the skip decision are ``megatron.step``'s, the one Megatron
+    training step (a bare GPTModel runs the same one);
   * the normaliser is GLOBAL: valid tokens over all micro-batches and data-parallel ranks of the optimizer step, and
     each micro-batch's share is multiplied by (num_microbatches x dp) to undo the schedule's division by the number
     of micro-batches and the data-parallel gradient averaging - so the gradient is exactly that of the DAPO loss;
@@ -31,14 +35,12 @@ from omegaconf import DictConfig, OmegaConf
 from nemo_aligner.utils.distributed import broadcast_tensor_within_pp
 from nemo_aligner.utils.train_utils import set_sync_funcs
 from nemo_dapo.aligner.compat import CHECKPOINT_KEY, actor_base
-from nemo_dapo.megatron.layout import as_rollout
 from nemo_dapo.cluster.config_validate import nemo_model_key, required
 from nemo_dapo.core.metrics import combine_metrics, reduce_over_ranks
-from nemo_dapo.core.settings import LOSS_FIELDS, LossSettings, build_loss
 from nemo_dapo.megatron.model import gpt_layer_spec
 from nemo_dapo.megatron.reduction import DPReducer, from_last_pipeline_stage, megatron_loss_scale
 from nemo_dapo.megatron.step import (forward_backward, hidden_logprobs_entropy, hidden_states_only, loss_share,
-                                     microbatches)
+                                     microbatches, normalizer_share)
 from nemo_dapo.megatron.vocab_parallel import vocab_parallel_logits_logprobs_entropy
 
 MegatronGPTActorModel = actor_base()
@@ -68,14 +70,6 @@ def _dapo(cfg: DictConfig, key: str):
     return required(_dapo_cfg(cfg), key, "model.dapo")
 
 
-def loss_fn_from_cfg(cfg: DictConfig):
-    """The loss of ``model.dapo.algorithm`` (eps_low, eps_high, clip_c, agg, overlong_filter, tis_cap; the generation
-    cap model.dapo.length_params.max_length is seq-mean-token-sum-norm's constant) through core/settings.build_loss,
-    as the trainer's builder makes it."""
-    loss = LossSettings(**{name: _dapo(cfg, f"algorithm.{name}") for name in LOSS_FIELDS})
-    return build_loss(loss, max_new_tokens=int(_dapo(cfg, "length_params.max_length")))
-
-
 class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
     """NeMo-Aligner's GPT actor trained with the DAPO loss. Config: ``model.dapo`` (see conf/gpt_dapo_actor.yaml)."""
 
@@ -92,7 +86,8 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
         self.forward_micro_batch_size = int(_dapo(self.cfg, "forward_micro_batch_size"))
         self.use_trtllm_generation = False  # rollouts: nemo_dapo.aligner.generation
         self.entropy_bonus, self.ratio_eps = 0.0, None  # PPO-only attributes, unused here
-        self.loss_fn = loss_fn_from_cfg(self.cfg)
+        # the DAPO loss (core.types.LossFn), built once by the trainer's builder and handed over by DAPOTrainer
+        self.loss_fn = None
         self.logprob_chunk_size = int(_dapo(self.cfg, "logprob_chunk_size"))
         self.seq_len_multiple = seq_len_multiple(self.cfg)  # sequence-parallel split and kernel alignment
         # log pi is taken at the sampling temperature, like the reference (logits / T)
@@ -212,16 +207,19 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
 
         Micro-batches: see ``_microbatches`` (rows sorted by ``response_lengths``, each group padded only to its own
         longest row, rounded to ``seq_len_multiple``); every DP rank runs the same number (filler micro-batches).
-        ``num_tokens``: the global normaliser (computed here over DP when None). Metrics are combined over
+        ``loss_fn``: a core.types.LossFn (default: ``self.loss_fn``, the trainer's). ``num_tokens``: its global
+        normaliser (computed here over DP when None). Metrics are combined over
         micro-batches as core.loss.METRIC_REDUCTION says, over DP when ``reduce_over_dp`` (else they are this DP
         rank's shares), and returned on every rank. ``loss`` is the step's loss (the DAPO objective of the global
         batch when reduced over DP, else this rank's share of it).
         """
         loss_fn = loss_fn or self.loss_fn
+        if loss_fn is None:
+            raise ValueError("get_loss_and_metrics needs a loss: pass loss_fn=, or let DAPOTrainer hand the actor the "
+                             "loss its builder made (actor.loss_fn)")
         _, micro = self._microbatches(batch, int(self.cfg.micro_batch_size))
         if num_tokens is None:  # the normaliser is additive over rows, and filler rows add nothing
-            num_tokens = torch.stack([loss_fn.normalizer(as_rollout(mb)).float() for mb in micro]).sum().reshape(1)
-            num_tokens = num_tokens.cuda()
+            num_tokens = normalizer_share(loss_fn, micro).reshape(1).cuda()
             dist.all_reduce(num_tokens, group=mcore_ps.get_data_parallel_group())
             num_tokens = num_tokens[0].cpu()
         scale = megatron_loss_scale(len(micro))

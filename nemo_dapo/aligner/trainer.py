@@ -44,7 +44,7 @@ from nemo_dapo.aligner.reward_client import ClientReward
 from nemo_dapo.core.loop import DAPOLoop
 from nemo_dapo.core.loop_data import PromptSampler, PromptSet
 from nemo_dapo.core.loop_eval import evaluate
-from nemo_dapo.core.settings import FIELDS, AlgorithmSettings, build_loop_parts as core_build_algorithm, from_values
+from nemo_dapo.core.settings import FIELDS, AlgorithmSettings, build_loop_parts, from_values
 from nemo_dapo.core.types import RolloutBatch
 
 log = logging.getLogger("nemo_dapo")
@@ -90,7 +90,7 @@ class ActorPolicy:
         actor.prepare_for_training()  # onloads optimizer states offloaded for generation
         self.optimizer.zero_grad()
         actor.prepare_for_training_step()
-        tis = getattr(loss_fn, "tis_cap", None) is not None
+        tis = loss_fn.tis_cap is not None
         batch = blank_rows(TRAIN_FIELDS + (("engine_logprobs",) if tis else ()), 0, actor.tokenizer.eos_id, 2) \
             if minibatch is None or len(minibatch) == 0 else pack_rollout(minibatch, actor.tokenizer.eos_id)
         _, metrics = actor.get_loss_and_metrics(batch, forward_only=False, num_tokens=num_tokens, loss_fn=loss_fn,
@@ -127,8 +127,8 @@ def algorithm_settings(model_cfg: DictConfig) -> AlgorithmSettings:
     return from_values({name: required(model_cfg, f"{block}.{name}", "model") for name in FIELDS})
 
 
-def build_algorithm(cfg: DictConfig, model_cfg: DictConfig) -> tuple:
-    """``(LoopSettings, BatchFiller, loss_fn)`` through core/settings.build_algorithm, the builder the CPU path calls
+def aligner_loop_parts(cfg: DictConfig, model_cfg: DictConfig) -> tuple:
+    """``(LoopSettings, BatchFiller, loss_fn)`` through core/settings.build_loop_parts, the builder the CPU path calls
     too: the algorithm from ``model.dapo.algorithm``, batch keys from ``trainer.dapo.prompts_per_step`` /
     ``ppo_epochs`` / ``shuffle_minibatches`` (``cfg``: trainer.dapo) and ``model.global_batch_size``, the generation
     cap and sampling parameters from ``model.dapo``."""
@@ -140,7 +140,7 @@ def build_algorithm(cfg: DictConfig, model_cfg: DictConfig) -> tuple:
                          "floor at the generation cap")
     sp = required(model_cfg, "dapo.sampling_params", "model")
     greedy = bool(required(sp, "use_greedy", "model.dapo.sampling_params"))
-    return core_build_algorithm(
+    return build_loop_parts(
         a, train_batch_size=int(required(cfg, "prompts_per_step", "trainer.dapo")),
         mini_batch_size=int(required(model_cfg, "global_batch_size", "model")),
         ppo_epochs=int(required(cfg, "ppo_epochs", "trainer.dapo")),
@@ -251,7 +251,8 @@ class DAPOTrainer:
         self.train_ds, self.val_ds, self.rm, self.generator = train_ds, val_ds, rm, generator
         self.logger, self.ckpt_callback, self.run_timer = logger, ckpt_callback, run_timer
         self.reducer = reducer or DPReducer()
-        self.settings, filler, loss_fn = build_algorithm(cfg, model.cfg)
+        self.settings, filler, loss_fn = aligner_loop_parts(cfg, model.cfg)
+        model.loss_fn = loss_fn  # built once: the actor's default loss is the loop's
         self.reward_fn = ClientReward(rm)
         self.policy = ActorPolicy(model, optimizer, scheduler,
                                   gradient_clip_val=required(cfg, "gradient_clip_val", "trainer.dapo"))

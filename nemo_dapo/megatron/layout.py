@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from nemo_dapo.core.packing import pack_rows, response_positions
-from nemo_dapo.core.types import RolloutBatch
+from nemo_dapo.core.types import LossInput, RolloutBatch
 
 
 def prompt_lengths_of(batch: RolloutBatch) -> torch.Tensor:
@@ -54,15 +54,15 @@ def pack_rollout(batch: RolloutBatch, pad_id: int) -> dict:
     return out
 
 
-def as_rollout(mb: dict) -> RolloutBatch:
-    """A micro-batch in the packed layout viewed as a RolloutBatch (the loss only reads per-token fields + flags)."""
-    tokens = mb["response_tokens"]
-    b = tokens.shape[0]
-    return RolloutBatch(prompt_ids=tokens[:, :1], prompt_mask=torch.ones_like(tokens[:, :1]),
-                        response_ids=tokens[:, 1:], response_mask=mb["mask"],
-                        group_ids=torch.zeros(b, dtype=torch.long, device=tokens.device),
-                        truncated=mb["is_end"] < 0.5, engine_logp=mb.get("engine_logprobs"),
-                        old_logp=mb.get("prev_logprobs"), advantages=mb.get("advantages"))
+def loss_input(mb: dict) -> LossInput:
+    """The loss input (core/types.py) of a batch in this layout: per-token fields on its shifted grid [B, S-1], so
+    the loss is called with the log-probs of tokens 1..S-1 (T = S - 1); the mask is 0 on prompt and padding."""
+    missing = [k for k in ("prev_logprobs", "advantages") if k not in mb]
+    if missing:
+        raise ValueError(f"the packed batch has no {missing}: pack_rollout writes them from RolloutBatch.old_logp "
+                         "/ advantages, which the step must fill before the update")
+    return LossInput(old_logp=mb["prev_logprobs"], advantages=mb["advantages"], mask=mb["mask"],
+                     truncated=mb["is_end"] < 0.5, engine_logp=mb.get("engine_logprobs"))
 
 
 # The fields of the packed layout: (kind, dtype). kind "tokens": [B, S]; "shifted": [B, S-1] on the shifted
@@ -76,7 +76,8 @@ FIELDS = {"response_tokens": ("tokens", torch.long), "mask": ("shifted", torch.f
 def blank_rows(keys, n: int, pad_id: int, width: int) -> dict:
     """``n`` fully masked rows of the packed layout with the fields ``keys`` (names of :data:`FIELDS`):
     ``response_tokens`` [n, width] of ``pad_id``, ``is_end`` 1 (an ended row: no overlong term), every other field
-    0 (shifted fields [n, width - 1], per-row fields [n]). On such rows every loss term and metric share is 0; a
+    0 (shifted fields [n, width - 1], per-row fields [n]). On such rows every loss term, metric share and
+    normaliser share is 0 (mask 0; ended, so overlong filtering does not touch them); a
     rank with no sample runs them so that it still joins every collective of the step. ``n`` may be 0."""
     out = {}
     for k in keys:

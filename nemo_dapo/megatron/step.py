@@ -31,7 +31,7 @@ from megatron.core.utils import get_model_config
 
 from nemo_dapo.core.collective import collective_device
 from nemo_dapo.core.microbatch import plan_microbatches
-from nemo_dapo.megatron.layout import as_rollout, blank_rows
+from nemo_dapo.megatron.layout import blank_rows, loss_input
 from nemo_dapo.megatron.model import unwrap
 from nemo_dapo.megatron.reduction import agreed_microbatches, scale_for_schedule
 from nemo_dapo.megatron.vocab_parallel import vocab_parallel_logprobs_entropy
@@ -179,11 +179,17 @@ def forward_backward(model, forward: Callable, micro: list, *, forward_only: boo
         config.variable_seq_lengths = saved
 
 
-def loss_share(loss_fn, logp: torch.Tensor, entropy: torch.Tensor, mb: dict, num_tokens, scale: float) -> tuple:
-    """The 2-tuple a micro-batch's loss_func returns: ``loss_fn``'s share of the mini-batch loss for the packed
-    micro-batch ``mb`` (logp / entropy [b, S-1] on its shifted grid) times ``scale`` (reduction.megatron_loss_scale)
-    and the metrics, the unscaled share under ``"loss"``."""
-    loss, metrics = loss_fn(logp, entropy, as_rollout(mb), num_tokens)
+def normalizer_share(loss_fn, micro: list) -> torch.Tensor:
+    """0-dim float: this rank's share of ``loss_fn``'s global normaliser over its micro-batches (filler adds 0)."""
+    return torch.stack([loss_fn.normalizer(loss_input(mb)).float() for mb in micro]).sum()
+
+
+def loss_share(loss_fn, logp: torch.Tensor, entropy: torch.Tensor, mb: dict, norm, scale: float) -> tuple:
+    """The 2-tuple a micro-batch's loss_func returns: ``loss_fn``'s (core.types.LossFn) share of the mini-batch
+    loss for the packed micro-batch ``mb`` (logp / entropy [b, S-1] on its shifted grid; ``norm`` the global
+    normaliser) times ``scale`` (reduction.megatron_loss_scale), and the metrics, the unscaled share under
+    ``"loss"``."""
+    loss, metrics = loss_fn(logp, entropy, loss_input(mb), norm)
     return scale_for_schedule(loss, {k: torch.as_tensor(v).float() for k, v in metrics.items()}, scale)
 
 

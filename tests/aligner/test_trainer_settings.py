@@ -22,35 +22,35 @@ def _cfgs(**algorithm_over):
 
 
 def test_loop_settings_follow_the_paper_recipe():
-    from nemo_dapo.aligner.trainer import build_algorithm
+    from nemo_dapo.aligner.trainer import aligner_loop_parts
 
-    s = build_algorithm(*_cfgs())[0]
+    s = aligner_loop_parts(*_cfgs())[0]
     assert (s.group_size, s.mini_batch_size, s.max_new_tokens, s.overlong.l_cache, s.seed) == (16, 512, 20480, 4096, 3)
     assert s.overlong.enabled and s.temperature == 1.0
 
 
 def test_overlong_l_max_must_be_the_generation_cap():
-    from nemo_dapo.aligner.trainer import build_algorithm
+    from nemo_dapo.aligner.trainer import aligner_loop_parts
 
     with pytest.raises(ValueError, match="model.dapo.algorithm.overlong.l_max"):
-        build_algorithm(*_cfgs(overlong={"l_max": 16384}))[0]
+        aligner_loop_parts(*_cfgs(overlong={"l_max": 16384}))[0]
 
 
 def test_greedy_sampling_maps_to_temperature_zero():
-    from nemo_dapo.aligner.trainer import build_algorithm
+    from nemo_dapo.aligner.trainer import aligner_loop_parts
 
     trainer, model = _cfgs()
     model.dapo.sampling_params.use_greedy = True
-    assert build_algorithm(trainer, model)[0].temperature == 0.0
+    assert aligner_loop_parts(trainer, model)[0].temperature == 0.0
 
 
 def test_batch_filler_takes_every_dynamic_sampling_key():
-    from nemo_dapo.aligner.trainer import build_algorithm
+    from nemo_dapo.aligner.trainer import aligner_loop_parts
 
-    f = build_algorithm(*_cfgs())[1]
+    f = aligner_loop_parts(*_cfgs())[1]
     assert (f.num_groups, f.enabled, f.max_gen_batches, f.on_budget_exhausted) == (512, True, 10, "train_partial")
     assert (f.max_gen_batch_size, f.prior_pass_rate, f.safety) == (1536, 0.4, 1.2)
-    assert not build_algorithm(*_cfgs(dynamic_sampling={"enabled": False}))[1].enabled
+    assert not aligner_loop_parts(*_cfgs(dynamic_sampling={"enabled": False}))[1].enabled
 
 
 @pytest.mark.parametrize("key", ["model.dapo.algorithm.adv_eps", "model.dapo.algorithm.dynamic_sampling.safety",
@@ -60,7 +60,7 @@ def test_batch_filler_takes_every_dynamic_sampling_key():
                                  "trainer.dapo.shuffle_minibatches", "trainer.dapo.seed"])
 def test_a_missing_key_is_an_error_naming_it(key):
     from nemo_dapo.cluster.config_validate import ConfigError
-    from nemo_dapo.aligner.trainer import build_algorithm
+    from nemo_dapo.aligner.trainer import aligner_loop_parts
 
     trainer, model = _cfgs()
     root = {"trainer.dapo": trainer, "model": model}
@@ -69,34 +69,21 @@ def test_a_missing_key_is_an_error_naming_it(key):
     node = OmegaConf.select(root[head], parent) if parent else root[head]
     del node[leaf]
     with pytest.raises(ConfigError, match=f"config key {key} is missing"):
-        build_algorithm(trainer, model)
+        aligner_loop_parts(trainer, model)
 
 
-def test_the_actor_loss_reads_model_dapo_strictly():
-    # in a subprocess: importing the actor needs the TensorRT-LLM stand-in, an import hook kept out of this process
-    import subprocess
-    import sys
-    from pathlib import Path
+def test_the_loss_is_built_from_model_dapo_strictly():
+    from nemo_dapo.cluster.config_validate import ConfigError
+    from nemo_dapo.aligner.trainer import aligner_loop_parts
 
-    code = """
-import tests.support.trtllm_stub
-from omegaconf import OmegaConf
-from nemo_dapo.aligner.actor import loss_fn_from_cfg
-from nemo_dapo.cluster.config_validate import ConfigError, load_config
-model = load_config(None, ["model.dapo.algorithm.clip_c=3.0"]).model
-loss = loss_fn_from_cfg(model)
-print("LOSS", loss.settings.eps_low, loss.settings.eps_high, loss.settings.clip_c, loss.settings.agg, loss.max_new_tokens)
-del model.dapo.algorithm["clip_c"]
-try:
-    loss_fn_from_cfg(model)
-except ConfigError as e:
-    print("ERR", e.problems[0])
-"""
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
-    lines = [x.split(" ", 1)[1] for x in out.stdout.splitlines() if x.startswith(("LOSS ", "ERR "))]
-    assert lines[0] == "0.2 0.28 3.0 token-mean 2048"
-    assert lines[1].startswith("config key model.dapo.algorithm.clip_c is missing")
+    trainer, model = _cfgs(clip_c=3.0, agg="seq-mean-token-sum-norm")
+    loss = aligner_loop_parts(trainer, model)[2]
+    s = loss.settings
+    assert (s.eps_low, s.eps_high, s.clip_c, s.agg, loss.max_new_tokens) == (0.2, 0.28, 3.0,
+                                                                           "seq-mean-token-sum-norm", 20480)
+    del model.dapo.algorithm["clip_c"]
+    with pytest.raises(ConfigError, match="config key model.dapo.algorithm.clip_c is missing"):
+        aligner_loop_parts(trainer, model)
 
 
 # ---- training length ------------------------------------------------------------------------------------------------

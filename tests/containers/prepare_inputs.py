@@ -53,10 +53,10 @@ def warm_up(actor, rows: list, steps: int) -> None:
         tis_cap = None
 
         def normalizer(self, batch):
-            return batch.response_mask.float().sum()
+            return batch.mask.float().sum()
 
         def __call__(self, logp, entropy, mb, num_tokens):
-            return -(logp * mb.response_mask).sum() / max(float(num_tokens), 1.0), {}
+            return -(logp * mb.mask).sum() / max(float(num_tokens), 1.0), {}
 
     tok, rng = actor.tokenizer, random.Random(0)
     opt = torch.optim.Adam([p for p in actor.parameters() if p.requires_grad], lr=1e-2)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from nemo_dapo.megatron.layout import (
-    as_rollout, blank_rows, pack_rollout, pack_tokens, prompt_lengths_of, to_shifted, unpack_response)
+    blank_rows, loss_input, pack_rollout, pack_tokens, prompt_lengths_of, to_shifted, unpack_response)
 from nemo_dapo.core.types import RolloutBatch
 
 PAD = 0
@@ -60,11 +60,19 @@ def test_to_shifted_and_unpack_are_inverse():
     assert torch.equal(unpack_response(to_shifted(vals, p, 4 + 5), p, 5), vals)
 
 
-def test_as_rollout_exposes_the_per_token_fields_to_the_loss():
-    packed = pack_rollout(_batch([2, 3], [4, 2]), PAD)
-    view = as_rollout(packed)
-    assert torch.equal(view.response_mask, packed["mask"]) and torch.equal(view.old_logp, packed["prev_logprobs"])
-    assert torch.equal(view.truncated, packed["is_end"] < 0.5)
+def test_loss_input_is_the_packed_batch_on_its_shifted_grid():
+    batch = _batch([2, 3], [4, 2])
+    batch.engine_logp = batch.old_logp + 0.5 * batch.response_mask
+    packed = pack_rollout(batch, PAD)
+    inputs = loss_input(packed)
+    assert torch.equal(inputs.mask, packed["mask"]) and torch.equal(inputs.old_logp, packed["prev_logprobs"])
+    assert torch.equal(inputs.engine_logp, packed["engine_logprobs"]) and torch.equal(inputs.truncated, batch.truncated)
+    p = prompt_lengths_of(batch)  # the response tokens come back out of the shifted grid unchanged
+    assert torch.equal(unpack_response(inputs.old_logp, p, 4), batch.old_logp)
+    assert inputs.mask.sum() == batch.response_mask.sum()  # prompt and padding positions are masked out
+    no_old = {k: v for k, v in packed.items() if k != "prev_logprobs"}
+    with pytest.raises(ValueError, match="prev_logprobs"):
+        loss_input(no_old)
 
 
 def test_blank_rows_are_fully_masked_rows_of_the_packed_layout():
@@ -76,7 +84,7 @@ def test_blank_rows_are_fully_masked_rows_of_the_packed_layout():
         torch.cat([packed[k][:, :v.shape[1]] if v.dim() == 2 else packed[k], v])
     assert blank["response_tokens"].shape == (2, 6) and (blank["response_tokens"] == PAD).all()
     assert blank["mask"].shape == (2, 5) and blank["mask"].sum() == 0 and (blank["is_end"] == 1).all()
-    assert blank["advantages"].sum() == 0 and as_rollout(blank).truncated.sum() == 0
+    assert blank["advantages"].sum() == 0 and loss_input(blank).truncated.sum() == 0
     empty = blank_rows(("response_tokens", "mask"), 0, PAD, 2)
     assert empty["response_tokens"].shape == (0, 2) and empty["mask"].shape == (0, 1)
     with pytest.raises(KeyError, match="not a field"):

@@ -22,7 +22,8 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from nemo_aligner.utils.utils import load_and_override_model_config, load_from_nemo  # noqa: E402
 from nemo_dapo.aligner.actor import MegatronGPTDAPOActorModel  # noqa: E402
-from nemo_dapo.aligner.trainer import ActorPolicy  # noqa: E402
+from nemo_dapo.aligner.trainer import ActorPolicy, algorithm_settings  # noqa: E402
+from nemo_dapo.core.settings import build_loss  # noqa: E402
 from nemo_dapo.core.types import RolloutBatch  # noqa: E402
 from nemo_dapo.megatron.convert_ckpt import hf_to_nemo  # noqa: E402
 from tests.megatron.workers.qwen3_models import PADDED_VOCAB, VOCAB, tokens  # noqa: E402
@@ -90,7 +91,9 @@ def main():
     batch.old_logp = old
     before = {n: p.detach().clone() for n, p in inner.named_parameters()}
     actor.train()
-    metrics = policy.train_step(batch, num_tokens=float(batch.num_tokens()), loss_fn=actor.loss_fn)
+    # the loss of model.dapo.algorithm, as the trainer's builder makes it
+    loss_fn = build_loss(algorithm_settings(cfg).loss, max_new_tokens=int(cfg.dapo.length_params.max_length))
+    metrics = policy.train_step(batch, num_tokens=float(batch.num_tokens()), loss_fn=loss_fn)
     new, _ = policy.logprobs(batch)
     changed = {n: not torch.equal(before[n], p.detach()) for n, p in inner.named_parameters()}
     res.update(loss=float(metrics["loss"]), skipped=metrics["skipped"],

@@ -87,10 +87,10 @@ class SFTLoss:
     tis_cap = None
 
     def normalizer(self, batch):
-        return batch.response_mask.float().sum()
+        return batch.mask.float().sum()
 
     def __call__(self, logp, entropy, mb, num_tokens):
-        return -(logp * mb.response_mask).sum() / max(float(num_tokens), 1.0), {}
+        return -(logp * mb.mask).sum() / max(float(num_tokens), 1.0), {}
 
 
 def warm_up(actor, steps: int = 60) -> None:
