@@ -23,6 +23,9 @@ from tests.local.test_run import TINY, tiny_cfg
 
 CMD = [sys.executable, "-m", "nemo_dapo.cli", "train"]
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
+# Steps of a run that a test interrupts after its first step or checkpoint: enough that the run is still going
+# when the signal or kill lands (a toy step takes about a second), few enough that the resumed run is short.
+LONG = 8
 
 
 @pytest.fixture(scope="module")
@@ -105,17 +108,17 @@ def test_a_second_train_on_a_running_directory_is_refused_naming_the_holder(tmp_
 @pytest.mark.slow
 def test_the_stale_lock_of_a_killed_run_is_taken_over(tmp_path, base_dir):
     run_dir = str(tmp_path / "run")
-    victim = start(base_dir, run_dir, "trainer.max_steps=30", "trainer.save_every=1")
+    victim = start(base_dir, run_dir, f"trainer.max_steps={LONG}", "trainer.save_every=1")
     wait_for(victim, lambda: os.path.isdir(os.path.join(run_dir, "checkpoints")) and ckpt_names(run_dir),
              "the first checkpoint")
     victim.kill()
     victim.wait()
     lock = json.load(open(os.path.join(run_dir, LOCK_FILE)))
     assert lock["pid"] == victim.pid  # SIGKILL leaves the lock file behind ...
-    code, err = train(base_dir, run_dir, "trainer.max_steps=30", "trainer.save_every=1")
+    code, err = train(base_dir, run_dir, f"trainer.max_steps={LONG}", "trainer.save_every=1")
     assert code == 0, err  # ... and the next run takes it over and resumes
     assert f"taking over the stale lock of pid {victim.pid}" in err and "that process is gone" in err
-    assert train_steps(run_dir) == list(range(1, 31))
+    assert train_steps(run_dir) == list(range(1, LONG + 1))
     assert not os.path.exists(os.path.join(run_dir, LOCK_FILE))
 
 
@@ -239,7 +242,7 @@ def test_a_signal_saves_the_current_step_and_the_same_command_resumes(tmp_path, 
     """SIGTERM as a scheduler sends it (to the trainer); SIGINT as Ctrl-C sends it: to the whole process group,
     generation worker included (rollout.processes=2), which must leave the stopping to the trainer."""
     run_dir = str(tmp_path / "run")
-    extra = ("trainer.max_steps=30", "trainer.save_every=100")  # only the last step is saved on schedule
+    extra = (f"trainer.max_steps={LONG}", "trainer.save_every=100")  # only the last step is saved on schedule
     if sig == signal.SIGINT:
         extra += ("rollout.processes=2",)
     proc = start(base_dir, run_dir, *extra, session=True)
@@ -252,7 +255,7 @@ def test_a_signal_saves_the_current_step_and_the_same_command_resumes(tmp_path, 
     assert proc.returncode == code, err
     done = train_steps(run_dir)
     step = done[-1]
-    assert 1 <= step < 30 and done == list(range(1, step + 1))
+    assert 1 <= step < LONG and done == list(range(1, step + 1))
     name = f"step_{step:08d}.pt"
     assert ckpt_names(run_dir) == [name]  # the interrupted point, off the save schedule
     assert f"{sig.name} received: stopping after the current rollout step" in err
@@ -262,8 +265,8 @@ def test_a_signal_saves_the_current_step_and_the_same_command_resumes(tmp_path, 
     rc, err = train(base_dir, run_dir, *extra)
     assert rc == 0, err
     assert f"resumed from {os.path.join(run_dir, 'checkpoints', name)} (rollout step {step})" in err
-    assert train_steps(run_dir) == list(range(1, 31))
-    assert json.load(open(os.path.join(run_dir, "summary.json")))["rollout_steps"] == 30
+    assert train_steps(run_dir) == list(range(1, LONG + 1))
+    assert json.load(open(os.path.join(run_dir, "summary.json")))["rollout_steps"] == LONG
 
 
 # ---- disk full, read-only directory -------------------------------------------------------------------------------
