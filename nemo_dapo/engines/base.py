@@ -16,6 +16,7 @@ generated tokens, the stop/EOS token included when one ended it; ``logprobs[t]``
 """
 from __future__ import annotations
 
+import json
 import math
 import operator
 import os
@@ -212,6 +213,35 @@ def check_finite(name: str, tensor: torch.Tensor, engine: str, chunk: int = 1 <<
         if not bool(torch.isfinite(flat[start:start + chunk]).all()):
             raise EngineWeightError(f"engine {engine!r}: weight {name!r} holds NaN or inf values; refusing it (the "
                                     "trainer's weights diverged, or a conversion overflowed the dtype)", name)
+
+
+HF_EMBED, HF_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+@dataclass(frozen=True)
+class HFCheckpoint:
+    """What an adapter of an engine that loads a Hugging Face directory itself (vLLM, TensorRT-LLM) reads of it
+    first: ``config`` (config.json), ``shapes`` (:func:`checkpoint_shapes`), ``eos_ids`` (config.json's
+    ``eos_token_id`` as a list; empty when unset) and ``tied``: the output layer is the embedding
+    (``tie_word_embeddings`` and no ``lm_head.weight`` stored), so a trainer's ``lm_head.weight`` is the embedding's
+    tensor."""
+
+    config: dict
+    shapes: dict
+    eos_ids: list
+    tied: bool
+
+
+def read_checkpoint(model_dir: str, engine: str) -> HFCheckpoint:
+    """Read ``model_dir`` (never downloads); raise EngineError naming ``engine`` and what is missing."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        raise EngineError(f"engine {engine!r}: no config.json in {model_dir!r} (never downloads)") from None
+    shapes = checkpoint_shapes(model_dir, engine)
+    eos = [int(e) for e in torch.tensor(config.get("eos_token_id") or []).reshape(-1).tolist()]
+    return HFCheckpoint(config, shapes, eos, bool(config.get("tie_word_embeddings")) and HF_HEAD not in shapes)
 
 
 def checkpoint_shapes(model_dir: str, engine: str) -> dict:

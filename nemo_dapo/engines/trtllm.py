@@ -44,7 +44,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import json
 import os
 import queue
 import threading
@@ -52,8 +51,8 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from .base import (Completion, EngineError, EngineWeightError, Request, Sample, check_usable, check_weight,
-                   checkpoint_shapes)
+from .base import (HF_HEAD, Completion, EngineError, EngineWeightError, Request, Sample, check_usable, check_weight,
+                   read_checkpoint)
 
 SEED_STRIDE = 1_000_003
 WORKER_EXTENSION = "tensorrt_llm.llmapi.rlhf_utils.WorkerExtension"
@@ -98,20 +97,14 @@ class TRTLLMEngine:
             known = sorted(set(inspect.signature(TRTLLMEngine).parameters) - {"model_dir", "unknown"})
             raise EngineError(f"engine {name!r}: unknown option(s) {sorted(unknown)}; the options are {known} "
                               "(other LLM arguments go in llm_kwargs)")
-        try:
-            with open(os.path.join(self.model_dir, "config.json")) as f:
-                self._config = json.load(f)
-        except FileNotFoundError:
-            raise EngineError(f"engine {name!r}: no config.json in {self.model_dir!r} (never downloads)") from None
         if min(prompt_budget, response_budget, max_batch_size, max_num_tokens) < 1:
             raise EngineError(f"engine {name!r}: prompt_budget, response_budget, max_batch_size and max_num_tokens "
                               "must be >= 1")
-        self._shapes = checkpoint_shapes(self.model_dir, name)
-        self._eos = [int(e) for e in torch.tensor(self._config.get("eos_token_id") or []).reshape(-1).tolist()]
+        ckpt = read_checkpoint(self.model_dir, name)
+        self._config, self._shapes, self._eos, self._tied = ckpt.config, ckpt.shapes, ckpt.eos_ids, ckpt.tied
         if not self._eos:
             raise EngineError(f"engine {name!r}: config.json of {self.model_dir!r} has no eos_token_id; TensorRT-LLM "
                               "needs an end id when it runs without a tokenizer")
-        self._tied = bool(self._config.get("tie_word_embeddings")) and "lm_head.weight" not in self._shapes
         cfg_dtype = self._config.get("torch_dtype") or self._config.get("dtype") or "bfloat16"
         self._dtype = _DTYPES.get(cfg_dtype if dtype == "auto" else dtype)
         if self._dtype is None:
@@ -302,7 +295,7 @@ class TRTLLMEngine:
         self._check_alive()
         ready = []
         for name, tensor in named:
-            if self._tied and name == "lm_head.weight":
+            if self._tied and name == HF_HEAD:
                 continue  # tied: TensorRT-LLM's HF mapper skips lm_head and shares the embedding
             shape = self._shapes.get(name)
             try:

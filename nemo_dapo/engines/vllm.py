@@ -19,15 +19,14 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 from typing import Iterable, Optional, Sequence
 
 import torch
 
-from .base import (Completion, EngineError, EngineWeightError, Request, Sample, check_usable, check_weight,
-                   checkpoint_shapes)
+from .base import (HF_EMBED, HF_HEAD, Completion, EngineError, EngineWeightError, Request, Sample, check_usable,
+                   check_weight, read_checkpoint)
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "aborted"}
 SEED_STRIDE = 1_000_003
@@ -78,16 +77,9 @@ class VLLMEngine:
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = True,
                  num_threads: Optional[int] = None, name: str = "vllm", **engine_kwargs):
         self.name, self.model_dir = name, os.fspath(model_dir)
-        try:
-            with open(os.path.join(self.model_dir, "config.json")) as f:
-                self._config = json.load(f)
-        except FileNotFoundError:
-            raise EngineError(f"engine {name!r}: no config.json in {self.model_dir!r} (never downloads)") from None
-        self._shapes = checkpoint_shapes(self.model_dir, "vllm")
-        self._eos = [int(e) for e in torch.tensor(self._config.get("eos_token_id") or []).reshape(-1).tolist()]
-        emb, head = "model.embed_tokens.weight", "lm_head.weight"
-        tied = self._config.get("tie_word_embeddings") and emb in self._shapes and head not in self._shapes
-        self._tied = {emb: head, head: emb} if tied else {}
+        ckpt = read_checkpoint(self.model_dir, name)
+        self._config, self._shapes, self._eos = ckpt.config, ckpt.shapes, ckpt.eos_ids
+        self._tied = {HF_EMBED: HF_HEAD, HF_HEAD: HF_EMBED} if ckpt.tied else {}
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         if num_threads:
