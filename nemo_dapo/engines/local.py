@@ -2,7 +2,7 @@
 layout: ``model.model`` decoder + ``model.lm_head``), in the server's process, on the model's device.
 
 Layout. ``max_batch_size`` slots; live sequences are rows ``[0, L)`` of one preallocated KV cache per layer,
-``[slots, kv_heads, capacity, head_dim]`` (``nemo_dapo.local.kv_cache``). All rows share a column cursor ``c``: row b
+``[slots, kv_heads, capacity, head_dim]`` (``nemo_dapo.models.kv_cache``). All rows share a column cursor ``c``: row b
 owns the contiguous columns ``[start_b, c)`` (its prompt, then its generated tokens but the last, which is "pending":
 sampled, not yet fed) and a decode step writes every row's pending token at column c. The attention mask over columns
 ``[min start, c]`` is ``column >= start_b``; positions count real tokens (prompt token 0 has position 0, as in
@@ -91,7 +91,7 @@ class LocalEngine:
     def from_path(cls, model_dir, *, device=None, **kw) -> "LocalEngine":
         """An engine over a directory written by ``save_pretrained``; eos / pad ids default to the model config's
         (a list of eos ids: the first)."""
-        from nemo_dapo.local.model import load_model
+        from nemo_dapo.models.decoder import load_model
 
         model = load_model(model_dir)
         if device is not None:
@@ -196,8 +196,8 @@ class LocalEngine:
         free = self.max_batch_size - len(self._rows)
         if free == 0 or not self._queue or (self._rows and free < min(self.refill_min, len(self._queue))):
             return
-        from nemo_dapo.local.kv_cache import InPlaceCache
-        from nemo_dapo.local.model import position_ids_from_mask
+        from nemo_dapo.models.decoder import position_ids_from_mask
+        from nemo_dapo.models.kv_cache import InPlaceCache
 
         new = [self._queue.popleft() for _ in range(min(free, len(self._queue)))]
         jobs = list(dict.fromkeys(s.job for s in new))  # each distinct prompt is prefilled once

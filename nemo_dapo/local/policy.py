@@ -19,7 +19,7 @@ import torch
 from nemo_dapo.core.logprobs import fused_logprobs_entropy
 from nemo_dapo.core.metrics import combine_metrics
 from nemo_dapo.core.types import RolloutBatch
-from nemo_dapo.local.model import final_hidden, position_ids_from_mask
+from nemo_dapo.models.decoder import final_hidden, position_ids_from_mask
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from nemo_dapo.core.metrics import eval_summary, length_stats
 from nemo_dapo.core.reward import MODES, RuleReward
 from nemo_dapo.data.readers import READERS, DataFormatError, read_dataset
 from nemo_dapo.data.tokenizer import load_tokenizer
-from nemo_dapo.local.model import load_model
+from nemo_dapo.models.decoder import load_model
 from nemo_dapo.local.run_data import encode
 from nemo_dapo.local.sampler import LocalSampler
 

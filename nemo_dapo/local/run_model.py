@@ -20,7 +20,7 @@ from dataclasses import asdict, fields
 from nemo_dapo.core.checkpoint import atomic_directory
 from nemo_dapo.local.config import Config, ConfigError
 from nemo_dapo.data.tokenizer import build_task_tokenizer, load_tokenizer
-from nemo_dapo.local.model import build_model, load_model, num_parameters
+from nemo_dapo.models.decoder import build_model, load_model, num_parameters
 from nemo_dapo.local.run_data import make_task
 from nemo_dapo.local.warmup import WarmupConfig, save_warmup, supervised_warmup
 
@@ -53,8 +53,8 @@ def warmup_config(cfg: Config) -> WarmupConfig:
 
 
 # Source files (relative to the package) whose code decides the tokenizer, the model or the warm-up's result.
-CODE_FILES = ("data/task.py", "data/template.py", "data/tokenizer.py", "local/model.py", "local/policy.py",
-              "local/sampler.py", "local/kv_cache.py", "local/warmup.py", "local/run_model.py", "core/sampling.py",
+CODE_FILES = ("data/task.py", "data/template.py", "data/tokenizer.py", "models/decoder.py", "local/policy.py",
+              "local/sampler.py", "models/kv_cache.py", "local/warmup.py", "local/run_model.py", "core/sampling.py",
               "core/logprobs.py", "core/reward.py", "core/answer_normalize.py")
 
 

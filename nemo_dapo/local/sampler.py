@@ -15,7 +15,7 @@ import torch
 from nemo_dapo.core.loop_data import mix_seed
 from nemo_dapo.core.sampling import inverse_cdf, sample_next, sampling_logp
 from nemo_dapo.core.types import Generation
-from nemo_dapo.local.model import position_ids_from_mask
+from nemo_dapo.models.decoder import position_ids_from_mask
 
 
 def _budget(max_new_tokens: Union[int, torch.Tensor], batch: int) -> torch.Tensor:
@@ -96,7 +96,7 @@ class LocalSampler:
                           truncated=(~hit_eos & (lengths >= budget)).to(out), logprobs=logps[:, :width].to(out))
 
     def _decode(self, prompt_ids, prompt_mask, budget, temperature, top_p, streams):
-        from nemo_dapo.local.kv_cache import InPlaceCache
+        from nemo_dapo.models.kv_cache import InPlaceCache
 
         B, limit = prompt_ids.shape[0], int(budget.max().item()) if prompt_ids.shape[0] else 0
         device = prompt_ids.device

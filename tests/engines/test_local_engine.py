@@ -7,7 +7,7 @@ from nemo_dapo.core.sampling import inverse_cdf, sample_next, sampling_logp
 from nemo_dapo.core.types import RolloutBatch
 from nemo_dapo.engines.base import EngineError, EngineWeightError, Request
 from nemo_dapo.engines.local import LocalEngine
-from nemo_dapo.local.model import position_ids_from_mask, save_model
+from nemo_dapo.models.decoder import position_ids_from_mask, save_model
 from tests.support.reference import reference_logprobs
 from nemo_dapo.local.sampler import LocalSampler
 from tests.local.tiny_models import EOS, PAD, VOCAB, left_padded, tiny_model

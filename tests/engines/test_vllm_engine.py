@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_dapo.local.model import build_model, save_model
+from nemo_dapo.models.decoder import build_model, save_model
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = os.environ.get("NEMO_DAPO_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")

@@ -22,7 +22,7 @@ import torch
 from nemo_dapo.core.advantages import group_advantages
 from nemo_dapo.core.loss import make_loss_fn
 from nemo_dapo.core.types import RolloutBatch
-from nemo_dapo.local.model import build_model
+from nemo_dapo.models.decoder import build_model
 from nemo_dapo.local.policy import LocalPolicy
 from tests.support.reference import reference_logprobs
 from nemo_dapo.local.sampler import LocalSampler

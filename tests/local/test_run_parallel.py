@@ -3,7 +3,7 @@ with live weights."""
 import pytest
 import torch
 
-from nemo_dapo.local.model import build_model
+from nemo_dapo.models.decoder import build_model
 from nemo_dapo.local.run_parallel import ParallelSampler
 from nemo_dapo.local.sampler import LocalSampler
 

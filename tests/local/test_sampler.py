@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from nemo_dapo.core.types import Generator, RolloutBatch
-from nemo_dapo.local.model import position_ids_from_mask
+from nemo_dapo.models.decoder import position_ids_from_mask
 from tests.support.reference import reference_logprobs
 from nemo_dapo.core.sampling import sample_next
 from nemo_dapo.local.sampler import LocalSampler

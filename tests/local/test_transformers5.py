@@ -1,4 +1,4 @@
-"""The local KV-cached decoders (``LocalSampler``, ``LocalEngine``; their cache is ``nemo_dapo.local.kv_cache``) under
+"""The local KV-cached decoders (``LocalSampler``, ``LocalEngine``; their cache is ``nemo_dapo.models.kv_cache``) under
 transformers 5.x, whose ``Cache`` is a container of per-layer ``CacheLayerMixin`` objects.
 
 This venv has transformers 4.x, so the checks run in ``transformers5_worker.py`` under the vLLM venv's interpreter

@@ -6,7 +6,7 @@ import torch
 from nemo_dapo.data.task import ArithmeticTask
 from nemo_dapo.data.tokenizer import build_task_tokenizer
 from nemo_dapo.local import warmup as W
-from nemo_dapo.local.model import build_model
+from nemo_dapo.models.decoder import build_model
 
 SMALL = dict(arch="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
              num_key_value_heads=2, max_position_embeddings=128)
@@ -81,7 +81,7 @@ def test_sample_accuracy_scores_with_the_verifier(tok):
 
 def test_save_warmup_writes_a_loadable_directory(tok, tmp_path):
     from nemo_dapo.data.tokenizer import load_tokenizer
-    from nemo_dapo.local.model import load_model
+    from nemo_dapo.models.decoder import load_model
 
     model = small_model(tok)
     W.save_warmup(tmp_path / "base", model, tok, W.WarmupStats(steps=3, stop_reason="max_steps"), W.WarmupConfig())
@@ -96,7 +96,7 @@ def test_default_warmup_reaches_the_band_quickly(tok):
     """The real thing at default settings: the dev probe enters the band before the step cap."""
     task = ArithmeticTask()
     tok = build_task_tokenizer(task)
-    from nemo_dapo.local.model import build_model as build
+    from nemo_dapo.models.decoder import build_model as build
 
     model = build(None, vocab_size=len(tok), pad_id=tok.pad_token_id, bos_id=tok.bos_token_id,
                   eos_id=tok.eos_token_id)

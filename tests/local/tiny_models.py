@@ -2,7 +2,7 @@
 import torch
 
 from nemo_dapo.core.types import RolloutBatch
-from nemo_dapo.local.model import build_model
+from nemo_dapo.models.decoder import build_model
 
 VOCAB, PAD, BOS, EOS = 40, 0, 1, 2
 TINY = dict(arch="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -2,7 +2,7 @@
 
     .venv-vllm/bin/python tests/local/transformers5_worker.py
 
-For a tiny Llama and a tiny Qwen2 (GQA, 2 layers) built with ``nemo_dapo.local.model.build_model``, checks against a
+For a tiny Llama and a tiny Qwen2 (GQA, 2 layers) built with ``nemo_dapo.models.decoder.build_model``, checks against a
 cache-free reference (a full forward over prompt + tokens so far at every step, argmax, ``log_softmax``):
   * ``LocalSampler`` greedy on left-padded prompts of different lengths, per-row budgets (rows finish at different
     steps, so the cache is compacted): the same tokens, log-probs within TOL;
@@ -25,8 +25,8 @@ import transformers  # noqa: E402
 
 from nemo_dapo.engines.base import Request  # noqa: E402
 from nemo_dapo.engines.local import LocalEngine  # noqa: E402
-from nemo_dapo.local import kv_cache  # noqa: E402
-from nemo_dapo.local.model import build_model  # noqa: E402
+from nemo_dapo.models import kv_cache  # noqa: E402
+from nemo_dapo.models.decoder import build_model  # noqa: E402
 from nemo_dapo.local.sampler import LocalSampler  # noqa: E402
 
 torch.set_num_threads(1)

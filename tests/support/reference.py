@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from nemo_dapo.core.types import RolloutBatch
-from nemo_dapo.local.model import position_ids_from_mask
+from nemo_dapo.models.decoder import position_ids_from_mask
 from nemo_dapo.local.policy import _sequence
 
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from nemo_dapo.local.model import build_model, final_hidden, load_model, num_parameters, save_model
+from nemo_dapo.models.decoder import build_model, final_hidden, load_model, num_parameters, save_model
 from tests.local.tiny_models import TINY, VOCAB, left_padded, tiny_model
 
 
