@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from nemo_dapo.core import engine_registry  # torch-free: trainer.dapo.rollout_engine's values
 from nemo_dapo.core import settings as algorithm  # torch-free: the rules of the algorithm block, shared with the CLI
+from nemo_dapo.cluster.yaml_compose import compose_file
 
 AGG_MODES, BUDGET_POLICIES = algorithm.AGG_MODES, algorithm.BUDGET_POLICIES
 VERIFIERS = ("dapo", "tolerant", "math_verify")  # the CPU path's reward.verifier choices (nemo_dapo/local/config.py)
@@ -134,8 +135,9 @@ def load_config(recipe: Optional[Union[str, Path]] = None, overrides: Iterable[s
     ``overrides`` (``key=value``; ``+key=value`` adds a key), like ``train_gpt_dapo.py --config-name``."""
     register_resolvers()
     base_path = find_config(BASE_CONFIG)
-    cfg = read_yaml(base_path)
-    cfg.pop("defaults", None)
+    # the base's own defaults list mounts conf/algorithm/dapo.yaml at model.dapo.algorithm (as Hydra does)
+    cfg = compose_file(str(base_path), str(base_path.parent), lambda p: read_yaml(Path(p)),
+                       lambda message: ConfigError([message]))
     if recipe is not None:
         rpath = find_config(recipe)
         rcfg = read_yaml(rpath)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, get_type_hints
 
 # Mirrors of core.loss.AGG_MODES and core.dynamic_sampling.BUDGET_POLICIES (those modules import torch); the tests
 # assert the copies agree.
@@ -111,6 +111,19 @@ def _flat_names():
 
 FIELDS = tuple(_flat_names())
 LOSS_FIELDS = tuple(f.name for f in fields(LossSettings))
+
+
+def field_types() -> dict:
+    """``{field: type}`` of every field in :data:`FIELDS` (the type hints of the settings classes), in that order:
+    what a config schema of the block is derived from (local/config.py)."""
+    hints = {}
+    for f in fields(AlgorithmSettings):
+        if f.name in _NESTED:
+            cls, prefix = _NESTED[f.name]
+            hints.update({prefix + name: t for name, t in get_type_hints(cls).items()})
+        else:
+            hints[f.name] = get_type_hints(AlgorithmSettings)[f.name]
+    return {name: hints[name] for name in FIELDS}
 
 
 def flatten(settings: AlgorithmSettings) -> dict:

@@ -18,10 +18,11 @@ import difflib
 import json
 import math
 import os
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass
 from typing import Any, Dict, List, Optional
 
 from nemo_dapo.core import engine_registry
+from nemo_dapo.core import settings as algorithm_settings  # torch-free: the algorithm block's fields
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")  # nemo_dapo/conf
 DEFAULT_CONFIG = "tiny_cpu"
@@ -97,50 +98,25 @@ class WarmupConfig:
     ramble_passes: int = MISSING
 
 
-@dataclass
-class SkipHistoryConfig:
-    enabled: bool = MISSING
-    skip_prob: float = MISSING
-    max_skips: int = MISSING
+def _schema(name: str, types: dict) -> type:
+    """A config dataclass with one MISSING field per ``{dotted key: type}`` of ``types``; a dotted key makes a
+    nested block (its own dataclass), in first-seen order."""
+    leaves, blocks = [], {}
+    for key, typ in types.items():
+        head, _, rest = key.partition(".")
+        if rest:
+            blocks.setdefault(head, {})[rest] = typ
+        else:
+            leaves.append((head, typ, field(default=MISSING)))
+    nested = []
+    for head, sub in blocks.items():
+        cls = _schema(name + "".join(p.title() for p in head.split("_")), sub)
+        nested.append((head, cls, field(default_factory=cls)))
+    return make_dataclass(name, leaves + nested)
 
 
-@dataclass
-class DynamicSamplingConfig:
-    enabled: bool = MISSING
-    max_gen_batches: int = MISSING
-    on_budget_exhausted: str = MISSING
-    max_age: int = MISSING
-    adaptive: bool = MISSING
-    gen_batch_size: Optional[int] = MISSING
-    max_gen_batch_size: Optional[int] = MISSING
-    prior_pass_rate: float = MISSING
-    prior_weight: float = MISSING
-    pass_rate_memory: float = MISSING
-    safety: float = MISSING
-    skip_history: SkipHistoryConfig = field(default_factory=SkipHistoryConfig)
-
-
-@dataclass
-class OverlongConfig:
-    enabled: bool = MISSING
-    l_max: Optional[int] = MISSING
-    l_cache: int = MISSING
-    penalty_factor: float = MISSING
-
-
-@dataclass
-class AlgorithmConfig:
-    group_size: int = MISSING
-    eps_low: float = MISSING
-    eps_high: float = MISSING
-    clip_c: Optional[float] = MISSING
-    agg: str = MISSING
-    overlong_filter: bool = MISSING
-    tis_cap: Optional[float] = MISSING
-    adv_eps: float = MISSING
-    scale_by_std: bool = MISSING
-    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
-    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+# The algorithm block: derived from nemo_dapo.core.settings (the one list of its fields and types), not copied.
+AlgorithmConfig = _schema("AlgorithmConfig", algorithm_settings.field_types())
 
 
 @dataclass
@@ -244,15 +220,7 @@ CHOICES = {
 
 
 # Where each field of the shared algorithm block (nemo_dapo.core.settings.FIELDS) lives in this config.
-ALGORITHM_KEYS = {name: "algorithm." + name
-                  for name in ("group_size", "eps_low", "eps_high", "clip_c", "agg", "overlong_filter", "tis_cap",
-                               "adv_eps", "scale_by_std",
-                               *(f"dynamic_sampling.{k}" for k in (
-                                   "enabled", "max_gen_batches", "on_budget_exhausted", "max_age", "adaptive",
-                                   "gen_batch_size", "max_gen_batch_size", "prior_pass_rate", "prior_weight",
-                                   "pass_rate_memory", "safety", "skip_history.enabled", "skip_history.skip_prob",
-                                   "skip_history.max_skips")),
-                               *(f"overlong.{k}" for k in ("enabled", "l_max", "l_cache", "penalty_factor")))}
+ALGORITHM_KEYS = {name: "algorithm." + name for name in algorithm_settings.FIELDS}
 
 
 def algorithm_values(cfg: Config) -> dict:
@@ -489,27 +457,11 @@ def find_config(name: str, config_dir: Optional[str] = None) -> str:
     raise ConfigError(f"config {name!r} not found in {root!r} (recipes/ or top level); known configs: {known}")
 
 
-def _load_tree(path: str, root: str, seen: tuple = ()):
-    from omegaconf import OmegaConf
+def _load_tree(path: str, root: str):
+    """The file's tree with its Hydra defaults list applied (cluster/yaml_compose.py, the cluster loader's too)."""
+    from nemo_dapo.cluster.yaml_compose import compose_file
 
-    if path in seen:
-        raise ConfigError(f"config {path!r} includes itself through its defaults list: {list(seen)}")
-    node = _load_yaml(path)
-    defaults = node.pop("defaults", None) if "defaults" in node else None
-    if defaults is None:
-        return node
-    merged, self_done = OmegaConf.create(), False
-    for entry in defaults:
-        if entry == "_self_":
-            merged, self_done = OmegaConf.merge(merged, node), True
-            continue
-        ref = str(entry).lstrip("/")
-        base = ref if os.path.isabs(str(entry)) and os.path.isfile(str(entry)) else os.path.join(root, ref)
-        base = base if base.endswith(".yaml") else base + ".yaml"
-        if not os.path.isfile(base):
-            raise ConfigError(f"config {path!r}: defaults entry {entry!r} not found (looked for {base!r})")
-        merged = OmegaConf.merge(merged, _load_tree(base, root, seen + (path,)))
-    return merged if self_done else OmegaConf.merge(merged, node)
+    return compose_file(path, root, _load_yaml, ConfigError)
 
 
 def _yaml_error(where: str, e: Exception) -> ConfigError:

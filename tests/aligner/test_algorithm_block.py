@@ -39,7 +39,7 @@ def _both():
 
 @needs_nemo
 def test_the_two_builders_agree_on_settings_loss_and_gradients():
-    from nemo_dapo.aligner.trainer import build_algorithm as aligner_build
+    from nemo_dapo.aligner.trainer import aligner_loop_parts as aligner_build
 
     (s1, f1, l1), cfg = _both()
     s2, f2, l2 = aligner_build(cfg.trainer.dapo, cfg.model)
@@ -73,24 +73,38 @@ def test_the_two_builders_agree_on_settings_loss_and_gradients():
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
 
 
-def test_the_blocks_carry_the_same_keys_and_defaults():
-    """Every field of core/settings lives in both YAMLs; the paper's values agree where both files keep them."""
-    from nemo_dapo.cluster.config_validate import ALGORITHM_KEYS, read_yaml
-    from nemo_dapo.local.config import ALGORITHM_KEYS as CPU_KEYS
-    from nemo_dapo.core.settings import FIELDS
+# the cluster's deliberate differences from conf/algorithm/dapo.yaml, written in conf/gpt_dapo_actor.yaml beside its
+# mount: train on what was kept when the budget runs out, bound the batch explicitly, the cap written out as L_max,
+# L_cache sized for the 2k default cap
+CLUSTER_OVERRIDES = {"dynamic_sampling.on_budget_exhausted", "dynamic_sampling.max_gen_batch_size", "overlong.l_cache",
+                     "overlong.l_max"}
 
-    cpu, al = read_yaml(ROOT / "conf/dapo_base.yaml"), read_yaml(ROOT / "conf/gpt_dapo_actor.yaml")
+
+def _flat(node, prefix="") -> dict:
+    out = {}
+    for k, v in node.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def test_the_block_is_one_file_mounted_at_both_places():
+    """conf/algorithm/dapo.yaml holds every field of core/settings; the CPU base takes it as it is, the cluster base
+    overrides exactly the documented keys beside its mount, and neither base file writes another of its values."""
+    from nemo_dapo.cluster.config_validate import ALGORITHM_KEYS, load_config as load_aligner, read_yaml
+    from nemo_dapo.core.settings import FIELDS
+    from nemo_dapo.local.config import ALGORITHM_KEYS as CPU_KEYS, CONF_DIR, _load_tree
+
     assert set(CPU_KEYS) == set(ALGORITHM_KEYS) == set(FIELDS)
-    for name in FIELDS:
-        assert OmegaConf.select(cpu, CPU_KEYS[name], default="absent") != "absent", CPU_KEYS[name]
-        assert OmegaConf.select(al, ALGORITHM_KEYS[name], default="absent", throw_on_resolution_failure=False) \
-            != "absent", ALGORITHM_KEYS[name]
-    # deliberate differences: the aligner trains on what was kept when the budget runs out, bounds the batch
-    # explicitly, sizes L_cache for its 2k default cap; l_max is null (the cap) vs the interpolated cap
-    differ = {"dynamic_sampling.on_budget_exhausted", "dynamic_sampling.max_gen_batch_size", "overlong.l_cache",
-              "overlong.l_max"}
-    for name in set(FIELDS) - differ:
-        assert OmegaConf.select(cpu, CPU_KEYS[name]) == OmegaConf.select(al, ALGORITHM_KEYS[name]), name
+    block = _flat(OmegaConf.to_container(read_yaml(ROOT / "conf/algorithm/dapo.yaml")))
+    assert set(block) == set(FIELDS)
+    cpu = OmegaConf.to_container(_load_tree(str(ROOT / "conf/dapo_base.yaml"), CONF_DIR))
+    assert _flat(cpu["algorithm"]) == block
+    al = _flat(OmegaConf.to_container(load_aligner(None, resolve=False).model.dapo.algorithm))
+    assert set(al) == set(FIELDS) and {k for k in FIELDS if al[k] != block[k]} == CLUSTER_OVERRIDES
+    # the values live once: the base files mount the block and write only the overrides
+    assert "algorithm" not in OmegaConf.to_container(read_yaml(ROOT / "conf/dapo_base.yaml"))
+    raw = OmegaConf.to_container(read_yaml(ROOT / "conf/gpt_dapo_actor.yaml"))
+    assert set(_flat(raw["model"]["dapo"]["algorithm"])) == CLUSTER_OVERRIDES
 
 
 # ---- strict reads -------------------------------------------------------------------------------------------------
@@ -129,10 +143,17 @@ def _get_calls(path: Path):
 KNOWN = {"plan.py": "*", "config_validate.py": "*"}
 
 
+def _aligner_leaves() -> dict:
+    """The leaves of conf/gpt_dapo_actor.yaml as composed (the algorithm block mounted), interpolations unresolved."""
+    from nemo_dapo.cluster.config_validate import load_config
+
+    return _yaml_leaves(OmegaConf.to_container(load_config(None, resolve=False)))
+
+
 def test_no_code_default_for_a_yaml_key_in_the_aligner_layer():
     from nemo_dapo.core.settings import FIELDS
 
-    leaves = _yaml_leaves(OmegaConf.to_container(OmegaConf.load(ROOT / "conf/gpt_dapo_actor.yaml")))
+    leaves = _aligner_leaves()
     block = {f.rpartition(".")[2] for f in FIELDS}
     strict, disagree = [], []
     for path in sorted((ROOT / "nemo_dapo/aligner").glob("*.py")):
@@ -153,7 +174,7 @@ def test_the_strict_read_check_can_fail(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def f(d):\n    return d.get('l_cache', 4096), d.get('eps_low', 0.2), d.setdefault('seed', 1)\n")
     assert sorted((k, v) for _, k, v in _get_calls(bad)) == [("eps_low", "0.2"), ("l_cache", "4096"), ("seed", "1")]
-    leaves = _yaml_leaves(OmegaConf.to_container(OmegaConf.load(ROOT / "conf/gpt_dapo_actor.yaml")))
+    leaves = _aligner_leaves()
     assert "'4096'" not in leaves["l_cache"] and "4096" not in leaves["l_cache"]  # the YAML says 512
 
 

@@ -32,10 +32,19 @@ def _yaml_keys_with_comments(path):
     return out
 
 
+def _base_keys() -> dict:
+    """{dotted key: has a comment} of conf/dapo_base.yaml and of conf/algorithm/dapo.yaml, which it mounts at
+    algorithm.*"""
+    keys = dict(_yaml_keys_with_comments(os.path.join(CONF_DIR, "dapo_base.yaml")))
+    keys.update((f"algorithm.{k}", c) for k, c in _yaml_keys_with_comments(os.path.join(CONF_DIR, "algorithm",
+                                                                                       "dapo.yaml")))
+    return keys
+
+
 def test_base_yaml_sets_and_documents_every_schema_key():
     cfg = load_config("dapo_base")
     assert isinstance(cfg, Config) and cfg.run_dir == os.path.join("runs", "dapo")
-    keys = dict(_yaml_keys_with_comments(os.path.join(CONF_DIR, "dapo_base.yaml")))
+    keys = _base_keys()
     missing = [k for k in _leaf_keys(Config) if k not in keys]
     undocumented = [k for k, has_comment in keys.items() if not has_comment]
     assert not missing, f"keys of the schema without a value in dapo_base.yaml: {missing}"
@@ -55,7 +64,7 @@ def test_base_has_the_paper_values():
 @pytest.mark.parametrize("recipe", sorted(f[:-5] for f in os.listdir(os.path.join(CONF_DIR, "recipes"))
                                           if f.startswith("tiny_cpu")))
 def test_cpu_recipes_only_override_existing_keys(recipe):
-    base = dict(_yaml_keys_with_comments(os.path.join(CONF_DIR, "dapo_base.yaml")))
+    base = _base_keys()
     for key, _ in _yaml_keys_with_comments(os.path.join(CONF_DIR, "recipes", recipe + ".yaml")):
         assert key == "defaults" or key in base or any(b.startswith(key + ".") for b in base), key
     assert load_config(recipe).name == recipe
@@ -169,3 +178,34 @@ def test_paper_base_loads_but_the_tiny_model_cannot_train_on_it():
     with pytest.raises(ConfigError, match=r"'rollout.max_new_tokens' = 20480 leaves no room .* 256 positions"):
         check_trainable(cfg)
     assert check_trainable(load_config("tiny_cpu")).rollout.max_new_tokens == 40
+
+
+def test_hydra_composition_equals_our_loader():
+    """The CPU recipes compose under Hydra (the algorithm block mounted by dapo_base's defaults list) as our loader
+    composes them; cluster/yaml_compose.py is the loader of both paths."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from nemo_dapo.local.config import _load_tree, find_config
+
+    recipes = sorted(f[:-5] for f in os.listdir(os.path.join(CONF_DIR, "recipes")) if f.startswith("tiny_cpu"))
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        for recipe in recipes:
+            ours = _load_tree(find_config(recipe), CONF_DIR)
+            assert OmegaConf.to_container(compose(config_name=f"recipes/{recipe}"), resolve=True) == \
+                OmegaConf.to_container(ours, resolve=True), recipe
+            assert ours.algorithm.eps_high == 0.28 or recipe == "tiny_cpu_grpo"  # from conf/algorithm/dapo.yaml
+
+
+def test_the_algorithm_schema_is_derived_from_the_settings():
+    """A field of core/settings appears in this schema without an edit here (a toy field in the test)."""
+    from dataclasses import fields as dc_fields
+
+    from nemo_dapo.core.settings import FIELDS, field_types
+    from nemo_dapo.local.config import ALGORITHM_KEYS, AlgorithmConfig, _schema
+
+    assert sorted(_leaf_keys(AlgorithmConfig)) == sorted(FIELDS)
+    assert set(ALGORITHM_KEYS.values()) == {f"algorithm.{name}" for name in FIELDS}
+    toy = _schema("Toy", {**field_types(), "overlong.toy_option": bool})
+    overlong = next(f for f in dc_fields(toy) if f.name == "overlong").default_factory
+    assert "toy_option" in {f.name for f in dc_fields(overlong)}
