@@ -25,7 +25,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["nemo_dapo", "nemo_dapo.*"]),
-    package_data={"nemo_dapo": ["conf/*.yaml", "conf/recipes/*.yaml", "engines/*.json"]},
+    package_data={"nemo_dapo": ["conf/*.yaml", "conf/algorithm/*.yaml", "conf/recipes/*.yaml", "engines/*.json"]},
     include_package_data=True,
     install_requires=["torch>=2.3"] + LOCAL,
     extras_require={
