@@ -42,11 +42,11 @@ METRIC_REDUCTION = {
     "ratio_min": "min",  # +inf when the micro-batch has no valid token
     "ratio_max": "max",  # -inf when the micro-batch has no valid token
     "num_tokens": "sum",  # valid tokens of this micro-batch (local count)
-    "is_weight_mean": "sum",  # make_loss_fn with TIS only
-    "logp_mismatch": "sum",  # make_loss_fn with engine_logp present: mean |exp(engine - trainer) - 1|
-    "entropy": "sum",  # make_loss_fn only
-    "token_prob": "sum",  # make_loss_fn only: mean exp(logp)
-    "overlong_filtered": "sum",  # make_loss_fn with overlong_filter: rows masked out
+    "is_weight_mean": "sum",  # DAPOLossFn with TIS only
+    "logp_mismatch": "sum",  # DAPOLossFn with engine_logp present: mean |exp(engine - trainer) - 1|
+    "entropy": "sum",  # DAPOLossFn only
+    "token_prob": "sum",  # DAPOLossFn only: mean exp(logp)
+    "overlong_filtered": "sum",  # DAPOLossFn with overlong_filter: rows masked out
 }
 
 
