@@ -5,9 +5,9 @@ after every step). Run 2 is a fresh launch resumed from run 1's step-1 checkpoin
 metrics run 1 logged for step 2 (training and validation), which needs the optimizer and LR schedule, the prompt
 sampler position and the dynamic-sampling filler's carried groups all restored from the checkpoint.
 
-Run 3 hits the run's time limit after the first generation batch of step 2: the trainer saves that partial step
-(the groups generated so far travel in the checkpoint) and stops; run 4 resumes from it and trains step 2 exactly
-as run 1 did.
+Run 3 resumes from run 1's step-1 checkpoint too and hits the run's time limit after the first generation batch of
+step 2: the trainer saves that partial step (the groups generated so far travel in the checkpoint) and stops; run 4
+resumes from it and trains step 2 exactly as run 1 did.
 """
 import json
 
@@ -85,24 +85,26 @@ def test_two_steps_save_resume_identical(full_run, tok_dir, tmp_path):
 def test_time_limit_inside_a_step_saves_the_partial_step_and_resume_finishes_it(full_run, tok_dir, tmp_path):
     from nemo_dapo.aligner.compat import CHECKPOINT_KEY, unpack_state
 
+    def state(path):
+        return unpack_state(torch.load(path / "common.pt", map_location="cpu", weights_only=False)[CHECKPOINT_KEY])
+
     cut, resumed = tmp_path / "deadline", tmp_path / "resumed"
     cut.mkdir(), resumed.mkdir()
-    run_torchrun(WORKER, nproc=2, out_dir=cut, env={"TOK_DIR": tok_dir, "PHASE": "deadline", "MAX_STEPS": "2"})
+    step1 = _checkpoints(full_run)[0]  # step 1 as run 1 saved it: run 3 starts there (no warm-up, no step 1 again)
+    run_torchrun(WORKER, nproc=2, out_dir=cut,
+                 env={"TOK_DIR": tok_dir, "PHASE": "deadline", "MAX_STEPS": "2", "RESUME_FROM": str(step1)})
     out = json.loads((cut / "deadline_rank0.json").read_text())
-    assert out["state"]["step"] == 1, "the run must stop inside step 2"
+    assert out["start_step"] == 1 and out["state"]["step"] == 1, "the run must stop inside step 2"
     ckpts = _checkpoints(cut)
-    assert [p.name.split("-")[1] for p in ckpts] == ["step=1", "step=1"], ckpts  # after step 1, then mid-step 2
-    states = [unpack_state(torch.load(p / "common.pt", map_location="cpu", weights_only=False)[CHECKPOINT_KEY])
-              for p in ckpts]
-    after, partial = sorted(states, key=lambda st: st["loop"]["counters"]["gen_batches"])
+    assert [p.name.split("-")[1] for p in ckpts] == ["step=1"], ckpts  # saved mid-step 2
+    after, partial = state(step1), state(ckpts[0])
     assert partial["loop"]["counters"]["rollout_steps"] == 1
     assert partial["loop"]["counters"]["gen_batches"] == after["loop"]["counters"]["gen_batches"] + 1
     assert partial["loop"]["filler"]["groups"], "the partial step's groups travel in the checkpoint"
     assert not _records(cut / "deadline_rank0.json", 2)  # step 2 was neither logged nor validated
 
-    partial_dir = max(ckpts, key=lambda p: int(p.name.split("consumed_samples=")[1].split("-")[0]))
     run_torchrun(WORKER, nproc=2, out_dir=resumed,
-                 env={"TOK_DIR": tok_dir, "PHASE": "resume", "MAX_STEPS": "2", "RESUME_FROM": str(partial_dir)})
+                 env={"TOK_DIR": tok_dir, "PHASE": "resume", "MAX_STEPS": "2", "RESUME_FROM": str(ckpts[0])})
     for rank in (0, 1):
         a = json.loads((full_run / f"full_rank{rank}.json").read_text())
         b = json.loads((resumed / f"resume_rank{rank}.json").read_text())
