@@ -19,6 +19,8 @@ abort's).
         [--config-name tiny_cpu_long]
 
 ``--base-model``: a warmed model directory (a run's ``base_model/``), so that the runs measure RL only.
+``--quick`` (what ``tests/benchmarks/test_benchmarks_smoke.py`` runs): one seed, 256 responses, 16 held-out
+problems; without ``--base-model`` the first run warms a base for 20 steps and the second starts from it.
 """
 from __future__ import annotations
 
@@ -36,8 +38,8 @@ POLICIES = {"abort": ["rollout.on_filler_full=abort"],
 
 def run_once(out: str, policy: str, seed: int, args) -> dict:
     run_dir = os.path.join(out, f"{policy}_seed{seed}")
-    overrides = ["--config-name", args.config_name, f"run_dir={run_dir}", f"model.path={args.base_model}",
-                 f"seed={seed}",
+    base = [f"model.path={args.base_model}"] if args.base_model else ["warmup.max_steps=20", "warmup.min_steps=1"]
+    overrides = ["--config-name", args.config_name, f"run_dir={run_dir}", *base, f"seed={seed}",
                  f"rollout.engine={args.engine}", "rollout.streaming=true", "algorithm.tis_cap=2.0",
                  f"trainer.max_samples={args.max_samples}", "trainer.max_steps=1000", "trainer.val_every=0",
                  f"data.heldout_size={args.heldout}", f"eval.n_samples={args.eval_samples}", "trainer.plots=false",
@@ -61,7 +63,8 @@ def run_once(out: str, policy: str, seed: int, args) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--base-model", required=True)
+    p.add_argument("--base-model", help="warmed base model directory (required unless --quick)")
+    p.add_argument("--quick", action="store_true", help="1 seed, 256 responses, 16 held-out problems")
     p.add_argument("--config-name", default="tiny_cpu", help="recipe (its base model: --base-model)")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "partial_rollouts"))
     p.add_argument("--seeds", type=int, default=3)
@@ -71,11 +74,17 @@ def main() -> int:
     p.add_argument("--eval-samples", type=int, default=4)
     p.add_argument("override", nargs="*", help="more key=value overrides for every run")
     args = p.parse_args()
+    if args.quick:
+        args.seeds, args.max_samples, args.heldout, args.eval_samples = 1, 256, 16, 1
+    elif not args.base_model:
+        p.error("--base-model DIR is required (a run's base_model/), unless --quick")
     os.makedirs(args.out, exist_ok=True)
     results = []
     for seed in range(1, args.seeds + 1):
         for policy in POLICIES:
             r = run_once(args.out, policy, seed, args)
+            if not args.base_model:  # --quick: every later run starts from the first run's warm-up
+                args.base_model = os.path.join(args.out, f"{policy}_seed{seed}", "base_model")
             results.append(r)
             print(f"{policy:8s} seed {seed}: discarded {r['discarded_frac']:.3f} | never trained "
                   f"{r['untrained_frac']:.3f} | tokens/trained response "

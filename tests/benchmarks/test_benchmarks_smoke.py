@@ -85,3 +85,14 @@ def test_actor_logits_memory_quick():
     # seeded lengths: trimmed, token-budget micro-batches pad less than the mini-batch-maximum split
     assert 1.0 <= float(r["pad_after"]) < float(r["pad_before"])
     assert int(r["microbatches_after"]) <= int(r["microbatches_before"])
+
+
+@pytest.mark.slow
+def test_partial_rollouts_quick(tmp_path):
+    r = run_quick("partial_rollouts.py", "--out", str(tmp_path))
+    assert r["seeds"] == "1" and r["engine"] == "local"
+    for key in ("discarded_abort", "discarded_suspend"):
+        assert 0.0 <= float(r[key]) <= 1.0
+    assert float(r["tokens_per_trained_ratio"]) > 0
+    for key in ("accuracy_abort", "accuracy_suspend"):
+        assert 0.0 <= float(r[key]) <= 1.0
