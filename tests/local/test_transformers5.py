@@ -6,12 +6,12 @@ This venv has transformers 4.x, so the checks run in ``transformers5_worker.py``
 skipped when there is none. The worker compares greedy tokens and log-probs with a cache-free reference for a tiny
 Llama and a tiny Qwen2 (see its docstring) and prints a JSON report.
 """
-import json
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
+
+from tests.support.json_worker import run_json_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = os.environ.get("NEMO_DAPO_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "bin" / "python")
@@ -21,12 +21,7 @@ PYTHON = os.environ.get("NEMO_DAPO_VLLM_PYTHON") or str(ROOT / ".venv-vllm" / "b
                     reason=f"no transformers-5 interpreter at {PYTHON}: make the vLLM venv with `bash "
                            "scripts/install.sh .venv-vllm engine-vllm` or set NEMO_DAPO_VLLM_PYTHON")
 def test_local_sampler_and_engine_under_transformers5():
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([PYTHON, str(ROOT / "tests/local/transformers5_worker.py")], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    assert lines, f"worker printed no JSON (rc {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    report = json.loads(lines[-1])
+    report, proc = run_json_worker(PYTHON, "tests/local/transformers5_worker.py", timeout=300)
     if int(report["transformers"].split(".")[0]) < 5:
         pytest.skip(f"{PYTHON} has transformers {report['transformers']}, not 5.x")
     assert report["layered_cache"], "transformers 5.x but kv_cache did not detect the per-layer Cache API"
