@@ -134,8 +134,9 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
         return model
 
     def infer(self, inference_batch):
-        raise NotImplementedError("the DAPO actor does not generate: use nemo_dapo.aligner.generation "
-                                  "(TRTLLMGenerator, or MegatronSampler for small debug runs)")
+        raise NotImplementedError("the DAPO actor does not generate: rollouts come from an engine server "
+                                  "(nemo_dapo.aligner.engine_generation) or a legacy generator "
+                                  "(nemo_dapo.aligner.generation)")
 
     # ---- checkpoint hooks: the trainer state travels inside the checkpoint ---------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:

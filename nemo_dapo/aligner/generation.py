@@ -1,4 +1,6 @@
-"""Rollout generators for the NeMo-Aligner path (the ``Generator`` protocol of core/types.py).
+"""The legacy rollout generators of the NeMo-Aligner path (the ``Generator`` protocol of core/types.py), used with
+``trainer.dapo.rollout_engine: legacy``; the engine-server generators (trtllm, vllm, local) are in
+``engine_generation.py``.
 
 * :class:`TRTLLMGenerator` drives NeMo-Aligner's ``GPTGenerateTRTLLM``: the engine is built on first use and refit
   from the actor's current weights before the first generation after every update (never twice for the same
@@ -11,7 +13,8 @@
   exact, seeded: meant for tiny models and tests.
 
 Both return responses in the core layout (right-padded ids, mask with EOS, ``truncated`` = no EOS within the cap).
-``check_generation_lengths`` validates the sequence budget when the config is loaded.
+``check_generation_lengths`` validates the sequence budget of the legacy engine; ``build_trtllm_engine`` calls it
+before building the engine.
 """
 from __future__ import annotations
 
@@ -29,8 +32,8 @@ from nemo_dapo.core.packing import cut_responses
 from nemo_dapo.core.types import Generation, RolloutBatch
 from nemo_dapo.core.sampling import sample_next
 
-# NeMo / megatron are imported inside the generators, so that ``check_generation_lengths`` stays cheap to import
-# (the config validator calls it before anything heavy is loaded).
+# NeMo / megatron are imported inside the generators, so that importing this module (``check_generation_lengths``,
+# the package's lazy exports) loads nothing heavy.
 
 # Keys of conf/gpt_dapo_actor.yaml are read strictly (``required``); NeMo's own model keys (TP, EP, biases, experts)
 # with NeMo's defaults (``nemo_model_key``), as NeMo built the model from them.

@@ -4,7 +4,8 @@
 ``load_state_dict``, ``ScopedTimer`` timers, the ``CustomLoggerWrapper`` logger, the max-time ``run_timer``) but no
 rollout logic of its own: each rollout step is ``nemo_dapo.core.loop.DAPOLoop.step`` over
   * ``ActorPolicy``        the Policy protocol on the DAPO actor + its optimizer/scheduler,
-  * a generator            ``generation.TRTLLMGenerator`` or ``generation.MegatronSampler``,
+  * a generator            an engine-server generator (``engine_generation``: trtllm, vllm, local) or a legacy
+                           one (``generation.TRTLLMGenerator``, ``generation.MegatronSampler``),
   * ``ClientReward``       the RewardFn over a reward client (``reward_client.LocalRewardClient``),
   * ``megatron.reduction.DPReducer`` over megatron's data-parallel group.
 So the known problems of NeMo-Aligner 0.7.0's ``ReinforceTrainer`` do not arise: there is no KL term (its KL=0 path
