@@ -28,6 +28,7 @@ from nemo_dapo.cluster.config_validate import nemo_model_key, required
 from nemo_dapo.megatron.layout import pack_tokens
 from nemo_dapo.aligner.legacy_export import (TPPaddedVocab, attention_bias_overrides, banned_ids_list,
                                              engine_config_overrides, with_zero_dense_bias)
+from nemo_dapo.core import engine_registry
 from nemo_dapo.core.packing import cut_responses
 from nemo_dapo.core.types import Generation, RolloutBatch
 from nemo_dapo.core.sampling import sample_next
@@ -340,10 +341,13 @@ def build_generator(actor, *, refit_gather=None, cfg=None):
     servers are started by the launcher). legacy: TRTLLMGenerator when ``model.dapo.trt_llm.enable``, else the
     MegatronSampler debug path. TRTLLMGenerator refuses MoE models (NeMo 2.1's exporter cannot refit experts)."""
     engine = "legacy" if cfg is None else cfg.trainer.dapo.rollout_engine  # a key of gpt_dapo_actor.yaml
-    if engine != "legacy":
+    if engine_registry.is_served(engine):
         from nemo_dapo.aligner.engine_generation import build_engine_generator
 
         return build_engine_generator(actor, cfg)
+    if engine != "legacy":  # the validator refuses it first; this guards a config that skipped it
+        raise ValueError(f"trainer.dapo.rollout_engine={engine!r}: not an engine of nemo_dapo.core.engine_registry "
+                         f"(one of {engine_registry.rollout_engines()})")
     if required(actor.cfg, "dapo.trt_llm.enable", "model"):
         generator = TRTLLMGenerator(actor, refit_gather=refit_gather)  # refuses MoE (names the trtllm engine)
         actor.valid_vocab = int(actor.tokenizer.vocab_size)  # the engine bans the ids it pads the vocabulary with

@@ -134,6 +134,21 @@ def test_the_launcher_passes_the_config_to_build_generator():
     assert calls and all(any(k.arg == "cfg" for k in c.keywords) for c in calls)
 
 
+def test_build_generator_follows_the_registry_and_refuses_an_unknown_engine(monkeypatch):
+    from omegaconf import OmegaConf
+
+    from nemo_dapo.aligner import engine_generation, generation
+    cfg = OmegaConf.create({"trainer": {"dapo": {"rollout_engine": "sglang"}}})
+    with pytest.raises(ValueError, match="rollout_engine='sglang'.*engine_registry"):
+        generation.build_generator(None, cfg=cfg)
+    built = []
+    monkeypatch.setattr(engine_generation, "build_engine_generator", lambda actor, c: built.append(c) or "engine")
+    for served in ("trtllm", "vllm", "local"):
+        cfg.trainer.dapo.rollout_engine = served
+        assert generation.build_generator(None, cfg=cfg) == "engine"
+    assert len(built) == 3
+
+
 def test_results_exchange_gives_every_rank_the_owners_parts_in_order(tmp_path):
     # two gloo ranks, no NeMo: each owner's part (different widths, with / without log-probs, 0 rows) reaches
     # both ranks bit for bit, concatenated in owner order and right-padded, as Generation.cat of the parts
