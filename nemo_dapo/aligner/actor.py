@@ -202,13 +202,13 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
                                 data_iterator=self._make_data_iterator_list(iter([self._with_masks(mb)
                                                                                   for mb in micro])), **kw)
 
-    def get_loss_and_metrics(self, batch: dict, forward_only: bool, *, num_tokens=None, loss_fn=None,
+    def get_loss_and_metrics(self, batch: dict, forward_only: bool, *, norm=None, loss_fn=None,
                              reduce_over_dp: bool = True):
         """(loss, metrics) of one optimizer step's local share ``batch`` (any number of rows, including 0).
 
         Micro-batches: see ``_microbatches`` (rows sorted by ``response_lengths``, each group padded only to its own
         longest row, rounded to ``seq_len_multiple``); every DP rank runs the same number (filler micro-batches).
-        ``loss_fn``: a core.types.LossFn (default: ``self.loss_fn``, the trainer's). ``num_tokens``: its global
+        ``loss_fn``: a core.types.LossFn (default: ``self.loss_fn``, the trainer's). ``norm``: its global
         normaliser (computed here over DP when None). Metrics are combined over
         micro-batches as core.loss.METRIC_REDUCTION says, over DP when ``reduce_over_dp`` (else they are this DP
         rank's shares), and returned on every rank. ``loss`` is the step's loss (the DAPO objective of the global
@@ -219,10 +219,10 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
             raise ValueError("get_loss_and_metrics needs a loss: pass loss_fn=, or let DAPOTrainer hand the actor the "
                              "loss its builder made (actor.loss_fn)")
         _, micro = self._microbatches(batch, int(self.cfg.micro_batch_size))
-        if num_tokens is None:  # the normaliser is additive over rows, and filler rows add nothing
-            num_tokens = normalizer_share(loss_fn, micro).reshape(1).cuda()
-            dist.all_reduce(num_tokens, group=mcore_ps.get_data_parallel_group())
-            num_tokens = num_tokens[0].cpu()
+        if norm is None:  # the normaliser is additive over rows, and filler rows add nothing
+            norm = normalizer_share(loss_fn, micro).reshape(1).cuda()
+            dist.all_reduce(norm, group=mcore_ps.get_data_parallel_group())
+            norm = norm[0].cpu()
         scale = megatron_loss_scale(len(micro))
 
         def forward(mb, model):
@@ -231,7 +231,7 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
 
             def loss_func(out):
                 logp, entropy = self._logprobs_entropy(out, mb["response_tokens"], model, mb["mask"])
-                return loss_share(loss_fn, logp, entropy, mb, num_tokens, scale)
+                return loss_share(loss_fn, logp, entropy, mb, norm, scale)
 
             return out, loss_func
 

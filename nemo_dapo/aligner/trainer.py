@@ -86,7 +86,7 @@ class ActorPolicy:
         mask = batch.response_mask.float()
         return unpack_response(lp, p, width) * mask, unpack_response(ent, p, width) * mask
 
-    def train_step(self, minibatch: Optional[RolloutBatch], *, num_tokens: float, loss_fn) -> dict:
+    def train_step(self, minibatch: Optional[RolloutBatch], *, norm: float, loss_fn) -> dict:
         actor = self.actor
         actor.prepare_for_training()  # onloads optimizer states offloaded for generation
         self.optimizer.zero_grad()
@@ -94,7 +94,7 @@ class ActorPolicy:
         tis = loss_fn.tis_cap is not None
         batch = blank_rows(TRAIN_FIELDS + (("engine_logprobs",) if tis else ()), 0, actor.tokenizer.eos_id, 2) \
             if minibatch is None or len(minibatch) == 0 else pack_rollout(minibatch, actor.tokenizer.eos_id)
-        _, metrics = actor.get_loss_and_metrics(batch, forward_only=False, num_tokens=num_tokens, loss_fn=loss_fn,
+        _, metrics = actor.get_loss_and_metrics(batch, forward_only=False, norm=norm, loss_fn=loss_fn,
                                                 reduce_over_dp=False)
         actor.finish_training_step()
         # None when the optimizer clips inside its step (mcore distributed optimizer, fused Adam) or clipping is off

@@ -374,7 +374,7 @@ class DAPOLoop:
             log.warning("mini-batch without valid tokens (empty or filtered responses): update skipped")
             self.counters["skipped_updates"] += 1
             return {"skipped": 1.0}
-        out = self.policy.train_step(mb, num_tokens=norm, loss_fn=self.loss_fn)
+        out = self.policy.train_step(mb, norm=norm, loss_fn=self.loss_fn)
         out = reduce_over_ranks(out, self.reducer, _POLICY_METRIC_REDUCTION)
         if out.get("skipped", 0.0) > 0:
             log.warning("rollout step %d: non-finite loss or gradient, optimizer update skipped (weights unchanged)",

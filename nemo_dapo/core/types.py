@@ -166,12 +166,12 @@ class Policy(Protocol):
         """(log-prob [B, R], entropy [B, R]) without grad; padding positions are 0."""
         ...
 
-    def train_step(self, minibatch: RolloutBatch, *, num_tokens: float, loss_fn: "LossFn") -> dict:
+    def train_step(self, minibatch: RolloutBatch, *, norm: float, loss_fn: "LossFn") -> dict:
         """One optimizer update on this rank's share of a mini-batch.
 
-        ``num_tokens`` is the GLOBAL normaliser of ``loss_fn`` for the mini-batch (the sum of
+        ``norm`` is the GLOBAL normaliser of ``loss_fn`` for the mini-batch (the sum of
         ``loss_fn.normalizer`` over all micro-batches and ranks; see LossFn); for each micro-batch
-        ``loss_fn(logp, entropy, LossInput.of(microbatch), num_tokens) -> (loss, metrics)`` returns its
+        ``loss_fn(logp, entropy, LossInput.of(microbatch), norm) -> (loss, metrics)`` returns its
         contribution so that summing over micro-batches and ranks gives the mini-batch loss.
         Returns metrics including ``grad_norm`` and ``skipped`` (1.0 when a non-finite loss/grad skipped it).
         """

@@ -19,7 +19,7 @@ import torch
 from nemo_dapo.core.logprobs import fused_logprobs_entropy
 from nemo_dapo.core.metrics import combine_metrics
 from nemo_dapo.core.types import RolloutBatch
-from nemo_dapo.models.decoder import final_hidden, position_ids_from_mask
+from nemo_dapo.models.decoder import final_hidden
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ class LocalPolicy:
         return logp, ent
 
     # --- update ---------------------------------------------------------------------------------------------
-    def accumulate_gradients(self, minibatch: RolloutBatch, num_tokens: float, loss_fn) -> tuple:
+    def accumulate_gradients(self, minibatch: RolloutBatch, norm: float, loss_fn) -> tuple:
         """Forward/backward over micro-batches, summing the gradients (no optimizer step).
 
         Returns (metrics, finite): metrics combined over micro-batches (``METRIC_REDUCTION``; ``loss`` is the sum of
@@ -113,7 +113,7 @@ class LocalPolicy:
         per_mb = []
         for mb in self._chunks(minibatch, self.micro_batch_size):
             logp, ent = self.forward_logprobs(mb)
-            loss, metrics = loss_fn(logp, ent, mb, num_tokens)
+            loss, metrics = loss_fn(logp, ent, mb, norm)
             if not bool(torch.isfinite(loss.detach()).all()):
                 return {"loss": float(loss.detach())}, False
             if loss.requires_grad:
@@ -121,13 +121,13 @@ class LocalPolicy:
             per_mb.append({**metrics, "loss": loss})
         return (combine_metrics(per_mb) if per_mb else {"loss": 0.0}), True
 
-    def train_step(self, minibatch: RolloutBatch, *, num_tokens: float, loss_fn) -> dict:
+    def train_step(self, minibatch: RolloutBatch, *, norm: float, loss_fn) -> dict:
         """One AdamW update on ``minibatch`` (see ``Policy.train_step``); a non-finite loss or gradient norm skips
         the update (weights, optimizer and schedule untouched) and reports ``skipped=1``."""
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
-        metrics, finite = self.accumulate_gradients(minibatch, num_tokens, loss_fn)
+        metrics, finite = self.accumulate_gradients(minibatch, norm, loss_fn)
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.grad_clip if self.grad_clip is not None else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params and finite else 0.0

@@ -71,10 +71,10 @@ class WarmupStats:
     history: list = field(default_factory=list)  # [{step, probe_accuracy, loss, seconds}]
 
 
-def sft_loss(logp: torch.Tensor, entropy: torch.Tensor, microbatch: RolloutBatch, num_tokens):
-    """Token-mean negative log-likelihood of the response tokens; ``num_tokens`` is the mini-batch token count."""
+def sft_loss(logp: torch.Tensor, entropy: torch.Tensor, microbatch: RolloutBatch, norm):
+    """Token-mean negative log-likelihood of the response tokens; ``norm`` is the mini-batch token count."""
     mask = microbatch.response_mask > 0
-    nll = -torch.where(mask, logp, torch.zeros_like(logp)).sum() / num_tokens
+    nll = -torch.where(mask, logp, torch.zeros_like(logp)).sum() / norm
     return nll, {}
 
 
@@ -133,7 +133,7 @@ def supervised_warmup(model, tokenizer, task: Optional[ArithmeticTask] = None, c
     stats, start, cpu_start = WarmupStats(), time.perf_counter(), time.process_time()
     for step in range(1, cfg.max_steps + 1):
         batch = next(batches)
-        loss = policy.train_step(batch, num_tokens=float(batch.num_tokens()), loss_fn=sft_loss)["loss"]
+        loss = policy.train_step(batch, norm=float(batch.num_tokens()), loss_fn=sft_loss)["loss"]
         stats.steps, stats.seconds = step, time.perf_counter() - start
         reason = _stop_reason(step, stats.seconds, cfg)
         if step >= cfg.min_steps and (step % cfg.eval_every == 0 or reason):

@@ -30,7 +30,7 @@ Both paths are proven equal to a single-process reference in tests/megatron/test
 path at CP = 1). The MoE auxiliary loss keeps megatron's own convention (mean over micro-batches and DP ranks).
 
 ``global_token_count`` computes N when the caller has only its local masks; the step loop computes it through its
-Reducer (``DPReducer`` below) and passes it to ``Policy.train_step`` as ``num_tokens``.
+Reducer (``DPReducer`` below) and passes it to ``Policy.train_step`` as ``norm``.
 """
 from __future__ import annotations
 

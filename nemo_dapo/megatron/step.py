@@ -12,7 +12,7 @@ and its optimizer step (NeMo's gradient clipping, or the bare model's own).
 * Forward: the last stage returns its final hidden states (:func:`hidden_states_only`), and log-prob / entropy of
   the next tokens come from the vocabulary-parallel output weight chunk by chunk (:func:`hidden_logprobs_entropy`);
   no [tokens x vocab] logits, no vocabulary gather.
-* Loss: ``loss_fn`` returns each micro-batch's share of the mini-batch loss (global normaliser ``num_tokens``);
+* Loss: ``loss_fn`` returns each micro-batch's share of the mini-batch loss (global normaliser ``norm``);
   ``reduction.megatron_loss_scale`` undoes the schedule's division by num_microbatches and DDP's averaging.
 * Skip (:func:`skip_update`): from the step's loss summed over DP and the gradient norm; every rank skips
   together.

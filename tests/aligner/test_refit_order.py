@@ -149,7 +149,7 @@ class LedgerPolicy:
         mask = batch.response_mask
         return -0.5 * mask, mask.clone()
 
-    def train_step(self, minibatch, *, num_tokens, loss_fn):
+    def train_step(self, minibatch, *, norm, loss_fn):
         self.actor.prepare_for_training()
         self.gpu.note("train_step")
         self.gpu.alloc("training_peak")

@@ -71,11 +71,11 @@ class FakePolicy:
         mask = batch.response_mask
         return -0.5 * mask, 1.0 * mask
 
-    def train_step(self, minibatch, *, num_tokens, loss_fn):
+    def train_step(self, minibatch, *, norm, loss_fn):
         logp = minibatch.old_logp.clone().requires_grad_()
-        loss, metrics = loss_fn(logp, torch.ones_like(logp), LossInput.of(minibatch), num_tokens)
+        loss, metrics = loss_fn(logp, torch.ones_like(logp), LossInput.of(minibatch), norm)
         loss.backward()
-        self.calls.append((minibatch, num_tokens))
+        self.calls.append((minibatch, norm))
         skipped = len(self.calls) in self.skip_calls
         if not skipped:
             self.version += 1
@@ -131,15 +131,15 @@ def test_step_counters_and_minibatch_coverage():
     assert loop.counters["consumed_prompts"] == 8
 
 
-def test_num_tokens_is_the_global_minibatch_count_after_overlong_filtering():
+def test_norm_is_the_global_minibatch_count_after_overlong_filtering():
     loss = make_loss_fn(eps_low=0.2, eps_high=0.28, overlong_filter=True)
     loop = make_loop(loss=loss, generator=FakeGenerator(min_len=8), mini=5)
     for _ in range(3):
         loop.step()
     assert any(bool(mb.truncated.any()) for mb, _ in loop.policy.calls)  # the filter had something to do
-    for mb, num_tokens in loop.policy.calls:
+    for mb, norm in loop.policy.calls:
         expected = float((mb.response_mask * (~mb.truncated).float()[:, None]).sum())
-        assert num_tokens == expected
+        assert norm == expected
 
 
 def test_advantages_are_group_normalised_shaped_rewards():

@@ -112,7 +112,7 @@ def test_policy_on_cuda_matches_reference_and_cpu():
     print(f"RESULT local_policy_cuda grad_rel_err_vs_cpu={err:.3g} params={len(g_cpu)}")
     assert sorted(g_gpu) == sorted(g_cpu) and err < 1e-4
     before = {k: p.detach().clone() for k, p in gpu_model.named_parameters()}
-    metrics = gpu_pol.train_step(gpu_batch, num_tokens=n, loss_fn=LOSS_FN)
+    metrics = gpu_pol.train_step(gpu_batch, norm=n, loss_fn=LOSS_FN)
     assert metrics["skipped"] == 0.0 and torch.isfinite(torch.tensor(metrics["grad_norm"]))
     assert any(not torch.equal(before[k], p) for k, p in gpu_model.named_parameters())
 
@@ -182,7 +182,7 @@ def test_cpu_sampling_with_cuda_training_and_refit():
     gpu_batch = to(batch, DEVICE)
     sync()
     t0 = time.perf_counter()
-    metrics = policy.train_step(gpu_batch, num_tokens=float(LOSS_FN.normalizer(gpu_batch)), loss_fn=LOSS_FN)
+    metrics = policy.train_step(gpu_batch, norm=float(LOSS_FN.normalizer(gpu_batch)), loss_fn=LOSS_FN)
     sync()
     print(f"RESULT local_train_step_cuda seconds={time.perf_counter() - t0:.3f} loss={metrics['loss']:.4g} "
           f"grad_norm={metrics['grad_norm']:.4g} skipped={metrics['skipped']}")

@@ -388,7 +388,7 @@ def test_megatron_policy_logprobs_and_update_on_cuda():
     got_lp, got_ent = policy.logprobs(batch)
     assert got_lp.device.type == "cpu"  # returned where the batch lives
     lp_err = max((got_lp - want_lp.cpu()).abs().max().item(), (got_ent - want_ent.cpu()).abs().max().item())
-    metrics = policy.train_step(batch, num_tokens=n, loss_fn=LOSS_FN)
+    metrics = policy.train_step(batch, norm=n, loss_fn=LOSS_FN)
     delta_scale = max(float(d.abs().max()) for d in want_delta.values())
     update_err = max(float((p.detach() - full[k] - want_delta[k]).abs().max())
                      for k, p in model.named_parameters()) / delta_scale

@@ -52,8 +52,8 @@ def test_fused_logprobs_match_full_logits(arch, batch):
 def test_one_step_lowers_the_loss_on_a_fixed_batch(batch):
     policy = LocalPolicy(tiny_model(), lr=1e-2)
     n = float(batch.num_tokens())
-    before = policy.train_step(batch, num_tokens=n, loss_fn=nll_loss)
-    after = policy.train_step(batch, num_tokens=n, loss_fn=nll_loss)
+    before = policy.train_step(batch, norm=n, loss_fn=nll_loss)
+    after = policy.train_step(batch, norm=n, loss_fn=nll_loss)
     assert after["loss"] < before["loss"] - 1e-3
     assert before["skipped"] == 0.0 and before["grad_norm"] > 0 and before["num_tokens"] == n
 
@@ -77,11 +77,11 @@ def test_micro_batch_1_vs_4_gives_the_same_gradients(batch, loss_fn):
 def test_nan_loss_skips_the_update_and_leaves_everything_unchanged(batch, caplog):
     model = tiny_model()
     policy = LocalPolicy(model, lr=1e-2)
-    policy.train_step(batch, num_tokens=float(batch.num_tokens()), loss_fn=nll_loss)
+    policy.train_step(batch, norm=float(batch.num_tokens()), loss_fn=nll_loss)
     w, opt = weights(model), policy.optimizer.state_dict()
     nan_loss = lambda logp, ent, mb, n: (logp.sum() * float("nan"), {})  # noqa: E731
     with caplog.at_level(logging.WARNING):
-        out = policy.train_step(batch, num_tokens=1.0, loss_fn=nan_loss)
+        out = policy.train_step(batch, norm=1.0, loss_fn=nan_loss)
     assert out["skipped"] == 1.0 and "non-finite loss" in caplog.text
     assert all(torch.equal(w[k], v) for k, v in weights(model).items())
     assert policy.optimizer.state_dict()["state"][0]["step"] == opt["state"][0]["step"]
@@ -96,7 +96,7 @@ def test_non_finite_gradient_with_finite_loss_is_skipped(batch, caplog):
     # sqrt at 0 is finite, its gradient is not: d sqrt(0 * s) = inf * 0 = nan
     bad_grad = lambda logp, ent, mb, n: (torch.sqrt(logp.sum() * 0.0), {})  # noqa: E731
     with caplog.at_level(logging.WARNING):
-        out = policy.train_step(batch, num_tokens=1.0, loss_fn=bad_grad)
+        out = policy.train_step(batch, norm=1.0, loss_fn=bad_grad)
     assert out["skipped"] == 1.0 and out["loss"] == 0.0 and "non-finite gradient" in caplog.text
     assert all(torch.equal(w[k], v) for k, v in weights(model).items())
 
@@ -105,12 +105,12 @@ def test_state_dict_round_trip_gives_identical_next_steps(batch):
     n = float(batch.num_tokens())
     a = LocalPolicy(tiny_model(seed=0), lr=1e-2, warmup_steps=5)
     for _ in range(2):
-        a.train_step(batch, num_tokens=n, loss_fn=pg_loss)
+        a.train_step(batch, norm=n, loss_fn=pg_loss)
     state = a.state_dict()
-    expected = [a.train_step(batch, num_tokens=n, loss_fn=pg_loss) for _ in range(2)]
+    expected = [a.train_step(batch, norm=n, loss_fn=pg_loss) for _ in range(2)]
     b = LocalPolicy(tiny_model(seed=1), lr=1e-2, warmup_steps=5)  # different initial weights, fresh optimizer
     b.load_state_dict(state)
-    got = [b.train_step(batch, num_tokens=n, loss_fn=pg_loss) for _ in range(2)]
+    got = [b.train_step(batch, norm=n, loss_fn=pg_loss) for _ in range(2)]
     assert got == expected
     assert all(torch.equal(x, y) for x, y in zip(a.model.state_dict().values(), b.model.state_dict().values()))
 
@@ -118,7 +118,7 @@ def test_state_dict_round_trip_gives_identical_next_steps(batch):
 def test_state_dict_is_a_copy(batch):
     policy = LocalPolicy(tiny_model(), lr=1e-2)
     state = policy.state_dict()
-    policy.train_step(batch, num_tokens=float(batch.num_tokens()), loss_fn=nll_loss)
+    policy.train_step(batch, norm=float(batch.num_tokens()), loss_fn=nll_loss)
     assert not all(torch.equal(state["model"][k], v) for k, v in policy.model.state_dict().items())
 
 
@@ -130,7 +130,7 @@ def test_load_state_dict_rejects_a_partial_state():
 def test_linear_warmup_and_grad_clip(batch):
     policy = LocalPolicy(tiny_model(), lr=1e-2, warmup_steps=4, grad_clip=1e-3)
     n = float(batch.num_tokens())
-    lrs = [policy.train_step(batch, num_tokens=n, loss_fn=nll_loss)["lr"] for _ in range(6)]
+    lrs = [policy.train_step(batch, norm=n, loss_fn=nll_loss)["lr"] for _ in range(6)]
     assert lrs == pytest.approx([2.5e-3, 5e-3, 7.5e-3, 1e-2, 1e-2, 1e-2])
     # the reported norm is the one before clipping; the applied gradient has norm grad_clip
     model = policy.model

@@ -173,8 +173,8 @@ class MegatronPolicy:
                 (unpack_response(out[1].cpu(), p, width) * mask).to(dev))
 
     # ---- update ------------------------------------------------------------------------------------------------
-    def train_step(self, minibatch: Optional[RolloutBatch], *, num_tokens: float, loss_fn) -> dict:
-        """One optimizer update; ``num_tokens`` is the GLOBAL normaliser of ``loss_fn`` for this mini-batch."""
+    def train_step(self, minibatch: Optional[RolloutBatch], *, norm: float, loss_fn) -> dict:
+        """One optimizer update; ``norm`` is the GLOBAL normaliser of ``loss_fn`` for this mini-batch."""
         self.model.train()
         self._zero_grad()
         pad_id = minibatch.pad_id if minibatch is not None else 0
@@ -183,7 +183,7 @@ class MegatronPolicy:
 
         def loss_func(hidden, mb):
             logp, ent = self._logp_entropy(hidden, mb, mask=mb["mask"] > 0)
-            return loss_share(loss_fn, logp, ent, mb, num_tokens, scale)
+            return loss_share(loss_fn, logp, ent, mb, norm, scale)
 
         stored = forward_backward(self.model, self._forward(loss_func), micro, forward_only=False)
         metrics = from_last_pipeline_stage(combine_metrics(stored) if parallel_state.is_pipeline_last_stage() else None)

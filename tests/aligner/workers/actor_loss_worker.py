@@ -176,7 +176,7 @@ def logged_metrics(batch: RolloutBatch, loss_fn) -> dict:
     policy = ActorPolicy(actor, torch.optim.SGD(params, lr=0.0), _NoSchedule(), gradient_clip_val=None)
     reducer = DPReducer()
     num_tokens = float(reducer.sum(loss_fn.normalizer(batch.select(share_of(batch)))))
-    out = policy.train_step(batch.select(share_of(batch)), num_tokens=num_tokens, loss_fn=loss_fn)
+    out = policy.train_step(batch.select(share_of(batch)), norm=num_tokens, loss_fn=loss_fn)
     return reduce_over_ranks(out, reducer, _POLICY_METRIC_REDUCTION)
 
 

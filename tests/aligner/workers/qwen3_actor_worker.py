@@ -93,7 +93,7 @@ def main():
     actor.train()
     # the loss of model.dapo.algorithm, as the trainer's builder makes it
     loss_fn = build_loss(algorithm_settings(cfg).loss, max_new_tokens=int(cfg.dapo.length_params.max_length))
-    metrics = policy.train_step(batch, num_tokens=float(batch.num_tokens()), loss_fn=loss_fn)
+    metrics = policy.train_step(batch, norm=float(batch.num_tokens()), loss_fn=loss_fn)
     new, _ = policy.logprobs(batch)
     changed = {n: not torch.equal(before[n], p.detach()) for n, p in inner.named_parameters()}
     res.update(loss=float(metrics["loss"]), skipped=metrics["skipped"],

@@ -129,7 +129,7 @@ def update_case(spec, ref, batch, layout, megatron_optimizer=False, valid=None):
     mine = batch.select(idx)
     logp, ent = policy.logprobs(mine)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    metrics = policy.train_step(mine, num_tokens=ref["num_tokens"], loss_fn=LOSS_FN)
+    metrics = policy.train_step(mine, norm=ref["num_tokens"], loss_fn=LOSS_FN)
     scale = max(float(d.abs().max()) for d in ref["delta"].values())
     worst = 0.0
     layouts = param_layouts(model)
@@ -154,20 +154,20 @@ def skip_case(ref, batch):
         loss, m = LOSS_FN(logp, ent, mb, n)
         return loss * float("nan"), m
 
-    metrics = policy.train_step(batch, num_tokens=ref["num_tokens"], loss_fn=nan_loss)
+    metrics = policy.train_step(batch, norm=ref["num_tokens"], loss_fn=nan_loss)
     unchanged = all(torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
     # the next (finite) update still works after a skip
-    ok = policy.train_step(batch, num_tokens=ref["num_tokens"], loss_fn=LOSS_FN)
+    ok = policy.train_step(batch, norm=ref["num_tokens"], loss_fn=LOSS_FN)
     destroy_parallel()
     return dict(skipped=metrics["skipped"], unchanged=unchanged, next_skipped=ok["skipped"])
 
 
 def state_case(ref, batch):
     model, policy = make_policy(DENSE, ref, (2, 1, 1))
-    policy.train_step(batch, num_tokens=ref["num_tokens"], loss_fn=LOSS_FN)
+    policy.train_step(batch, norm=ref["num_tokens"], loss_fn=LOSS_FN)
     saved = policy.state_dict()
     snapshot = [p.detach().clone() for p in model.parameters()]
-    policy.train_step(batch, num_tokens=ref["num_tokens"], loss_fn=LOSS_FN)
+    policy.train_step(batch, norm=ref["num_tokens"], loss_fn=LOSS_FN)
     moved = not all(torch.equal(a, p.detach()) for a, p in zip(snapshot, model.parameters()))
     policy.load_state_dict(saved)
     restored = all(torch.equal(a, p.detach()) for a, p in zip(snapshot, model.parameters()))

@@ -166,7 +166,7 @@ def train_once(policy, rows, logp):
     batch.advantages = torch.tensor([1.0, -1.0] * (len(rows) // 2))
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     share = batch.select(torch.arange(dp_rank, len(rows), dp))
-    return policy.train_step(share, num_tokens=batch.num_tokens(), loss_fn=make_loss_fn(eps_low=0.2, eps_high=0.28))
+    return policy.train_step(share, norm=batch.num_tokens(), loss_fn=make_loss_fn(eps_low=0.2, eps_high=0.28))
 
 
 def megatron_logp(policy, rows):
