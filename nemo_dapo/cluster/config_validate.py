@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Union
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from nemo_dapo.core import engine_registry  # torch-free: trainer.dapo.rollout_engine's values
 from nemo_dapo.core import settings as algorithm  # torch-free: the rules of the algorithm block, shared with the CLI
+from nemo_dapo.core.settings import ConfigError  # the one config error of both paths
 from nemo_dapo.cluster.yaml_compose import compose_file
 
 AGG_MODES, BUDGET_POLICIES = algorithm.AGG_MODES, algorithm.BUDGET_POLICIES
@@ -78,14 +79,6 @@ def reject_moved_overrides(items: Iterable[str]) -> None:
              for key in [item.lstrip("+~").partition("=")[0]] if moved_key(key)]
     if found:
         raise ConfigError(found)
-
-
-class ConfigError(ValueError):
-    """A config that cannot run; ``problems`` lists every reason, each naming its keys and a fix."""
-
-    def __init__(self, problems: Sequence[str]):
-        self.problems = list(problems)
-        super().__init__("invalid DAPO config:\n  - " + "\n  - ".join(self.problems))
 
 
 # ---- loading ------------------------------------------------------------------------------------------------------

@@ -29,6 +29,19 @@ BUDGET_POLICIES = ("raise", "train_partial", "unbounded")
 MAX_SKIPS = 100
 
 
+class ConfigError(ValueError):
+    """A config or override that cannot run, on either path (the CLI's and the NeMo-Aligner launch's validators).
+
+    ``problems``: every reason, each naming its key and the fix. Built from one message, that message is the error's
+    text; built from a list, the text lists them all under one heading.
+    """
+
+    def __init__(self, problems):
+        one = isinstance(problems, str)
+        self.problems = [problems] if one else [str(p) for p in problems]
+        super().__init__(problems if one else "invalid DAPO config:\n  - " + "\n  - ".join(self.problems))
+
+
 @dataclass(frozen=True)
 class DynamicSamplingSettings:
     """Dynamic sampling (keep groups with 0 < accuracy < 1; see core/dynamic_sampling.BatchFiller)."""

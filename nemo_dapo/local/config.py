@@ -23,13 +23,10 @@ from typing import Any, Dict, List, Optional
 
 from nemo_dapo.core import engine_registry
 from nemo_dapo.core import settings as algorithm_settings  # torch-free: the algorithm block's fields
+from nemo_dapo.core.settings import ConfigError  # the one config error of both paths
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")  # nemo_dapo/conf
 DEFAULT_CONFIG = "tiny_cpu"
-
-
-class ConfigError(ValueError):
-    """A configuration file or override is invalid; the message names the key."""
 
 
 class ArgumentError(ConfigError):

@@ -226,3 +226,17 @@ def test_both_validators_share_the_rules(override, key):
     cpu_key = "algorithm." + key.rpartition(".")[2]
     with pytest.raises(ConfigError, match=cpu_key):
         load_cpu("tiny_cpu", [cpu_key + "=" + override.partition("=")[2]])
+
+
+def test_both_paths_raise_the_one_config_error():
+    from nemo_dapo.cluster import config_validate
+    from nemo_dapo.core.settings import ConfigError
+    from nemo_dapo.local import config as cpu_config
+
+    with pytest.raises(ConfigError) as cpu:
+        cpu_config.load_config("tiny_cpu", ["algorithm.eps_low=1.0"])
+    with pytest.raises(ConfigError) as aligner:
+        config_validate.validate_config(config_validate.load_config(None, [f"{A}eps_low=1.0"]))
+    assert cpu.value.problems == [str(cpu.value)] and "algorithm.eps_low" in str(cpu.value)
+    assert str(aligner.value).startswith("invalid DAPO config:\n  - ")
+    assert any(p.startswith(f"{A}eps_low") for p in aligner.value.problems)
