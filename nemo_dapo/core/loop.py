@@ -15,11 +15,11 @@ everywhere), advantages are computed on the global batch, and each mini-batch is
 
 Counters are kept apart: ``rollout_steps`` (training batches), ``gen_batches`` (generation rounds),
 ``optimizer_steps`` (updates), ``consumed_prompts`` / ``consumed_samples`` (prompt draws / responses generated).
+The streamed generation paths (and partial rollouts) are in loop_stream.py, the step's metrics in loop_metrics.py.
 """
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import asdict, dataclass, fields
 from typing import Callable, Optional
@@ -29,11 +29,12 @@ import torch
 from nemo_dapo.core.advantages import group_advantages
 from nemo_dapo.core.dynamic_sampling import BatchFiller, Group
 from nemo_dapo.core.loop_data import PromptSampler, PromptSet, balanced_split, mix_seed
+from nemo_dapo.core.loop_metrics import generation_metrics, mean_metrics, rollout_metrics, staleness_metrics
+from nemo_dapo.core.loop_stream import StreamingPhase
 from nemo_dapo.core.loss import METRIC_REDUCTION
-from nemo_dapo.core.metrics import length_stats, reduce_over_ranks
+from nemo_dapo.core.metrics import reduce_over_ranks
 from nemo_dapo.core.overlong import soft_overlong_penalty
-from nemo_dapo.core.partial import (SuspendedGroup, assemble, complete, continuation_requests, split_stale, stamp,
-                                    suspend)
+from nemo_dapo.core.partial import SuspendedGroup
 from nemo_dapo.core.prompt_history import PromptHistory, SkipRule
 from nemo_dapo.core.settings import OverlongSettings, SkipHistorySettings, problems as algorithm_problems
 from nemo_dapo.core.types import (Generation, Generator, LocalReducer, LossFn, LossInput, Policy, Reducer,
@@ -102,7 +103,7 @@ def _repeat_rows(t: torch.Tensor, g: int) -> torch.Tensor:
     return t.repeat_interleave(g, dim=0)
 
 
-class DAPOLoop:
+class DAPOLoop(StreamingPhase):
     """Callable step by step: ``metrics = loop.step()``; ``loop.state_dict()`` / ``load_state_dict()`` for resume.
 
     ``loss_fn``: a LossFn (core/types.py; core/settings.build_loss builds the DAPO one); its ``normalizer`` gives a
@@ -203,86 +204,6 @@ class DAPOLoop:
         timers["gen"] += time.perf_counter() - t0
         return self._score(indices, uids, prompt_ids, prompt_mask, out, timers)
 
-    def _stream_and_score(self, indices, uids, timers) -> list:
-        """Score each group as it finishes; once the filler is full apply ``on_filler_full``."""
-        s, g = self.settings, self.settings.group_size
-        prompt_ids, prompt_mask = self.prompts.collate(indices)
-        t0 = time.perf_counter()
-        stream = self.generator.stream(prompt_ids, prompt_mask, n=g, max_new_tokens=s.max_new_tokens,
-                                       temperature=s.temperature, top_p=s.top_p, seed=self._seed())
-        groups, t_scoring = [], 0.0
-        for k, out in stream:
-            t1 = time.perf_counter()
-            group = self._score([indices[k]], [uids[k]], prompt_ids[k:k + 1], prompt_mask[k:k + 1], out, timers)
-            t_scoring += time.perf_counter() - t1
-            groups.extend(group)
-            was_full = self.filler.full()
-            self.filler.add_groups(group)
-            if self.filler.full() and not was_full:
-                timers["filled_at"] = time.perf_counter()
-                if s.on_filler_full in ("abort", "suspend") and not stream.done:  # suspend here: max_staleness 0
-                    stream.abort()
-                    break
-        timers["gen"] += time.perf_counter() - t0 - t_scoring
-        self.counters["generated_tokens"] += stream.generated_tokens
-        self.counters["aborted_tokens"] += stream.aborted_tokens
-        timers["aborted_requests"] = timers.get("aborted_requests", 0) + stream.aborted_requests
-        return groups
-
-    def _resumable(self) -> list:
-        """The suspended groups the current weights may continue; the others are dropped and counted."""
-        keep, drop = split_stale(self._suspended, self._version, self.max_staleness)
-        self._suspended = []
-        p = self.partial_counters
-        p["stale_groups"] += len(drop)
-        p["stale_tokens"] += sum(g.num_tokens() for g in drop)
-        p["resumed_groups"] += len(keep)
-        p["resumed_tokens"] += sum(g.num_tokens() for g in keep)
-        return keep
-
-    def _stream_partial(self, indices, uids, resumed, timers) -> list:
-        """``_stream_and_score`` with partial rollouts: the suspended groups ``resumed`` continue (submitted first,
-        so that they take the engine's first slots) beside the new prompts; once the filler is full every group
-        still running is suspended (core/partial.py), its tokens and log-probs kept with the version that drew
-        them. Stream key k < len(resumed) is resumed[k], the others the new prompts in draw order."""
-        s, g, v, r = self.settings, self.settings.group_size, self._version, len(resumed)
-        prompt_ids, prompt_mask = self.prompts.collate([sg.index for sg in resumed] + list(indices))
-        prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]
-        base = self._seed()
-        seeds = [sg.seed for sg in resumed] + [mix_seed(base, k) % (2 ** 31) for k in range(len(indices))]
-        requests = [continuation_requests(sg, prompts[k], s.max_new_tokens) for k, sg in enumerate(resumed)]
-        requests += [[(prompts[k], g, s.max_new_tokens, seeds[k])] for k in range(r, r + len(indices))]
-        for sg in resumed:
-            sg.resumes += 1
-        who = [(sg.index, sg.uid) for sg in resumed] + list(zip(indices, uids))
-        t0 = time.perf_counter()
-        stream = self.generator.stream_requests(requests, temperature=s.temperature, top_p=s.top_p)
-        groups, t_scoring = [], 0.0
-
-        def score(k, out):
-            group = self._score([who[k][0]], [who[k][1]], prompt_ids[k:k + 1], prompt_mask[k:k + 1], out, timers)
-            groups.extend(group)
-            self.filler.add_groups(group)
-
-        for k, out in stream:
-            t1 = time.perf_counter()
-            was_full = self.filler.full()
-            score(k, complete(resumed[k], out, v, self.prompts.pad_id) if k < r else stamp(out, v))
-            t_scoring += time.perf_counter() - t1
-            if self.filler.full() and not was_full:
-                timers["filled_at"] = time.perf_counter()
-                for j, part in sorted(stream.suspend().items()):
-                    sg = suspend(part, v, index=who[j][0], uid=who[j][1], seed=seeds[j],
-                                 prior=resumed[j] if j < r else None, max_new_tokens=s.max_new_tokens)
-                    if sg.unfinished():
-                        self._suspended.append(sg)
-                    else:  # its last samples finished while the stream stopped: a carried-over group like others
-                        score(j, assemble(sg, self.prompts.pad_id))
-                break
-        timers["gen"] += time.perf_counter() - t0 - t_scoring
-        self.counters["generated_tokens"] += stream.generated_tokens
-        return groups
-
     def _score(self, indices, uids, prompt_ids, prompt_mask, out, timers) -> list:
         """Groups of G scored samples from prompts [N, P] and their responses [N * G, R] (prompt-major order)."""
         s, g = self.settings, self.settings.group_size
@@ -359,7 +280,7 @@ class DAPOLoop:
             for share in shares:
                 per_update.append(self._train_minibatch(batch, share))
         timers["update"] += time.perf_counter() - t1
-        metrics = _mean_metrics(per_update)
+        metrics = mean_metrics(per_update)
         metrics["actor/entropy"] = entropy
         metrics["actor/updates"] = len(per_update)
         return metrics
@@ -407,7 +328,7 @@ class DAPOLoop:
         groups = self.filler.take()
         stats = self.filler.step_stats()
         metrics = {f"filter/{k}": float(v) for k, v in stats.items()}
-        metrics.update(_generation_metrics(generated, s))
+        metrics.update(generation_metrics(generated, s))
         self.counters["rollout_steps"] += 1
         if not groups:
             log.warning("rollout step %d: no informative group kept (train_partial); update skipped",
@@ -424,7 +345,7 @@ class DAPOLoop:
             metrics["train/batch_samples"] = float(len(batch))
             metrics["train/batch_tokens"] = float(batch.num_tokens())
             if batch.token_version is not None:
-                metrics.update(_staleness_metrics(batch, self._version))
+                metrics.update(staleness_metrics(batch, self._version))
             sleep = getattr(self.generator, "sleep", None)
             if callable(sleep):  # an engine frees its KV cache (and maybe weights) while the trainer trains
                 sleep()
@@ -435,7 +356,7 @@ class DAPOLoop:
             self._version += 1
             metrics["rollout/trained_tokens"] = float(batch.num_tokens())
         step_s = time.perf_counter() - t_start
-        metrics.update(_rollout_metrics(self.counters, tokens_before, timers, t_needed))
+        metrics.update(rollout_metrics(self.counters, tokens_before, timers, t_needed))
         metrics["rollout/skipped_prompts"] = float(self.counters["skipped_prompts"] - skipped_before)
         if self._partial_mode():
             metrics.update(self._partial_metrics())
@@ -449,18 +370,6 @@ class DAPOLoop:
         metrics["perf/gen_tokens_per_s"] = gen_tokens / timers["gen"] if timers["gen"] > 0 else 0.0
         metrics.update({f"counters/{k}": float(v) for k, v in self.counters.items()})
         return metrics
-
-    def _partial_metrics(self) -> dict:
-        """partial/*: the suspended work held now, what was continued / dropped as stale (cumulative), and the share
-        of all generated tokens never trained because an abort or the staleness bound threw them away."""
-        c, p = self.counters, self.partial_counters
-        out = {f"partial/{k}": float(v) for k, v in p.items()}
-        out["partial/weight_version"] = float(self._version)
-        out["partial/suspended_groups"] = float(len(self._suspended))
-        out["partial/suspended_tokens"] = float(sum(g.num_tokens() for g in self._suspended))
-        wasted = c["aborted_tokens"] + p["stale_tokens"]
-        out["partial/discarded_token_frac"] = wasted / c["generated_tokens"] if c["generated_tokens"] else 0.0
-        return out
 
     # ---- resume ---------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -488,58 +397,3 @@ class DAPOLoop:
         elif partial is not None and partial["suspended"]:
             log.warning("resume: %d suspended groups of the checkpoint are dropped (on_filler_full is not 'suspend' "
                         "with max_staleness >= 1 now)", len(partial["suspended"]))
-
-
-def _rollout_metrics(counters: dict, before: tuple, timers: dict, t_needed: float) -> dict:
-    """Generated (aborted partial samples included) vs trained tokens, and how long the needed groups took.
-
-    ``time_to_last_needed_s``: from the step's start until the filler was full (streaming: the moment the last
-    needed group finished; batch mode: the end of the last generation batch)."""
-    out = {"rollout/generated_tokens": float(counters["generated_tokens"] - before[0]),
-           "rollout/aborted_tokens": float(counters["aborted_tokens"] - before[1]),
-           "rollout/aborted_requests": float(timers.get("aborted_requests", 0)),
-           "timing/to_last_needed_s": float(t_needed)}
-    return out
-
-
-def _staleness_metrics(batch: RolloutBatch, version: int) -> dict:
-    """How many weight versions older than the trainer's (``version``) the trained tokens' samplers were."""
-    valid = batch.response_mask.bool()
-    lag = (version - batch.token_version)[valid].float()
-    if not lag.numel():
-        return {}
-    return {"partial/trained_lag_mean": float(lag.mean()), "partial/trained_lag_max": float(lag.max()),
-            "partial/trained_stale_token_frac": float((lag > 0).float().mean())}
-
-
-def _generation_metrics(generated: list, s: LoopSettings) -> dict:
-    """Reward / accuracy / length statistics over every response generated in this step (all ranks)."""
-    if not generated:
-        return {}
-    rewards = torch.cat([g.rewards for g in generated]).float()
-    acc = torch.cat([g.acc for g in generated]).float()
-    lengths = torch.cat([g.payload.lengths for g in generated])
-    truncated = torch.cat([g.payload.truncated for g in generated]).bool()
-    out = {"train/reward": float(rewards.mean()), "train/acc": float(acc.mean()),
-           **{f"response/{k}": v for k, v in length_stats(lengths, truncated).items()},
-           "response/tokens": float(lengths.sum()), "response/samples": float(lengths.numel())}
-    if s.overlong.enabled:
-        penalty = soft_overlong_penalty(lengths.long(), l_max=s.penalty_l_max, l_cache=s.overlong.l_cache,
-                                        factor=float(s.overlong.penalty_factor))
-        out["train/overlong_penalty"] = float(penalty.mean())
-        out["train/overlong_frac"] = float((penalty < 0).float().mean())
-    return out
-
-
-def _mean_metrics(per_update: list) -> dict:
-    """Mean over updates of each policy metric, under ``actor/``; ``skipped`` is a count, not a mean."""
-    keys = sorted({k for m in per_update for k in m})
-    out = {}
-    for k in keys:
-        vals = [m[k] for m in per_update if k in m and math.isfinite(m[k])]
-        name = k if "/" in k else f"actor/{k}"
-        if k == "skipped":
-            out[name] = float(sum(m.get(k, 0.0) for m in per_update))
-        elif vals:
-            out[name] = sum(vals) / len(vals)
-    return out

@@ -1,0 +1,110 @@
+"""The streaming generation paths of the DAPO step loop (core/loop.py), apart from its batch path and update.
+
+``StreamingPhase`` is a mixin of ``DAPOLoop``: its methods read the loop's settings, prompts, filler, generator and
+counters. Streaming (``rollout.streaming``, world size 1) scores each group as soon as its G responses are done and
+acts on ``on_filler_full`` the moment the filler is full: ``abort`` / ``finish`` the rest of the batch, or
+``suspend`` it (partial rollouts, core/partial.py: the unfinished groups are kept, with the weight version that
+drew each token, and continued by the next generation batch unless more than ``max_staleness`` versions old).
+"""
+from __future__ import annotations
+
+import time
+
+from nemo_dapo.core.loop_data import mix_seed
+from nemo_dapo.core.partial import assemble, complete, continuation_requests, split_stale, stamp, suspend
+
+
+class StreamingPhase:
+    """Phase 1's streamed generation batches (see the module docstring); mixed into ``DAPOLoop``."""
+
+    def _stream_and_score(self, indices, uids, timers) -> list:
+        """Score each group as it finishes; once the filler is full apply ``on_filler_full``."""
+        s, g = self.settings, self.settings.group_size
+        prompt_ids, prompt_mask = self.prompts.collate(indices)
+        t0 = time.perf_counter()
+        stream = self.generator.stream(prompt_ids, prompt_mask, n=g, max_new_tokens=s.max_new_tokens,
+                                       temperature=s.temperature, top_p=s.top_p, seed=self._seed())
+        groups, t_scoring = [], 0.0
+        for k, out in stream:
+            t1 = time.perf_counter()
+            group = self._score([indices[k]], [uids[k]], prompt_ids[k:k + 1], prompt_mask[k:k + 1], out, timers)
+            t_scoring += time.perf_counter() - t1
+            groups.extend(group)
+            was_full = self.filler.full()
+            self.filler.add_groups(group)
+            if self.filler.full() and not was_full:
+                timers["filled_at"] = time.perf_counter()
+                if s.on_filler_full in ("abort", "suspend") and not stream.done:  # suspend here: max_staleness 0
+                    stream.abort()
+                    break
+        timers["gen"] += time.perf_counter() - t0 - t_scoring
+        self.counters["generated_tokens"] += stream.generated_tokens
+        self.counters["aborted_tokens"] += stream.aborted_tokens
+        timers["aborted_requests"] = timers.get("aborted_requests", 0) + stream.aborted_requests
+        return groups
+
+    def _resumable(self) -> list:
+        """The suspended groups the current weights may continue; the others are dropped and counted."""
+        keep, drop = split_stale(self._suspended, self._version, self.max_staleness)
+        self._suspended = []
+        p = self.partial_counters
+        p["stale_groups"] += len(drop)
+        p["stale_tokens"] += sum(g.num_tokens() for g in drop)
+        p["resumed_groups"] += len(keep)
+        p["resumed_tokens"] += sum(g.num_tokens() for g in keep)
+        return keep
+
+    def _stream_partial(self, indices, uids, resumed, timers) -> list:
+        """``_stream_and_score`` with partial rollouts: the suspended groups ``resumed`` continue (submitted first,
+        so that they take the engine's first slots) beside the new prompts; once the filler is full every group
+        still running is suspended (core/partial.py), its tokens and log-probs kept with the version that drew
+        them. Stream key k < len(resumed) is resumed[k], the others the new prompts in draw order."""
+        s, g, v, r = self.settings, self.settings.group_size, self._version, len(resumed)
+        prompt_ids, prompt_mask = self.prompts.collate([sg.index for sg in resumed] + list(indices))
+        prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]
+        base = self._seed()
+        seeds = [sg.seed for sg in resumed] + [mix_seed(base, k) % (2 ** 31) for k in range(len(indices))]
+        requests = [continuation_requests(sg, prompts[k], s.max_new_tokens) for k, sg in enumerate(resumed)]
+        requests += [[(prompts[k], g, s.max_new_tokens, seeds[k])] for k in range(r, r + len(indices))]
+        for sg in resumed:
+            sg.resumes += 1
+        who = [(sg.index, sg.uid) for sg in resumed] + list(zip(indices, uids))
+        t0 = time.perf_counter()
+        stream = self.generator.stream_requests(requests, temperature=s.temperature, top_p=s.top_p)
+        groups, t_scoring = [], 0.0
+
+        def score(k, out):
+            group = self._score([who[k][0]], [who[k][1]], prompt_ids[k:k + 1], prompt_mask[k:k + 1], out, timers)
+            groups.extend(group)
+            self.filler.add_groups(group)
+
+        for k, out in stream:
+            t1 = time.perf_counter()
+            was_full = self.filler.full()
+            score(k, complete(resumed[k], out, v, self.prompts.pad_id) if k < r else stamp(out, v))
+            t_scoring += time.perf_counter() - t1
+            if self.filler.full() and not was_full:
+                timers["filled_at"] = time.perf_counter()
+                for j, part in sorted(stream.suspend().items()):
+                    sg = suspend(part, v, index=who[j][0], uid=who[j][1], seed=seeds[j],
+                                 prior=resumed[j] if j < r else None, max_new_tokens=s.max_new_tokens)
+                    if sg.unfinished():
+                        self._suspended.append(sg)
+                    else:  # its last samples finished while the stream stopped: a carried-over group like others
+                        score(j, assemble(sg, self.prompts.pad_id))
+                break
+        timers["gen"] += time.perf_counter() - t0 - t_scoring
+        self.counters["generated_tokens"] += stream.generated_tokens
+        return groups
+
+    def _partial_metrics(self) -> dict:
+        """partial/*: the suspended work held now, what was continued / dropped as stale (cumulative), and the share
+        of all generated tokens never trained because an abort or the staleness bound threw them away."""
+        c, p = self.counters, self.partial_counters
+        out = {f"partial/{k}": float(v) for k, v in p.items()}
+        out["partial/weight_version"] = float(self._version)
+        out["partial/suspended_groups"] = float(len(self._suspended))
+        out["partial/suspended_tokens"] = float(sum(g.num_tokens() for g in self._suspended))
+        wasted = c["aborted_tokens"] + p["stale_tokens"]
+        out["partial/discarded_token_frac"] = wasted / c["generated_tokens"] if c["generated_tokens"] else 0.0
+        return out
