@@ -29,14 +29,15 @@ token count too); (4) it needs megatron's DDP, while the 2-tuple scaling also ho
 Both paths are proven equal to a single-process reference in tests/megatron/test_token_reduction.py (the per-token
 path at CP = 1). The MoE auxiliary loss keeps megatron's own convention (mean over micro-batches and DP ranks).
 
-``global_token_count`` computes N when the caller has only its local masks; the step loop computes it through its
-Reducer (``DPReducer`` below) and passes it to ``Policy.train_step`` as ``norm``.
+The step loop computes N through its Reducer (``DPReducer`` below) and passes it to ``Policy.train_step`` as
+``norm``. The per-token path's 3-tuple and a mask-based N, which only the equality tests use, are in
+tests/support/megatron_reduction.py.
 """
 from __future__ import annotations
 
 import inspect
 from functools import lru_cache
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -82,14 +83,6 @@ def scale_for_schedule(loss: torch.Tensor, metrics: dict, scale: float) -> tuple
     return loss * scale, {**kept, "loss": loss.detach()}
 
 
-def per_token_output(token_loss_sum: torch.Tensor, local_tokens: Union[int, torch.Tensor], metrics: dict) -> tuple:
-    """The 3-tuple for megatron's per-token path (``config.calculate_per_token_loss=True`` with megatron DDP):
-    the micro-batch's UNNORMALISED token-loss sum and its local valid-token count; megatron divides the gradients by
-    the count summed over micro-batches and DP ranks. Token-mean losses only (see the module doc for its limits)."""
-    count = torch.as_tensor(local_tokens).to(torch.int).reshape(())
-    return token_loss_sum, count, {**metrics, "loss_sum": token_loss_sum.detach()}
-
-
 def agreed_microbatches(n_local: int, group: Optional[dist.ProcessGroup] = None) -> int:
     """Micro-batches every rank of ``group`` (default: megatron's DP group) runs: the max of the local counts, at
     least 1. Expert-parallel all-to-alls and the DP gradient reduction span the DP ranks, so all of them must run
@@ -113,21 +106,6 @@ def from_last_pipeline_stage(obj: Any) -> Any:
     dist.broadcast_object_list(box, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                                group=parallel_state.get_pipeline_model_parallel_group())
     return box[0]
-
-
-def global_token_count(local_masks: Iterable[torch.Tensor], group: Optional[dist.ProcessGroup] = None) -> int:
-    """N: valid tokens of all this rank's micro-batch masks, summed over ``group`` (default: megatron's DP x CP
-    group; with CP every rank passes the masks of its own sequence shard, so the sum counts each token once).
-    Summed in int64, exact at any size."""
-    local = torch.zeros((), dtype=torch.int64)
-    for m in local_masks:
-        local += m.bool().sum().cpu()
-    if group is None and parallel_state.model_parallel_is_initialized():
-        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        local = local.to(collective_device(group))
-        dist.all_reduce(local, group=group)
-    return int(local)
 
 
 class DPReducer:

@@ -187,12 +187,3 @@ def _emit(bucket: list, stats: RefitStats) -> list:
     stats.tensors += len(bucket)
     stats.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
     return bucket
-
-
-def full_state_dict(model, *, dtype: Optional[torch.dtype] = None, bucket_bytes: int = 1 << 28) -> dict:
-    """{full name: tensor} of the whole model on every rank (TP = EP = PP = 1 layout), e.g. for export."""
-    out = {}
-    for bucket in iter_refit_buckets(model, bucket_bytes=bucket_bytes, infer_tp_size=1, infer_tp_rank=0,
-                                     dtype=dtype):
-        out.update(bucket)
-    return out

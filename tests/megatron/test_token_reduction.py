@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from nemo_dapo.megatron import reduction
-from nemo_dapo.megatron.reduction import DPReducer, global_token_count, schedule_loss_scale
+from nemo_dapo.megatron.reduction import DPReducer, schedule_loss_scale
+from tests.support.megatron_reduction import global_token_count
 from tests.support.dist import run_torchrun
 
 WORKER = Path(__file__).parent / "workers" / "reduction_worker.py"

@@ -147,5 +147,5 @@ def single_rank_state_dict(model) -> dict:
              parallel_state.get_expert_model_parallel_world_size())
     if sizes != (1, 1, 1):
         raise RuntimeError(f"single_rank_state_dict needs TP = PP = EP = 1, got {sizes}; gather with "
-                           "refit_gather.full_state_dict instead")
+                           "tests.support.megatron_reduction.full_state_dict instead")
     return {n: p.detach().clone() for n, p in unwrap(model).named_parameters()}

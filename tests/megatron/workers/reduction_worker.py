@@ -30,8 +30,8 @@ from nemo_dapo.megatron.convert_shard import tp_shard
 from nemo_dapo.megatron.model import param_layouts, tp_group_of
 from tests.support.megatron_model import (GPTSpec, build_gpt_model, destroy_parallel, initialize_parallel,
                                           load_full_state_dict, single_rank_state_dict)
-from nemo_dapo.megatron.reduction import global_token_count, per_token_output, scale_for_schedule, \
-    schedule_loss_scale
+from nemo_dapo.megatron.reduction import scale_for_schedule, schedule_loss_scale
+from tests.support.megatron_reduction import global_token_count, per_token_output
 
 SPEC = GPTSpec(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
                ffn_hidden_size=48, add_bias_linear=True, add_qkv_bias=True, max_sequence_length=64)

@@ -18,7 +18,8 @@ from nemo_dapo.megatron.convert_shard import tp_shard
 from nemo_dapo.megatron.model import param_layouts
 from tests.support.megatron_model import (GPTSpec, build_gpt_model, destroy_parallel, initialize_parallel,
                                           load_full_state_dict, single_rank_state_dict)
-from nemo_dapo.megatron.refit_gather import RefitStats, full_state_dict, iter_refit_buckets
+from nemo_dapo.megatron.refit_gather import RefitStats, iter_refit_buckets
+from tests.support.megatron_reduction import full_state_dict
 
 DENSE = GPTSpec(vocab_size=64, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
                 ffn_hidden_size=48, add_bias_linear=True, add_qkv_bias=True, max_sequence_length=64)
