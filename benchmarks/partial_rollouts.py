@@ -1,4 +1,4 @@
-"""Partial rollouts vs abort on the CPU job: the waste of streaming dynamic sampling, measured in one run.
+"""Partial rollouts vs abort, or prompt-order vs finishing-order fill, on the CPU job: measured in one run.
 
 Runs ``nemo-dapo train`` (the tiny_cpu recipe through an engine server, streaming dynamic sampling) once per
 (policy, seed) for ``rollout.on_filler_full`` = abort (the baseline) and suspend (partial rollouts, max_staleness
@@ -12,8 +12,12 @@ run's counters it takes
                            the surplus left when the run ends: the same for both policies up to the surplus)
   held-out accuracy        summary.json's final_accuracy (eval.n_samples samples per problem)
 
-and prints one row per run, the medians per policy and a RESULT line of key=value fields (suspend's medians against
-abort's).
+  RL seconds               the sum of the rollout steps' wall time (timing/step_s)
+  time to fill             the median over steps of timing/to_last_needed_s (until the filler was full)
+
+and prints one row per run, the medians per policy and a RESULT line of key=value fields (the second policy's medians
+against the first's). ``--compare fill_order`` measures the cost of the reproducible mode instead: both with abort,
+``rollout.fill_order`` = finish (the baseline) against prompt.
 
     OMP_NUM_THREADS=1 nice -n 10 python benchmarks/partial_rollouts.py --base-model DIR [--seeds 3] [--engine local]
         [--config-name tiny_cpu_long]
@@ -32,8 +36,12 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-POLICIES = {"abort": ["rollout.on_filler_full=abort"],
-            "suspend": ["rollout.on_filler_full=suspend", "rollout.max_staleness=1"]}
+COMPARISONS = {
+    "on_filler_full": {"abort": ["rollout.on_filler_full=abort"],
+                       "suspend": ["rollout.on_filler_full=suspend", "rollout.max_staleness=1"]},
+    "fill_order": {"finish": ["rollout.on_filler_full=abort", "rollout.fill_order=finish"],
+                   "prompt": ["rollout.on_filler_full=abort", "rollout.fill_order=prompt"]},
+}
 
 
 def run_once(out: str, policy: str, seed: int, args) -> dict:
@@ -43,7 +51,7 @@ def run_once(out: str, policy: str, seed: int, args) -> dict:
                  f"rollout.engine={args.engine}", "rollout.streaming=true", "algorithm.tis_cap=2.0",
                  f"trainer.max_samples={args.max_samples}", "trainer.max_steps=1000", "trainer.val_every=0",
                  f"data.heldout_size={args.heldout}", f"eval.n_samples={args.eval_samples}", "trainer.plots=false",
-                 *POLICIES[policy], *args.override]
+                 *COMPARISONS[args.compare][policy], *args.override]
     if not os.path.exists(os.path.join(run_dir, "summary.json")):
         with open(run_dir + ".log", "w") as log:
             subprocess.run([sys.executable, "-m", "nemo_dapo.cli", "train", *overrides], cwd=ROOT, stdout=log,
@@ -54,7 +62,10 @@ def run_once(out: str, policy: str, seed: int, args) -> dict:
     generated, trained = last["counters/generated_tokens"], last["counters/trained_samples"]
     discarded = last["counters/aborted_tokens"] + last.get("partial/stale_tokens", 0.0) + \
         last.get("partial/suspended_tokens", 0.0)
+    steps = [r for r in rows if "timing/step_s" in r]
     return dict(policy=policy, seed=seed, generated_tokens=generated, trained_responses=trained,
+                rl_seconds=sum(r["timing/step_s"] for r in steps),
+                to_filled_s=statistics.median(r["timing/to_last_needed_s"] for r in steps),
                 discarded_frac=discarded / generated, tokens_per_trained=generated / trained,
                 untrained_frac=1.0 - last["counters/trained_tokens"] / generated,
                 accuracy=summary["final_accuracy"], base_accuracy=summary["base_accuracy"],
@@ -66,7 +77,10 @@ def main() -> int:
     p.add_argument("--base-model", help="warmed base model directory (required unless --quick)")
     p.add_argument("--quick", action="store_true", help="1 seed, 256 responses, 16 held-out problems")
     p.add_argument("--config-name", default="tiny_cpu", help="recipe (its base model: --base-model)")
-    p.add_argument("--out", default=os.path.join(ROOT, "runs", "partial_rollouts"))
+    p.add_argument("--compare", default="on_filler_full", choices=sorted(COMPARISONS),
+                   help="on_filler_full: abort vs suspend; fill_order: finish vs prompt (both abort)")
+    p.add_argument("--out", default=None, help="default runs/partial_rollouts (runs/fill_order with --compare "
+                   "fill_order)")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--engine", default="local", choices=("local", "vllm"))
     p.add_argument("--max-samples", type=int, default=2560, help="response budget of every run")
@@ -78,10 +92,13 @@ def main() -> int:
         args.seeds, args.max_samples, args.heldout, args.eval_samples = 1, 256, 16, 1
     elif not args.base_model:
         p.error("--base-model DIR is required (a run's base_model/), unless --quick")
+    args.out = args.out or os.path.join(ROOT, "runs", "partial_rollouts" if args.compare == "on_filler_full"
+                                        else args.compare)
     os.makedirs(args.out, exist_ok=True)
+    policies = COMPARISONS[args.compare]
     results = []
     for seed in range(1, args.seeds + 1):
-        for policy in POLICIES:
+        for policy in policies:
             r = run_once(args.out, policy, seed, args)
             if not args.base_model:  # --quick: every later run starts from the first run's warm-up
                 args.base_model = os.path.join(args.out, f"{policy}_seed{seed}", "base_model")
@@ -89,19 +106,23 @@ def main() -> int:
             print(f"{policy:8s} seed {seed}: discarded {r['discarded_frac']:.3f} | never trained "
                   f"{r['untrained_frac']:.3f} | tokens/trained response "
                   f"{r['tokens_per_trained']:.2f} | held-out {r['base_accuracy']:.3f} -> {r['accuracy']:.3f} | "
-                  f"{r['steps']:.0f} steps", flush=True)
+                  f"{r['steps']:.0f} steps, RL {r['rl_seconds']:.1f} s, to filled {r['to_filled_s']:.2f} s",
+                  flush=True)
     med = {pol: {k: statistics.median(r[k] for r in results if r["policy"] == pol)
-                 for k in ("discarded_frac", "tokens_per_trained", "accuracy")} for pol in POLICIES}
-    acc = {pol: [r["accuracy"] for r in results if r["policy"] == pol] for pol in POLICIES}
+                 for k in ("discarded_frac", "tokens_per_trained", "accuracy", "rl_seconds", "to_filled_s")}
+           for pol in policies}
+    acc = {pol: [r["accuracy"] for r in results if r["policy"] == pol] for pol in policies}
     for pol, m in med.items():
         spread = (max(acc[pol]) - min(acc[pol])) if acc[pol] else 0.0
         print(f"median {pol:8s}: discarded {m['discarded_frac']:.3f} | tokens/trained response "
               f"{m['tokens_per_trained']:.2f} | held-out {m['accuracy']:.3f} (seed range {spread:.3f})")
-    a, s = med["abort"], med["suspend"]
-    print(f"RESULT seeds={args.seeds} responses={args.max_samples} engine={args.engine} "
-          f"discarded_abort={a['discarded_frac']:.3f} discarded_suspend={s['discarded_frac']:.3f} "
-          f"tokens_per_trained_ratio={s['tokens_per_trained'] / a['tokens_per_trained']:.3f} "
-          f"accuracy_abort={a['accuracy']:.3f} accuracy_suspend={s['accuracy']:.3f}")
+    (name_a, a), (name_b, b) = med.items()
+    print(f"RESULT compare={args.compare} seeds={args.seeds} responses={args.max_samples} engine={args.engine} "
+          f"discarded_{name_a}={a['discarded_frac']:.3f} discarded_{name_b}={b['discarded_frac']:.3f} "
+          f"tokens_per_trained_ratio={b['tokens_per_trained'] / a['tokens_per_trained']:.3f} "
+          f"rl_time_ratio={b['rl_seconds'] / a['rl_seconds']:.3f} "
+          f"to_filled_ratio={b['to_filled_s'] / a['to_filled_s']:.3f} "
+          f"accuracy_{name_a}={a['accuracy']:.3f} accuracy_{name_b}={b['accuracy']:.3f}")
     json.dump(results, open(os.path.join(args.out, "results.json"), "w"), indent=1)
     return 0
 

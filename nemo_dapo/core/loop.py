@@ -47,6 +47,7 @@ log = logging.getLogger("nemo_dapo")
 _POLICY_METRIC_REDUCTION = {**METRIC_REDUCTION, "skipped": "max"}
 
 FILLER_FULL_POLICIES = ("abort", "finish", "suspend")  # suspend: partial rollouts (core/partial.py)
+FILL_ORDERS = ("finish", "prompt")  # streamed groups enter the filler as they finish, or in prompt order
 # Partial-rollout counters (reported as partial/* only with on_filler_full "suspend"): groups / tokens continued
 # after a refit, and dropped because their oldest token was more than max_staleness versions old.
 PARTIAL_COUNTERS = ("resumed_groups", "resumed_tokens", "stale_groups", "stale_tokens")
@@ -80,6 +81,10 @@ class LoopSettings:
     # groups. Needs a generator with ``stream`` (engines/generator.py); False = one blocking generate per batch.
     streaming: bool
     on_filler_full: str
+    # Streaming only: "finish" hands each group to the filler as it finishes (fastest); "prompt" hands them over in
+    # prompt order (a finished group waits for those drawn before it), so which groups train does not depend on
+    # the engine's timing. The batch path is always in prompt order.
+    fill_order: str
 
     def __post_init__(self):
         for name in ("group_size", "mini_batch_size", "max_new_tokens", "ppo_epochs"):
@@ -88,6 +93,8 @@ class LoopSettings:
         if self.on_filler_full not in FILLER_FULL_POLICIES:
             raise ValueError(f"LoopSettings.on_filler_full must be one of {FILLER_FULL_POLICIES}, got "
                              f"{self.on_filler_full!r}")
+        if self.fill_order not in FILL_ORDERS:
+            raise ValueError(f"LoopSettings.fill_order must be one of {FILL_ORDERS}, got {self.fill_order!r}")
         ov = {f"overlong.{f.name}": getattr(self.overlong, f.name) for f in fields(self.overlong)}
         found = algorithm_problems(ov, self.max_new_tokens)  # l_cache against the cap a null l_max stands for
         if found:
@@ -129,6 +136,9 @@ class DAPOLoop(StreamingPhase):
         self.max_staleness, self._version = max_staleness, 0
         self._suspended: list = []
         self.partial_counters = dict.fromkeys(PARTIAL_COUNTERS, 0)
+        if self._suspending() and settings.fill_order == "prompt":
+            raise ValueError("fill_order='prompt' cannot be combined with on_filler_full='suspend': how far a "
+                             "suspended sample got depends on the engine's timing; use abort or finish")
         if self._partial_mode() and not callable(getattr(generator, "stream_requests", None)):
             raise ValueError(f"on_filler_full='suspend' needs a generator with stream_requests() (an engine server "
                              f"client); {type(generator).__name__} has none")

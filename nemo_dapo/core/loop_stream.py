@@ -18,28 +18,45 @@ class StreamingPhase:
     """Phase 1's streamed generation batches (see the module docstring); mixed into ``DAPOLoop``."""
 
     def _stream_and_score(self, indices, uids, timers) -> list:
-        """Score each group as it finishes; once the filler is full apply ``on_filler_full``."""
+        """Score each group as it finishes and hand it to the filler (``fill_order`` "finish"), or hand the scored
+        groups over in prompt order ("prompt": group k waits for groups 0..k-1); once the filler is full apply
+        ``on_filler_full``. Returns the groups handed over; with abort, finished groups not handed over are counted
+        as aborted tokens."""
         s, g = self.settings, self.settings.group_size
         prompt_ids, prompt_mask = self.prompts.collate(indices)
         t0 = time.perf_counter()
         stream = self.generator.stream(prompt_ids, prompt_mask, n=g, max_new_tokens=s.max_new_tokens,
                                        temperature=s.temperature, top_p=s.top_p, seed=self._seed())
         groups, t_scoring = [], 0.0
+        held, next_k, dropped = {}, 0, []  # prompt order: scored groups waiting for the ones drawn before them
         for k, out in stream:
             t1 = time.perf_counter()
             group = self._score([indices[k]], [uids[k]], prompt_ids[k:k + 1], prompt_mask[k:k + 1], out, timers)
             t_scoring += time.perf_counter() - t1
-            groups.extend(group)
-            was_full = self.filler.full()
-            self.filler.add_groups(group)
-            if self.filler.full() and not was_full:
-                timers["filled_at"] = time.perf_counter()
-                if s.on_filler_full in ("abort", "suspend") and not stream.done:  # suspend here: max_staleness 0
+            ready = group
+            if s.fill_order == "prompt":
+                held[k], ready = group, []
+                while next_k in held:
+                    ready.extend(held.pop(next_k))
+                    next_k += 1
+            stop = False
+            for j, one in enumerate(ready):
+                was_full = self.filler.full()
+                groups.append(one)
+                self.filler.add_groups([one])
+                if self.filler.full() and not was_full:
+                    timers["filled_at"] = time.perf_counter()
+                    # suspend here: max_staleness 0 (partial rollouts go through _stream_partial)
+                    if s.on_filler_full in ("abort", "suspend"):
+                        stop, dropped = True, ready[j + 1:] + [x for rest in held.values() for x in rest]
+                        break
+            if stop:
+                if not stream.done:
                     stream.abort()
-                    break
+                break
         timers["gen"] += time.perf_counter() - t0 - t_scoring
         self.counters["generated_tokens"] += stream.generated_tokens
-        self.counters["aborted_tokens"] += stream.aborted_tokens
+        self.counters["aborted_tokens"] += stream.aborted_tokens + sum(x.payload.num_tokens() for x in dropped)
         timers["aborted_requests"] = timers.get("aborted_requests", 0) + stream.aborted_requests
         return groups
 

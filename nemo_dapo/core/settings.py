@@ -247,12 +247,13 @@ def build_loss(loss: LossSettings, *, max_new_tokens: int):
 
 def build_loop_parts(a: AlgorithmSettings, *, train_batch_size: int, mini_batch_size: int, ppo_epochs: int,
                      shuffle_minibatches: bool, max_new_tokens: int, temperature: float, top_p: float, seed: int,
-                     streaming: bool, on_filler_full: str) -> tuple:
+                     streaming: bool, on_filler_full: str, fill_order: str) -> tuple:
     """``(LoopSettings, BatchFiller, loss_fn)`` for the step loop (core/loop.DAPOLoop), from the algorithm block
     and each path's batch and rollout keys.
 
     ``train_batch_size``: prompt groups per rollout step; ``mini_batch_size``: samples per optimizer update; the
-    rollout numbers (``max_new_tokens`` the generation cap, temperature, top_p, streaming) come from each path's own
+    rollout numbers (``max_new_tokens`` the generation cap, temperature, top_p, streaming, on_filler_full,
+    fill_order) come from each path's own
     generation keys. The loop and the loss hold the block's sub-settings as they are (no field is renamed)."""
     from nemo_dapo.core.dynamic_sampling import BatchFiller
     from nemo_dapo.core.loop import LoopSettings
@@ -264,7 +265,7 @@ def build_loop_parts(a: AlgorithmSettings, *, train_batch_size: int, mini_batch_
                             temperature=float(temperature), top_p=float(top_p), adv_eps=float(a.adv_eps),
                             scale_by_std=a.scale_by_std, overlong=a.overlong, skip_history=a.skip_history,
                             shuffle_minibatches=bool(shuffle_minibatches), seed=int(seed), streaming=bool(streaming),
-                            on_filler_full=on_filler_full)
+                            on_filler_full=on_filler_full, fill_order=fill_order)
     filler = BatchFiller(int(train_batch_size), enabled=ds.enabled, max_gen_batches=ds.max_gen_batches,
                          on_budget_exhausted=ds.on_budget_exhausted, max_age=ds.max_age,
                          gen_batch_size=ds.gen_batch_size, adaptive=ds.adaptive,

@@ -143,6 +143,7 @@ class RolloutConfig:
     engine: str = MISSING
     streaming: bool = MISSING
     on_filler_full: str = MISSING
+    fill_order: str = MISSING
     max_staleness: int = MISSING
     server: EngineServerConfig = field(default_factory=EngineServerConfig)
 
@@ -212,6 +213,7 @@ CHOICES = {
     "model.arch": ("llama", "qwen2"),
     "rollout.engine": ("inprocess", *sorted(engine_registry.cpu_engines())),  # inprocess: no engine server
     "rollout.on_filler_full": ("abort", "finish", "suspend"),
+    "rollout.fill_order": ("finish", "prompt"),
     "rollout.server.sleep_level": (0, 1, 2),
 }
 
@@ -431,6 +433,10 @@ def _check_partial_rollouts(cfg) -> None:
         raise ConfigError(f"config key 'rollout.max_staleness' must be an int >= 0, got {r.max_staleness!r}")
     if r.on_filler_full != "suspend" or r.max_staleness == 0:
         return
+    if r.fill_order == "prompt":
+        raise ConfigError("config key 'rollout.fill_order' = prompt cannot be combined with rollout.on_filler_full="
+                          "suspend (how far a suspended sample got depends on the engine's timing): set "
+                          "rollout.fill_order=finish, or on_filler_full=abort / finish")
     if not r.streaming:
         raise ConfigError("config key 'rollout.on_filler_full' = suspend needs streaming generation: set "
                           "rollout.streaming=true with rollout.engine=local or vllm")

@@ -77,7 +77,7 @@ def local_loop_parts(cfg: Config) -> tuple:
                             mini_batch_size=t.mini_batch_size, ppo_epochs=t.ppo_epochs,
                             shuffle_minibatches=t.shuffle_minibatches, max_new_tokens=r.max_new_tokens,
                             temperature=r.temperature, top_p=r.top_p, seed=cfg.seed, streaming=r.streaming,
-                            on_filler_full=r.on_filler_full)
+                            on_filler_full=r.on_filler_full, fill_order=r.fill_order)
 
 
 def build_reward(cfg: Config, tokenizer) -> RuleReward:

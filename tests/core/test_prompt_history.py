@@ -125,7 +125,7 @@ def test_settings_carry_skip_history_into_the_loop_settings_default_off():
     settings = from_values(algorithm_values(cfg))
     loop_settings, _, _ = build_loop_parts(settings, train_batch_size=4, mini_batch_size=8, ppo_epochs=1,
                                            shuffle_minibatches=True, max_new_tokens=40, temperature=1.0, top_p=1.0,
-                                           seed=0, streaming=False, on_filler_full="abort")
+                                           seed=0, streaming=False, on_filler_full="abort", fill_order="finish")
     sh = loop_settings.skip_history
     assert sh.enabled and sh.max_skips == 5 and sh.skip_prob == 0.5
     assert not from_values(algorithm_values(load_config("tiny_cpu"))).skip_history.enabled

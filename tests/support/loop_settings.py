@@ -6,7 +6,8 @@ from nemo_dapo.core.loop import LoopSettings
 from nemo_dapo.core.settings import OverlongSettings, SkipHistorySettings
 
 _TEST_VALUES = dict(ppo_epochs=1, temperature=1.0, top_p=1.0, adv_eps=1e-6, scale_by_std=True,
-                    shuffle_minibatches=True, seed=0, streaming=False, on_filler_full="abort")
+                    shuffle_minibatches=True, seed=0, streaming=False, on_filler_full="abort",
+                    fill_order="finish")
 _OVERLONG = OverlongSettings(enabled=True, l_max=None, l_cache=4, penalty_factor=1.0)
 _SKIP_HISTORY = SkipHistorySettings(enabled=False, skip_prob=0.5, max_skips=3)
 

@@ -1,0 +1,127 @@
+"""rollout.fill_order: with "prompt", streamed groups enter the dynamic-sampling filler in prompt order, so what
+trains does not depend on the order in which the engine finishes them; with "finish" (the default) it does.
+
+The engine is the toy adapter driven in this process; ``Reordering`` lets it finish every group and then hands them
+to the loop in a seeded random order, as an engine with other timing would."""
+import random
+
+import pytest
+import torch
+
+from nemo_dapo.engines.generator import EngineGenerator
+from tests.core.test_loop import make_loop, steady
+from tests.core.test_partial_rollouts import EOS, MAX_NEW, PushingPolicy, VersionedToy
+from tests.support.inprocess_client import InProcessClient
+
+# What depends on the engine's timing whatever the fill order: how much was generated before the abort.
+TIMING_DEPENDENT = ("rollout/generated_tokens", "rollout/aborted_tokens", "rollout/aborted_requests",
+                    "counters/generated_tokens", "counters/aborted_tokens")
+
+
+class Reordered:
+    """A finished GroupStream replayed in a shuffled order; ``abort`` ends it (the groups not yet handed over count
+    as aborted, as an engine's unfinished requests would)."""
+
+    def __init__(self, inner, rng: random.Random):
+        self.items = list(inner)  # the engine finishes every group first
+        rng.shuffle(self.items)
+        self.generated_tokens, self.aborted_tokens, self.aborted_requests = inner.generated_tokens, 0, 0
+        self._next = 0
+
+    @property
+    def done(self) -> bool:
+        return self._next >= len(self.items)
+
+    def __iter__(self):
+        while not self.done:
+            self._next += 1
+            yield self.items[self._next - 1]
+
+    def abort(self) -> None:
+        rest, self._next = self.items[self._next:], len(self.items)
+        self.aborted_requests += len(rest)
+        self.aborted_tokens += sum(int(out.response_mask.sum()) for _, out in rest)
+
+
+class Reordering:
+    """The engine generator, its streams replayed in an order drawn from ``seed``."""
+
+    def __init__(self, generator, seed: int):
+        self.generator, self.rng = generator, random.Random(seed)
+
+    def stream(self, *args, **kw):
+        return Reordered(self.generator.stream(*args, **kw), self.rng)
+
+    def __getattr__(self, name):
+        return getattr(self.generator, name)
+
+
+def same(a, b) -> bool:
+    """Equality of nested containers whose leaves may be tensors (values and dtypes)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if hasattr(a, "__dataclass_fields__"):
+        return type(a) is type(b) and same(vars(a), vars(b))
+    return a == b
+
+
+def run(fill_order, order_seed, on_filler_full="abort", steps=3):
+    policy = PushingPolicy()
+    gen = Reordering(EngineGenerator(InProcessClient(VersionedToy()), eos_id=EOS, pad_id=0), order_seed)
+    loop = make_loop(generator=gen, policy=policy, ds=True, groups=4, group_size=4, mini=8, max_new_tokens=MAX_NEW,
+                     streaming=True, on_filler_full=on_filler_full, fill_order=fill_order, seed=5)
+    metrics = [loop.step() for _ in range(steps)]
+    trained = [(mb.group_ids.tolist(), mb.response_ids.tolist()) for mb, _ in policy.calls]
+    return trained, metrics, loop
+
+
+@pytest.mark.parametrize("on_filler_full", ["abort", "finish"])
+def test_prompt_order_trains_the_same_whatever_the_finishing_order(on_filler_full):
+    a_trained, a_metrics, a = run("prompt", order_seed=1, on_filler_full=on_filler_full)
+    b_trained, b_metrics, b = run("prompt", order_seed=2, on_filler_full=on_filler_full)
+    assert a_trained == b_trained and a_trained
+    for ma, mb in zip(a_metrics, b_metrics):
+        assert {k: v for k, v in steady(ma).items() if k not in TIMING_DEPENDENT} == \
+               {k: v for k, v in steady(mb).items() if k not in TIMING_DEPENDENT}
+    assert same(a.filler.state_dict(), b.filler.state_dict())  # the carried-over groups too
+
+
+def test_finish_order_follows_the_engine_timing():
+    # The check above can fail: in finishing order the same engine outputs train differently.
+    a_trained, _, _ = run("finish", order_seed=1)
+    b_trained, _, _ = run("finish", order_seed=2)
+    assert a_trained != b_trained
+
+
+def test_prompt_order_with_abort_trains_a_prefix_of_the_drawn_prompts_and_counts_the_dropped_groups():
+    trained, metrics, loop = run("prompt", order_seed=3, steps=1)
+    uids = sorted({u for ids, _ in trained for u in ids})
+    m = metrics[0]
+    # dynamic sampling kept the informative groups among the first prompts drawn; none after the one that filled it
+    assert m["filter/trained_groups"] == 4 and max(uids) < m["counters/consumed_prompts"]
+    assert m["rollout/generated_tokens"] == m["response/tokens"] + m["rollout/aborted_tokens"]
+
+
+def test_prompt_order_is_refused_with_partial_rollouts():
+    from nemo_dapo.core.loss import make_loss_fn
+    from nemo_dapo.core.loop import DAPOLoop
+
+    base = make_loop(generator=EngineGenerator(InProcessClient(VersionedToy()), eos_id=EOS, pad_id=0), ds=True,
+                     streaming=True, on_filler_full="suspend", fill_order="prompt",
+                     loss=make_loss_fn(eps_low=0.2, eps_high=0.28, tis_cap=2.0))
+    with pytest.raises(ValueError, match="fill_order='prompt' cannot be combined with on_filler_full='suspend'"):
+        DAPOLoop(policy=base.policy, generator=base.generator, reward_fn=base.reward_fn, loss_fn=base.loss_fn,
+                 prompts=base.prompts, filler=base.filler, settings=base.settings, max_staleness=1)
+
+
+def test_the_cpu_config_refuses_prompt_order_with_suspend_and_names_the_keys():
+    from nemo_dapo.local.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="rollout.fill_order"):
+        load_config("tiny_cpu", ["rollout.engine=local", "rollout.streaming=true", "rollout.on_filler_full=suspend",
+                                 "algorithm.tis_cap=2.0", "rollout.fill_order=prompt"])
+    assert load_config("tiny_cpu", ["rollout.fill_order=prompt"]).rollout.fill_order == "prompt"
