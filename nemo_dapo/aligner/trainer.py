@@ -149,8 +149,9 @@ def aligner_loop_parts(cfg: DictConfig, model_cfg: DictConfig) -> tuple:
         temperature=0.0 if greedy else float(required(sp, "temperature", "model.dapo.sampling_params")),
         top_p=float(required(sp, "top_p", "model.dapo.sampling_params")),
         seed=int(required(cfg, "seed", "trainer.dapo")),
-        # the aligner path generates one blocking batch at a time (no streaming dynamic sampling yet): prompt order
-        streaming=False, on_filler_full="abort", fill_order="prompt")
+        # the aligner path generates one blocking batch at a time (no streaming dynamic sampling yet), which fills in
+        # prompt order whatever fill_order says (the CPU default is given)
+        streaming=False, on_filler_full="abort", fill_order="finish")
 
 
 def training_steps(num_prompts: int, prompts_per_step: int, max_epochs, max_steps) -> tuple:
