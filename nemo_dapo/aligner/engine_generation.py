@@ -36,6 +36,9 @@ update_weights, then generate):
      :func:`refit_wake`).
   4. the next ``generate`` wakes the KV cache, and generation runs beside the resident training weights and
      gradient buffers only.
+With ``model.dapo.offload_training_state`` (aligner/training_offload.py) step 3 also moves the main grads and the
+optimizer states of any optimizer to the host before the refit and the weights after it, so generation runs beside
+none of the training state; ``sleep`` onloads it all after the engine has freed its KV cache (step 1).
 A server that does not say what its sleep releases (hello ``info["sleep_releases"]``) is woken whole before the
 refit, as before (logged once): its KV cache then sits beside the refit's buffers.
 """
@@ -243,7 +246,7 @@ class AlignerEngineGenerator:
     ``owners``: the owners of this rank's model-parallel group (global ranks); ``mp_group``: that group."""
 
     def __init__(self, actor, engine, *, owners: list, mp_group, hf_config, dtype: Optional[torch.dtype] = None,
-                 pad_id: int):
+                 pad_id: int, training_offload=None):
         if not owners:
             raise ValueError("a model-parallel group without an engine owner cannot generate (see EngineLayout)")
         self.actor, self.engine, self.owners, self.mp_group = actor, engine, list(owners), mp_group
@@ -251,6 +254,10 @@ class AlignerEngineGenerator:
         self._weights = _ActorWeights(actor, hf_config, dtype)
         self.last_update: dict = {}
         self.last_refit_wake: Optional[str] = None  # what the last refit woke (refit_wake), for logs and tests
+        # megatron.state_offload.StateOffload with model.dapo.offload_training_state, else None
+        self.training_offload = training_offload
+        if training_offload is not None:
+            actor.training_state_offload = training_offload  # ActorPolicy's guard reads it (onload_for_use)
 
     @property
     def rank(self) -> int:
@@ -291,7 +298,11 @@ class AlignerEngineGenerator:
         """The refit phase (module doc, step 3): optimizer states to the CPU, the training peak released, then the
         actor's weights gathered in HF names on every rank and sent by the owners, the engine's KV cache still
         asleep. Raises on every rank if any owner's update failed (after the gather has been drained in step)."""
+        from nemo_dapo.aligner.training_offload import AFTER_REFIT, BEFORE_REFIT
+
         offload_optimizer_states(self.actor)
+        if self.training_offload is not None:  # the gather below reads the weights only
+            self.training_offload.offload(BEFORE_REFIT)
         release_training_memory()
         failure = None
         if self.engine is not None:
@@ -313,6 +324,9 @@ class AlignerEngineGenerator:
         else:
             for bucket in buckets:
                 del bucket
+        if self.training_offload is not None:  # before the all-reduce: every rank has freed when an owner generates
+            self.training_offload.offload(AFTER_REFIT)
+            release_training_memory()
         flag = torch.tensor([0.0 if failure is None else 1.0], device=collective_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         if failure is not None:
@@ -328,8 +342,13 @@ class AlignerEngineGenerator:
         self.update_weights()
 
     def sleep(self) -> None:
+        """The engine frees its KV cache (its sleep_level); an offloaded training state then comes back (after a
+        barrier: the owner's sleep also frees the GPUs of the other ranks of its engine)."""
         if self.engine is not None:
             self.engine.sleep()
+        if self.training_offload is not None and self.training_offload.offloaded_parts:
+            dist.barrier()
+            self.training_offload.onload()
 
     def close(self) -> None:
         if self.engine is not None:
@@ -418,7 +437,12 @@ def build_engine_generator(actor, cfg, *, hf_config=None, world: Optional[int] =
         engine = EngineGenerator(client, eos_id=tok.eos_id, pad_id=tok.eos_id, top_k=top_k,
                                  bucket_bytes=int(srv["bucket_mb"]) << 20, sleep_level=int(srv["sleep_level"]))
     dtype = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[srv["dtype"]]
+    from nemo_dapo.aligner.training_offload import offload_enabled, training_state_offload
+
+    offload = training_state_offload(actor) if offload_enabled(actor.cfg) else None
     gen = AlignerEngineGenerator(actor, engine, owners=owners, mp_group=mp_group, hf_config=hf_config, dtype=dtype,
-                                 pad_id=actor.tokenizer.eos_id)
+                                 pad_id=actor.tokenizer.eos_id, training_offload=offload)
     gen.push_initial_weights()
+    if offload is not None:  # the first push's offload is not a rollout step's
+        offload.pop_stats()
     return gen

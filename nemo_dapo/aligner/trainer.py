@@ -42,6 +42,7 @@ from nemo_dapo.cluster.config_validate import ALGORITHM_BLOCK, ALGORITHM_KEYS, r
 from nemo_dapo.megatron.reduction import DPReducer
 from nemo_dapo.megatron.step import skip_update
 from nemo_dapo.aligner.reward_client import ClientReward
+from nemo_dapo.aligner.training_offload import onload_for_use, pop_metrics
 from nemo_dapo.core.loop import DAPOLoop
 from nemo_dapo.core.loop_data import PromptSampler, PromptSet
 from nemo_dapo.core.loop_eval import evaluate
@@ -74,6 +75,7 @@ class ActorPolicy:
         pad_id = self.actor.tokenizer.eos_id
         packed = blank_rows(("response_tokens", "response_lengths"), 0, pad_id, 2) if empty \
             else pack_rollout(batch, pad_id)
+        onload_for_use(self.actor)  # a no-op in the loop's order (the engine's sleep onloaded it)
         set_eval(self.actor)
         try:  # the lengths let each micro-batch stop at its own longest row
             lp, ent = self.actor.get_logprobs_and_entropy(packed["response_tokens"],
@@ -88,6 +90,7 @@ class ActorPolicy:
 
     def train_step(self, minibatch: Optional[RolloutBatch], *, norm: float, loss_fn) -> dict:
         actor = self.actor
+        onload_for_use(actor)
         actor.prepare_for_training()  # onloads optimizer states offloaded for generation
         self.optimizer.zero_grad()
         actor.prepare_for_training_step()
@@ -318,6 +321,7 @@ class DAPOTrainer:
                     self.save()
                 return
             metrics.update({f"timers/{k}": v for k, v in self.timer.consume_durations().items()})
+            metrics.update(pop_metrics(getattr(self.generator, "training_offload", None)))
             metrics["train/epoch"] = float(self.epoch)
             self.logger.log_metrics(metrics, step=self.step, prefix="")
             self.history.append((self.step, metrics))
@@ -386,6 +390,13 @@ class DAPOTrainer:
         """Checkpoint through NeMo's checkpoint callback, with this trainer's state inside the checkpoint (also in
         the middle of a rollout step: the filler's groups so far travel with it)."""
         t0 = time.monotonic()
+        # A training state offloaded for generation (model.dapo.offload_training_state) comes back for the save with
+        # the engine asleep (its sleep frees the KV cache, at sleep level 2 its weights too: the onloaded state fits
+        # as in training), and leaves again with a full refit afterwards (the engine may have released its weights).
+        offload = getattr(self.generator, "training_offload", None)
+        refit_after = offload is not None and bool(offload.offloaded_parts)
+        if refit_after:
+            self.generator.sleep()
         # optimizer states back on the device before they are saved, and back to the CPU after it when the save
         # comes between a refit and the next generation (the engine path offloads them at the refit)
         offloaded = getattr(self.model, "distributed_adam_offload_manager", None) is not None
@@ -398,6 +409,8 @@ class DAPOTrainer:
         self.model.finish_training()
         if offloaded:
             self.model.offload_adam_states()
+        if refit_after:
+            self.generator.update_weights()
         self._saved_at = self.loop.counters["gen_batches"]
         if getattr(self, "budget", None) is not None:
             self.budget.record("save", time.monotonic() - t0)

@@ -26,6 +26,12 @@ VERIFIERS = ("dapo", "tolerant", "math_verify")  # the CPU path's reward.verifie
 DATA_FORMATS = ("dapo_math", "verl", "aime2024", "aime2025", "math500", "gsm8k")  # nemo_dapo.data.readers.READERS
 DISTRIBUTED_OPTIMIZERS = ("distributed_fused_adam", "mcore_distributed_optim")
 ENGINE_SLEEP_LEVELS = (0, 1, 2)  # trainer.dapo.engine_server.sleep_level
+OFFLOAD_TRAINING_STATE = "model.dapo.offload_training_state"  # read by the trainer AND by `nemo-dapo plan`
+# The planner's former own key for the same quantity: refused, so that a plan never assumes what the run does not do
+GENERATE_OFFLOAD_GONE = (f"plan.generate_offload is not read any more: the planner plans what the trainer does, "
+                         f"from {OFFLOAD_TRAINING_STATE}; fix: remove plan.generate_offload and set "
+                         f"{OFFLOAD_TRAINING_STATE}=True for a whole-training-state offload while generating (False: "
+                         "none beyond model.dapo.offload_adam_states)")
 
 # The shared algorithm block (nemo_dapo.core.settings.FIELDS) is one block of gpt_dapo_actor.yaml, under model.dapo
 # because the actor sees only the model config (which NeMo saves with the checkpoint); the trainer reads the same
@@ -313,6 +319,30 @@ def _optimizer(cfg: dict, s: dict):
                "fix: leave it False")
 
 
+def _training_offload(cfg: dict, s: dict):
+    """``model.dapo.offload_training_state`` (aligner/training_offload.py): one key for the trainer and the planner,
+    and only where the trainer can honour it."""
+    if select(cfg, "plan.generate_offload") is not None:
+        yield GENERATE_OFFLOAD_GONE
+    on = select(cfg, OFFLOAD_TRAINING_STATE)
+    if on is not None and not isinstance(on, bool):
+        yield f"{OFFLOAD_TRAINING_STATE}={on!r} must be True or False"
+        return
+    if not on:
+        return
+    engine = select(cfg, "trainer.dapo.rollout_engine")
+    if engine in engine_registry.rollout_engines() and not engine_registry.is_served(engine):
+        yield (f"{OFFLOAD_TRAINING_STATE}=True with trainer.dapo.rollout_engine={engine!r}: the legacy generators "
+               "generate with the actor's own weights, which this offload removes from the GPU; fix: a served "
+               f"engine (one of {[e for e in engine_registry.rollout_engines() if engine_registry.is_served(e)]}) "
+               f"or {OFFLOAD_TRAINING_STATE}=False")
+    if select(cfg, "model.optim.name") == "distributed_fused_adam":
+        yield (f"{OFFLOAD_TRAINING_STATE}=True with model.optim.name=distributed_fused_adam: apex's distributed Adam "
+               "keeps its states and gradients in bucket objects the training-state offload does not walk; fix: "
+               f"{OFFLOAD_TRAINING_STATE}=False with model.dapo.offload_adam_states=True (NeMo-Aligner's own Adam "
+               "offload), or model.optim.name=mcore_distributed_optim")
+
+
 def _batches(cfg: dict, s: dict):
     dp, dp_gen = s["dp"], s["dp_gen"]
     mbs, gbs = select(cfg, "model.micro_batch_size"), select(cfg, "model.global_batch_size")
@@ -502,7 +532,7 @@ def _engine_server(cfg: dict, s: dict):
                f"max_seq_len ({max_seq}): raise max_seq_len to {max_in + gen}")
 
 
-RULES = (_moved, _layout, _experts, _optimizer, _batches, _rollout_engine, _algorithm, _lengths, _sampling,
+RULES = (_moved, _layout, _experts, _optimizer, _training_offload, _batches, _rollout_engine, _algorithm, _lengths, _sampling,
          _reward, _data, _arch_agrees, _engine_server)
 
 

@@ -17,10 +17,11 @@ or torch, so ``nemo-dapo plan`` runs anywhere. The pieces:
 * ``plan_calibration.py``: the same planner run on published runs (benchmarks/calibration/); the error band it
   finds is printed beside every estimate (``plan_report.py`` prints the plan).
 
-Training state while the engine refits and generates: Adam states are on the host only when the run offloads them
-(``model.dapo.offload_adam_states`` with apex distributed Adam, what NeMo-Aligner's actor honours);
-``plan.generate_offload: training_state`` plans a whole-policy offload (weights, grads, Adam: what NeMo-RL and verl
-do colocated; this stack does not). What is not modelled is refused with the key: an engine that spans nodes,
+Training state while the engine refits and generates: what the trainer moves, read from the keys the trainer
+reads. Adam states are on the host with ``model.dapo.offload_adam_states`` and apex distributed Adam (NeMo-Aligner's
+own offload); ``model.dapo.offload_training_state`` moves grads and optimizer states before the refit and the
+weights after it (aligner/training_offload.py; what NeMo-RL and verl do colocated): the refit holds the weights,
+generation none of the state. What is not modelled is refused with the key: an engine that spans nodes,
 an unknown GPU, a missing architecture value. Every assumption is printed with its reason; override under
 ``plan.assume``.
 """
@@ -48,8 +49,6 @@ __all__ = ["PlanError", "make_plan", "format_plan", "run_cli", "Arch", "Gpu", "G
 
 GB = 1e9
 KIB = 1024
-
-GENERATE_OFFLOADS = (None, "training_state")
 
 
 def _range_text(low: float, closed: bool, high):
@@ -143,9 +142,10 @@ def make_plan(cfg: dict) -> dict:
         raise PlanError(f"trainer.dapo.rollout_engine={engine!r}: `nemo-dapo plan` models "
                         f"{sorted(engine_registry.planned_engines())} (the others, e.g. 'local', the project's "
                         "small-model engine, are not sized here)")
-    offload = select(cfg, "plan.generate_offload")
-    if offload not in GENERATE_OFFLOADS:
-        raise PlanError(f"plan.generate_offload={offload!r} must be null (what this stack does) or 'training_state'")
+    if select(cfg, "plan.generate_offload") is not None:  # the validator says so too; a plan must not read it
+        from nemo_dapo.cluster.config_validate import GENERATE_OFFLOAD_GONE
+
+        raise PlanError(GENERATE_OFFLOAD_GONE)
     budget = a["usable_fraction"] * gpu.memory_gb * GB
     phases, gen = _memory_phases(cfg, arch, layout, a, gpu=gpu, budget=budget)
     plan = {"gpu": gpu, "gpu_key": gpu_key, "arch": arch, "layout": layout, "assume": a, "phases": phases,
@@ -158,12 +158,14 @@ def make_plan(cfg: dict) -> dict:
 
 
 def _offloaded(cfg: dict, optim: str) -> dict:
-    """Which training-state parts are on the host while the engine refits and generates (module docstring)."""
+    """Which training-state parts are on the host while the engine generates (module docstring); the refit keeps
+    the weights (plan_engine_server.server_phases)."""
     from nemo_dapo.cluster.config_validate import select
 
-    if select(cfg, "plan.generate_offload") == "training_state":
+    if select(cfg, "model.dapo.offload_training_state"):
         return {"weights": True, "grads": True, "optimizer": True}
     return {"optimizer": bool(select(cfg, "model.dapo.offload_adam_states")) and optim == "distributed_fused_adam"}
+
 
 
 def _gen_rows_per_dp(cfg: dict, dp: int) -> float:

@@ -82,8 +82,9 @@ def server_phases(arch, layout: dict, train: dict, *, offloaded: dict, gpu, budg
                   gather: float = 0.0) -> tuple:
     """({"train", "refit", "generate"}: {part: bytes}, KV facts) per GPU; refuses a phase over ``budget``.
 
-    ``offloaded``: which training-state parts are on the host while the engine refits and generates ({"optimizer":
-    True} for Adam offload, all three for a whole-policy offload); ``gather``: the results-gather buffer."""
+    ``offloaded``: which training-state parts are on the host while the engine generates ({"optimizer": True} for
+    Adam offload, all three for model.dapo.offload_training_state); the refit keeps the weights it gathers
+    (aligner/training_offload.py offloads them after it); ``gather``: the results-gather buffer."""
     eng = engine_memory(arch, gen_tp=layout["tp"], gen_pp=layout["pp"], batch=0, max_seq=1)
     weights, kv_per_token = eng["engine_weights"], eng["kv_per_token"]
     workspace, reserved = a["engine_workspace_gb"] * GB, a["cuda_reserved_gb"] * GB
@@ -97,7 +98,7 @@ def server_phases(arch, layout: dict, train: dict, *, offloaded: dict, gpu, budg
         most = math.floor(100 * room / free_at_start) / 100  # floored: the fraction printed must fit
         fix = (f"lower {KEY}.free_gpu_memory_fraction to <= {most:.2f}" if room > 0 else
                f"raise {KEY}.tensor_parallel_size x pipeline_parallel_size (engine weights {weights / GB:.1f} GB/GPU)"
-               " or set model.dapo.offload_adam_states (apex distributed Adam)")
+               " or set model.dapo.offload_training_state=True (or offload_adam_states with apex distributed Adam)")
         raise PlanError(f"generating phase needs {sum(generate.values()) / GB:.1f} GB/GPU > budget "
                         f"{budget / GB:.1f} GB: the KV pool of {KEY}.free_gpu_memory_fraction={layout['fraction']} "
                         f"x {free_at_start / GB:.1f} GB free at engine start = {kv / GB:.1f} GB does not fit next to "
@@ -115,15 +116,15 @@ def server_phases(arch, layout: dict, train: dict, *, offloaded: dict, gpu, budg
             if level < 2 else "use full recompute or a larger training TP/PP"
         raise PlanError(f"training phase with the engine at {KEY}.sleep_level={level} needs "
                         f"{sum(training.values()) / GB:.1f} GB/GPU > budget {budget / GB:.1f} GB; fix: {fix}")
-    # Refit (after the training peak is released, KV still asleep): the training state as while generating, the
-    # engine's weights (restored first at sleep level 2), a bucket being gathered on the trainer's device and one
-    # being loaded on the engine's (bucket_mb each).
-    refit = {**resident, "engine_weights": weights, "refit_buckets": 2 * layout["bucket_mb"] * MB,
+    # Refit (after the training peak is released, KV still asleep): the training state as while generating but the
+    # weights, which the gather reads, the engine's weights (restored first at sleep level 2), a bucket being
+    # gathered on the trainer's device and one being loaded on the engine's (bucket_mb each).
+    refit = {**resident, "weights": train["weights"], "engine_weights": weights, "refit_buckets": 2 * layout["bucket_mb"] * MB,
              "engine_workspace": workspace, "cuda_reserved": reserved}
     if sum(refit.values()) > budget:
         raise PlanError(f"refit phase needs {sum(refit.values()) / GB:.1f} GB/GPU > budget {budget / GB:.1f} GB "
                         f"(training state {sum(resident.values()) / GB:.1f} + engine weights {weights / GB:.1f} + "
-                        f"buckets); fix: lower {KEY}.bucket_mb, set model.dapo.offload_adam_states, or raise "
+                        f"buckets); fix: lower {KEY}.bucket_mb, set model.dapo.offload_training_state, or raise "
                         f"{KEY}.tensor_parallel_size")
     return ({"train": training, "refit": refit, "generate": generate},
             {"kv_per_token": kv_per_token, "pool_tokens": pool_tokens, "free_at_start": free_at_start})

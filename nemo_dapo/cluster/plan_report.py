@@ -148,7 +148,7 @@ def format_plan(plan: dict, title: str = "", band=None) -> str:
     phases = plan["phases"]
     off = [k for k, v in g["offloaded"].items() if v]
     lines += ["", "per-GPU memory, GB (est.)      " + "".join(f"{PHASE_LABELS[p]:>9}" for p in phases)
-              + (f"   (on the host while refitting / generating: {', '.join(off)})" if off else "")]
+              + (f"   (on the host while generating: {', '.join(off)}; the refit keeps the weights)" if off else "")]
     names = {"weights": "weights (bf16)", "grads": "main grads", "optimizer": "Adam states (fp32 master, m, v)",
              "activations": "activations (recompute as set)", "logits": "log-prob logits (chunked)",
              "engine_weights": "engine weights (bf16)", "kv_cache": "engine KV cache"

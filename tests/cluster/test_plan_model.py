@@ -152,10 +152,24 @@ def test_adam_states_stay_resident_unless_the_code_offloads_them():
     assert kept["generate"]["optimizer"] == kept["refit"]["optimizer"] == kept["train"]["optimizer"] > 0
     mcore = plan_of("moe-mixtral-8x22b_h100")["phases"]  # Megatron's optimizer (EP) is never offloaded
     assert mcore["generate"]["optimizer"] == mcore["train"]["optimizer"] > 10e9
-    whole = plan_of("qwen2.5-32b_h100", "plan.generate_offload=training_state")["phases"]["generate"]
-    assert whole["weights"] == whole["grads"] == whole["optimizer"] == 0.0
-    with pytest.raises(P.PlanError, match="plan.generate_offload='adam' must be null"):
-        plan_of("qwen2.5-32b_h100", "plan.generate_offload=adam")
+
+
+
+def test_training_state_offload_is_planned_from_the_trainers_key():
+    """model.dapo.offload_training_state (what aligner/training_offload.py does): nothing of the training state
+    while generating; the refit keeps the weights it gathers, grads and optimizer states are gone before it."""
+    base = plan_of("moe-mixtral-8x22b_h100")["phases"]
+    whole = plan_of("moe-mixtral-8x22b_h100", "model.dapo.offload_training_state=True")["phases"]
+    assert whole["generate"]["weights"] == whole["generate"]["grads"] == whole["generate"]["optimizer"] == 0.0
+    assert whole["refit"]["weights"] == base["refit"]["weights"] == base["train"]["weights"] > 0
+    assert whole["refit"]["grads"] == whole["refit"]["optimizer"] == 0.0 < base["refit"]["optimizer"]
+    assert whole["train"] == base["train"]  # training itself holds everything either way
+
+
+def test_the_planners_former_offload_key_is_refused_naming_the_trainers():
+    with pytest.raises(P.PlanError, match="plan.generate_offload is not read any more.*"
+                                          "model.dapo.offload_training_state=True"):
+        plan_of("moe-mixtral-8x22b_h100", "+plan.generate_offload=training_state")
 
 
 def test_refit_that_does_not_fit_is_refused_naming_the_key():
