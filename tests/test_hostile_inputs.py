@@ -346,7 +346,7 @@ def test_a_diverging_run_stops_with_a_checkpoint_and_exit_7(tmp_path, monkeypatc
 def _diverge(monkeypatch):
     from nemo_dapo.local.policy import LocalPolicy
 
-    def nan_step(self, batch, *, num_tokens, loss_fn):
+    def nan_step(self, batch, *, norm, loss_fn):
         return {"loss": float("nan"), "skipped": 1.0}  # what a non-finite loss reports: weights unchanged
 
     monkeypatch.setattr(LocalPolicy, "train_step", nan_step)
