@@ -241,7 +241,7 @@ ALGORITHM_DEFAULTS = {
     "overlong": {"enabled": True, "l_max": None, "l_cache": 2, "penalty_factor": 1.0}}
 
 DAPO_DEFAULTS = {"algorithm": ALGORITHM_DEFAULTS, "forward_micro_batch_size": 2, "logprob_chunk_size": 7,
-                 "offload_adam_states": False,
+                 "offload_adam_states": False, "offload_training_state": False,
                  "sampling_params": {"use_greedy": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
                                      "repetition_penalty": 1.0, "end_strings": []},
                  "length_params": {"max_length": 8}}
