@@ -53,6 +53,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from nemo_dapo.aligner.training_offload import AFTER_REFIT, BEFORE_REFIT, offload_enabled, training_state_offload
 from nemo_dapo.cluster.config_validate import required
 from nemo_dapo.core.collective import collective_device
 from nemo_dapo.core.loop_data import mix_seed
@@ -298,8 +299,6 @@ class AlignerEngineGenerator:
         """The refit phase (module doc, step 3): optimizer states to the CPU, the training peak released, then the
         actor's weights gathered in HF names on every rank and sent by the owners, the engine's KV cache still
         asleep. Raises on every rank if any owner's update failed (after the gather has been drained in step)."""
-        from nemo_dapo.aligner.training_offload import AFTER_REFIT, BEFORE_REFIT
-
         offload_optimizer_states(self.actor)
         if self.training_offload is not None:  # the gather below reads the weights only
             self.training_offload.offload(BEFORE_REFIT)
@@ -437,8 +436,6 @@ def build_engine_generator(actor, cfg, *, hf_config=None, world: Optional[int] =
         engine = EngineGenerator(client, eos_id=tok.eos_id, pad_id=tok.eos_id, top_k=top_k,
                                  bucket_bytes=int(srv["bucket_mb"]) << 20, sleep_level=int(srv["sleep_level"]))
     dtype = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[srv["dtype"]]
-    from nemo_dapo.aligner.training_offload import offload_enabled, training_state_offload
-
     offload = training_state_offload(actor) if offload_enabled(actor.cfg) else None
     gen = AlignerEngineGenerator(actor, engine, owners=owners, mp_group=mp_group, hf_config=hf_config, dtype=dtype,
                                  pad_id=actor.tokenizer.eos_id, training_offload=offload)
