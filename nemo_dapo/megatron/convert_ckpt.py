@@ -4,8 +4,8 @@ NeMo-Aligner launcher restores (``model_config.yaml`` + ``model_weights/``, a me
 No process holds the whole model. ``hf_to_nemo`` runs on the ``tp x pp x ep`` ranks of a layout (torchrun, gloo on
 CPU or NCCL): each rank reads only its own HF tensors (:class:`SafetensorsReader` is lazy; ``convert_shard.
 hf_to_megatron_shard`` picks them), builds its part of the megatron-core model (``convert_build``, local spec, no
-weight initialisation) and writes its shards with ``dist_checkpointing.save``. A distributed checkpoint is
-layout-free (global tensors, cut at load time), so the conversion layout need not be the training layout; at 235B
+weight initialisation) and writes its shards with ``dist_checkpointing.save`` (its files written in-process:
+``dist_save``). A distributed checkpoint is layout-free (global tensors, cut at load time), so the conversion layout need not be the training layout; at 235B
 bf16 (470 GB) a TP1 x PP8 x EP8 conversion holds ~7.4 GB of weights per rank (est.). ``nemo_to_hf`` is the inverse:
 each rank loads its shards from the checkpoint, gathers TP slices one tensor at a time within its TP group, and
 writes the HF tensors it owns into a file of its own; rank 0 writes ``model.safetensors.index.json``.
@@ -32,6 +32,7 @@ from megatron.core import dist_checkpointing, parallel_state as ps
 from nemo_dapo.megatron.convert import hf_arch, megatron_to_hf_items, padded_vocab_size
 from nemo_dapo.megatron.convert_build import gpt_model_from_hf
 from nemo_dapo.megatron.convert_shard import Parallel, _global_name, hf_to_megatron_shard, tp_split_rule, tp_unshard
+from nemo_dapo.megatron.dist_save import save_sharded
 
 HF_CONFIG_NAME = "hf_config.json"  # the source config.json, kept in the NeMo checkpoint for the way back
 PREFIX = "model."  # NeMo's module prefix of the mcore GPTModel's sharded keys
@@ -210,7 +211,7 @@ def save_nemo_checkpoint(model, out: str, *, nemo_cfg: dict, hf_config_file: str
     if dist.get_rank() == 0:
         os.makedirs(weights)  # megatron-core saves into an existing empty directory
     dist.barrier()
-    dist_checkpointing.save(sharded_for_nemo(model), weights)
+    save_sharded(sharded_for_nemo(model), weights)  # no forked writer processes: dist_save.py says why
     if dist.get_rank() == 0:
         with open(os.path.join(partial, "model_config.yaml"), "w") as f:
             yaml.safe_dump(nemo_cfg, f, sort_keys=False)

@@ -28,6 +28,8 @@ def run_torchrun(script: str | Path, *args: str, nproc: int = 2, out_dir: str | 
                      "PYTHONUNBUFFERED": "1"})
     if out_dir is not None:
         full_env["OUT_DIR"] = str(out_dir)
+    # a hung rank prints every thread's stack and exits before the timeout kills torchrun (megatron_cpu_shim)
+    full_env["NEMO_DAPO_TEST_DUMP_AFTER_S"] = str(max(timeout - 20, 1))
     full_env.update(env or {})
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(script), *args]
@@ -36,3 +38,14 @@ def run_torchrun(script: str | Path, *args: str, nproc: int = 2, out_dir: str | 
         raise AssertionError(f"torchrun {script} failed (rc={proc.returncode}):\n"
                              f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}")
     return proc
+
+
+def forbid_fork() -> None:
+    """Make ``os.fork`` raise in this process. A rank that already runs gloo's threads must not fork: a child forked
+    while another thread holds a lock waits on it forever (nemo_dapo/megatron/dist_save.py). ``spawn`` children
+    (``_posixsubprocess.fork_exec``) are still allowed."""
+
+    def refuse(*_args, **_kwargs):
+        raise RuntimeError("os.fork() called by a multi-threaded rank (forbidden in this test)")
+
+    os.fork = refuse

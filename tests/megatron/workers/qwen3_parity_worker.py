@@ -27,6 +27,7 @@ from nemo_dapo.megatron.convert_ckpt import (SafetensorsReader, build_model, hf_
                                              nemo_model_config, nemo_to_hf, save_nemo_checkpoint)
 from nemo_dapo.megatron.convert_build import gpt_model_from_hf  # noqa: E402
 from nemo_dapo.megatron.convert_shard import Parallel, hf_to_megatron_shard  # noqa: E402
+from tests.support.dist import forbid_fork  # noqa: E402
 from tests.support.megatron_model import destroy_parallel, initialize_parallel, load_full_state_dict  # noqa: E402
 from tests.megatron.workers.convert_parity_worker import forward  # noqa: E402
 from tests.megatron.workers.qwen3_models import CONFIGS, PADDED_VOCAB, VOCAB, tokens  # noqa: E402
@@ -137,6 +138,7 @@ def megatron_direction(family, res):
 
 
 def main():
+    forbid_fork()  # ~20 checkpoint saves: none may fork from this multi-threaded rank (dist_save.py)
     dist.init_process_group("gloo")
     res = {}
     for family in CONFIGS:

@@ -1,0 +1,59 @@
+"""``dist_checkpointing.save`` with the shards written in the calling process.
+
+megatron-core 0.10 forks twice on every rank at every ``torch_dist`` save, even a synchronous one:
+``AsyncSaveShardedStrategy.save`` runs the write through ``DistributedAsyncCaller`` (a ``fork`` child), and that
+child's ``FileSystemWriterAsync.write_preloaded_data_multiproc`` forks one more process per write bucket. The rank is
+multi-threaded by then (gloo's or NCCL's threads, torch's pools), and a child forked while another thread holds a
+lock inherits that lock held forever; the parent then polls ``is_alive`` / waits on ``count_queue`` with no timeout.
+It is intermittent and likelier on a loaded machine (one CI run of the Qwen3 conversion test, ~20 saves, hung until
+killed); Megatron-LM later replaced these processes with threads for the same reason. Here the request megatron
+builds is run with its own ``AsyncRequest.execute_sync`` and the buckets go through the same
+``write_preloaded_data`` (same files, same format, same results) one after another in this process: nothing forks.
+"""
+from __future__ import annotations
+
+import queue
+
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+
+def write_buckets_in_process(write_buckets: list, results_queue) -> None:
+    """Write every bucket with megatron's own ``write_preloaded_data`` and put ``{bucket index: [WriteResult]}``
+    (or the first exception) on ``results_queue``, as ``write_preloaded_data_multiproc`` does from its children."""
+    local, count = queue.Queue(), queue.Queue()  # count: the JoinableQueue protocol (get, task_done) in-process
+    results = {}
+    for index, bucket in enumerate(write_buckets):
+        count.put(index)
+        FileSystemWriterAsync.write_preloaded_data(index, bucket, local, count, True)
+        done, out = local.get_nowait()
+        if isinstance(out, Exception):
+            results = out
+            break
+        results[done] = out
+    results_queue.put(results)
+
+
+class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
+    """megatron-core 0.10's ``torch_dist`` save strategy, its writer's processes replaced by
+    :func:`write_buckets_in_process` (the plan, metadata and finalisation are megatron's)."""
+
+    def __init__(self, thread_count: int = 2):
+        super().__init__("torch_dist", 1, thread_count=thread_count)
+
+    def save(self, sharded_state_dict, checkpoint_dir) -> None:
+        self.async_save(sharded_state_dict, checkpoint_dir).execute_sync()  # write, barrier, finalise: no fork
+
+    def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret) -> AsyncRequest:
+        request = super()._get_save_and_finalize_callbacks(writer, save_state_dict_ret)
+        if request.async_fn is None:  # nothing to write on this rank
+            return request
+        return AsyncRequest(write_buckets_in_process, (writer.write_buckets, writer.results_queue),
+                            request.finalize_fns)
+
+
+def save_sharded(sharded_state_dict: dict, checkpoint_dir: str) -> None:
+    """``dist_checkpointing.save`` in megatron-core's default format (``torch_dist``), writing in this process."""
+    dist_checkpointing.save(sharded_state_dict, checkpoint_dir, sharded_strategy=InProcessTorchDistSave())
