@@ -235,12 +235,19 @@ class TRTLLMEngine:
             raise EngineError(f"engine {self.name!r}: sample {k} of {rid!r} failed in TensorRT-LLM: {error!r}")
         out = handle.outputs[0]
         tokens = [int(t) for t in out.token_ids]
-        # pytorch backend: one {token: Logprob} per token (TokenLogprobs), or a bare float list
-        logprobs = None if not entry["logprobs"] else \
-            [float(p[t].logprob) if isinstance(p, dict) else float(p) for t, p in zip(tokens, out.logprobs or ())]
         finish = _FINISH.get(out.finish_reason)
         if finish is None:
             raise EngineError(f"engine {self.name!r}: sample {k} of {rid!r} ended with {out.finish_reason!r}")
+        logprobs = None
+        if entry["logprobs"]:
+            raw = list(out.logprobs or ())
+            if len(raw) < len(tokens) and finish == "aborted":
+                tokens = tokens[:len(raw)]  # a cancel between a token and its log-prob: keep the tokens that have one
+            if len(raw) != len(tokens):
+                raise EngineError(f"engine {self.name!r}: sample {k} of {rid!r} has {len(tokens)} tokens but "
+                                  f"{len(raw)} log-probs (finish {out.finish_reason!r})")
+            # pytorch backend: one {token: Logprob} per token (TokenLogprobs), or a bare float list
+            logprobs = [float(p[t].logprob) if isinstance(p, dict) else float(p) for t, p in zip(tokens, raw)]
         if finish == "stop" and (not tokens or tokens[-1] not in entry["stops"]):
             raise EngineError(f"engine {self.name!r}: sample {k} of {rid!r} stopped without its stop token "
                               f"(last {tokens[-1:]}, stops {sorted(entry['stops'])}): the EOS-kept convention broke")

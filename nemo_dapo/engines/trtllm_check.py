@@ -4,8 +4,8 @@
 
 Reads ``trtllm_api_snapshot.json`` (next to this file by default: the record of the pinned release), introspects the
 installed package (``SamplingParams`` / ``TorchLlmArgs`` / ``KvCacheConfig`` fields, ``LogprobMode`` and scheduler
-members, ``WorkerExtension.update_weights``'s signature and source markers, the sleep RPCs and memory tags, the
-registered model architectures) and ``import ray``, and prints EVERY mismatch, one per line. Exit status: 0 when all
+members, ``WorkerExtension.update_weights``'s signature and source markers, the abort path down to the executor's
+cancel, the sleep RPCs and memory tags, the registered model architectures) and ``import ray``, and prints EVERY mismatch, one per line. Exit status: 0 when all
 items match, 1 when any does not, 2 when the snapshot cannot be read. ``containers/Dockerfile.engine`` runs it, so an
 image whose TensorRT-LLM differs from the record fails to build; CI runs it against ``tests/engines/fake_trtllm.py``.
 
@@ -212,6 +212,15 @@ def _attributes_item(module: str, name: str) -> Callable:
     return check
 
 
+def _cancel(c: Check, item: dict, snap) -> None:
+    for path, methods in item["classes"].items():
+        cls = c.load(path, f"cancel.classes.{path}")
+        if cls is not None:
+            _methods(c, cls, methods, f"cancel.{path.rpartition('.')[2]}")
+    c.need(item["finish_reason"] in snap["CompletionOutput"]["finish_reasons"], "cancel.finish_reason",
+           f"{item['finish_reason']!r} is not among CompletionOutput.finish_reasons")
+
+
 def _worker_extension(c: Check, item: dict, _snap) -> None:
     cls = c.load(item["class_path"], "WorkerExtension.class_path")
     c.need(item["class_path"].rpartition(".")[0] == item["module"], "WorkerExtension.module",
@@ -265,6 +274,7 @@ CHECKED = {
     "CompletionOutput": (_attributes_item("tensorrt_llm.executor.result", "CompletionOutput"),
                          {"attributes", "finish_reasons", "finish_reasons_in"}),
     "Logprob": (_attributes_item("tensorrt_llm.executor.result", "Logprob"), {"attributes"}),
+    "cancel": (_cancel, {"classes", "finish_reason"}),
     "WorkerExtension": (_worker_extension, {"module", "class_path", "methods"}),
     "sleep": (_sleep, {"worker_module", "worker_class", "rpc_methods", "tags_module", "tags_enum", "tags",
                        "adapter_tags"}),

@@ -9,7 +9,9 @@ What it enforces from the release: ``LLM(**kw)`` validates ``TorchLlmArgs`` (ext
 ``update_weights`` (rlhf_utils.WorkerExtension) runs ``pre_reload_weights`` before the first bucket, reloads with
 ``allow_partial_loading=True``, and ``update_weights(None)`` runs ``process_weights_after_loading`` /
 ``post_load_weights`` / ``reset_prefix_cache``; a reload with CUDA graphs on is refused (PR #10456); sleep needs
-``enable_sleep`` and known memory tags; ``TLLM_RAY_FORCE_LOCAL_CLUSTER`` selects the Ray cluster.
+``enable_sleep`` and known memory tags; ``TLLM_RAY_FORCE_LOCAL_CLUSTER`` selects the Ray cluster; an abort goes
+``GenerationResult.abort`` -> ``RayExecutor.abort_request`` (leader only) -> ``BaseWorker.abort_request`` ->
+``PyExecutor.cancel_request``, and the running request is finished as CANCELLED with what it generated so far.
 
 The toy model: sample token t of a request is ``(seed + 3 t + prompt[-1] + W) % vocab`` with W the rounded sum of
 ``model.norm.weight`` (so a weight update changes the outputs); log-prob ``-0.1 (t + 1)``. Calls are appended as JSON
@@ -133,6 +135,11 @@ class CompletionOutput:
     stop_reason: Optional[int] = None
 
 
+class FinishReason(enum.Enum):  # tensorrt_llm.bindings.executor.FinishReason (the members the fake uses)
+    NOT_FINISHED = 0
+    CANCELLED = 5
+
+
 class GenerationResultBase:
     __slots__ = ()
 
@@ -141,30 +148,56 @@ class GenerationResultBase:
         assert reason in ("stop", "length", "timeout", "cancelled")  # result.py's finish reasons
         out.finish_reason, out.stop_reason = reason, stop
 
+    def _handle_sequence(self, finish_reasons, response_tensors, sequence_index):
+        """One response of the executor: the new tokens and their log-probs are appended to what came before
+        (a cancelled request keeps them); CANCELLED becomes 'cancelled'."""
+        output = self.outputs[sequence_index]
+        output.token_ids.extend(response_tensors["output_token_ids"])
+        output.logprobs.extend(response_tensors["log_probs"])
+        if finish_reasons[sequence_index] == FinishReason.CANCELLED:
+            self._f_finish(output, 'cancelled')
 
-class RequestOutput(GenerationResultBase):
-    __slots__ = ("request_id", "sampling_params", "outputs", "finished", "_f_cancel", "_f_event", "_f_task")
+
+class GenerationResult(GenerationResultBase):
+    __slots__ = ()
+
+    def abort(self) -> None:
+        self._executor().abort_request(self.request_id)
+        self._aborted = True
+
+
+class RequestOutput(GenerationResult):
+    __slots__ = ("request_id", "sampling_params", "outputs", "finished", "_executor", "_aborted", "_f_cancel",
+                 "_f_event", "_f_task")
 
     def __init__(self, llm, rid, prompt, params):
+        import weakref
         self.request_id = rid
         self.sampling_params = params
         self.outputs = [CompletionOutput()]
         self.finished = False
+        self._executor, self._aborted = weakref.ref(llm._f_executor), False
         self._f_cancel, self._f_event = False, asyncio.Event()
         self._f_task = asyncio.ensure_future(self._f_run(llm, prompt, params))
+
+    def finish_by_reason(self, reason) -> None:  # LlmRequest.finish_by_reason, reached by PyExecutor
+        self._f_cancel = reason == FinishReason.CANCELLED
 
     async def _f_run(self, llm, prompt, p):
         out, w = self.outputs[0], llm._f_w
         stops = set(p.stop_token_ids or ())
+        executor = llm._f_workers[0].engine  # the leader's PyExecutor
+        executor._f_active[self.request_id] = self
         for t in range(p.max_tokens):
             await asyncio.sleep(0.002)
+            executor._handle_canceled_requests()
             if self._f_cancel:
-                self._f_finish(out, "cancelled")
+                self._handle_sequence([FinishReason.CANCELLED], {"output_token_ids": [], "log_probs": []}, 0)
                 break
             tok = ((p.seed or 0) + 3 * t + prompt[-1] + w) % llm._f_vocab
-            out.token_ids.append(tok)
-            if p.logprobs == 0:
-                out.logprobs.append({tok: Logprob(-0.1 * (t + 1), 1)})
+            self._handle_sequence([FinishReason.NOT_FINISHED], {
+                "output_token_ids": [tok], "log_probs": [{tok: Logprob(-0.1 * (t + 1), 1)}] if p.logprobs == 0 else []},
+                0)
             if (tok == p.end_id and not p.ignore_eos) or tok in stops:
                 self._f_finish(out, "stop", None if tok == p.end_id else tok)
                 if tok in stops and not p.include_stop_str_in_output:  # what result.py does
@@ -173,15 +206,13 @@ class RequestOutput(GenerationResultBase):
                 break
         else:
             self._f_finish(out, "length")
+        executor._f_active.pop(self.request_id, None)
         self.finished = True
         self._f_event.set()
 
     async def aresult(self):
         await self._f_event.wait()
         return self
-
-    def abort(self):
-        self._f_cancel = True
 
 
 # ---- tensorrt_llm/_torch/utils.py, virtual_memory.py, models ---------------------------------------------------
@@ -262,10 +293,32 @@ class _Loader:
                     model.module_of(name).got.add(name)
 
 
-class _Engine:
+class _RequestQueue:  # _torch/pyexecutor/executor_request_queue.py
+    def __init__(self):
+        self.canceled_req_ids = set()
+
+    def enqueue_cancel_request(self, req_id) -> None:
+        self.canceled_req_ids.add(req_id)
+
+
+class PyExecutor:  # _torch/pyexecutor/py_executor.py: a cancel is queued, then the running request is finished
+    def cancel_request(self, id) -> None:
+        self.executor_request_queue.enqueue_cancel_request(id)
+        _log(op="cancel_request", id=id)
+
+    def _handle_canceled_requests(self) -> None:
+        for req_id in list(self.executor_request_queue.canceled_req_ids):
+            request = self._f_active.get(req_id)
+            if request is not None:  # finished, not dropped: its final response carries what it generated
+                request.finish_by_reason(FinishReason.CANCELLED)
+            self.executor_request_queue.canceled_req_ids.discard(req_id)
+
+
+class _Engine(PyExecutor):
     def __init__(self, llm, weights):
         self.model_engine = types.SimpleNamespace(model=_Model(weights), model_loader=_Loader())
         self.llm = llm
+        self.executor_request_queue, self._f_active = _RequestQueue(), {}
 
     def reset_prefix_cache(self):
         _log(op="reset_prefix_cache")
@@ -340,13 +393,33 @@ class RayExecutor:
     def __init__(self, world_size: int):
         local = os.environ.get("TLLM_RAY_FORCE_LOCAL_CLUSTER", "0") == "1"
         self.address = "local" if local else "auto"  # "auto" attaches to a Ray cluster already on the node
+        self._f_workers = []
         _log(op="ray_init", address=self.address, world_size=world_size)
 
+    def abort_request(self, request_id: int) -> None:
+        self.call_all_ray_workers("abort_request", leader_only=True, async_call=False, request_id=request_id)
 
-class _Worker(WorkerExtension, RayGPUWorker):  # RayGPUWorker with ray_worker_extension_cls mixed in
+    def call_all_ray_workers(self, func: str, leader_only: bool, async_call: bool, *args, **kwargs):
+        workers = self._f_workers[:1] if leader_only else self._f_workers
+        return [getattr(w, func)(*args, **kwargs) for w in workers]
+
+
+class BaseWorker:  # executor/base_worker.py
+    def abort_request(self, client_id: int) -> None:
+        request_id = self._client_id_to_request_id.get(client_id)
+        if request_id is None:  # already finished: the release logs a warning and sends nothing
+            return
+        self.engine.cancel_request(request_id)
+
+
+class _Worker(WorkerExtension, RayGPUWorker, BaseWorker):  # RayGPUWorker with ray_worker_extension_cls mixed in
     def __init__(self, llm, rank, weights, llm_args):
         self.device_id, self.llm_args = rank, llm_args
         self.engine = _Engine(llm, weights)
+        self._client_id_to_request_id = {}
+
+    def abort_request(self, request_id: int) -> None:  # ray_gpu_worker.RayWorkerWrapper forwards to BaseWorker
+        BaseWorker.abort_request(self, request_id)
 
 
 # ---- tensorrt_llm/llmapi/llm.py -----------------------------------------------------------------------------------
@@ -369,6 +442,7 @@ class LLM:
         self._f_vocab, self._f_asleep, self._f_n, self._f_args = int(config["vocab_size"]), False, 0, args
         self._f_executor = RayExecutor(args.tensor_parallel_size)
         self._f_workers = [_Worker(self, r, dict(weights), args) for r in range(args.tensor_parallel_size)]
+        self._f_executor._f_workers = self._f_workers
         self._f_reweigh()
         dumped = args.model_dump(exclude_unset=True, exclude={"kv_cache_config", "scheduler_config"})
         _log(op="LLM", backend=backend, **dumped,
@@ -388,6 +462,7 @@ class LLM:
         if any(w.engine.model_engine.model.first_pre_reload_weights for w in self._f_workers):
             raise RuntimeError("generation during an unfinished weight update")
         self._f_n += 1
+        self._f_workers[0]._client_id_to_request_id[self._f_n] = self._f_n
         return RequestOutput(self, self._f_n, list(inputs), sampling_params)
 
     def _collective_rpc(self, method, args=(), kwargs=None, non_block=False, unique_reply_rank=None,
@@ -417,11 +492,14 @@ MODULES = {
     "tensorrt_llm.llmapi.rlhf_utils": ["WorkerExtension"],
     "tensorrt_llm.sampling_params": ["SamplingParams", "LogprobMode"],
     "tensorrt_llm.executor": [],
-    "tensorrt_llm.executor.result": ["CompletionOutput", "Logprob", "GenerationResultBase"],
+    "tensorrt_llm.executor.result": ["CompletionOutput", "Logprob", "GenerationResultBase", "GenerationResult"],
     "tensorrt_llm.executor.ray_executor": ["RayExecutor"],
+    "tensorrt_llm.executor.base_worker": ["BaseWorker"],
     "tensorrt_llm.executor.ray_gpu_worker": ["RayGPUWorker"],
     "tensorrt_llm._torch": [],
     "tensorrt_llm._torch.utils": ["get_device_uuid"],
+    "tensorrt_llm._torch.pyexecutor": [],
+    "tensorrt_llm._torch.pyexecutor.py_executor": ["PyExecutor"],
     "tensorrt_llm._torch.virtual_memory": ["ExecutorMemoryType"],
     "tensorrt_llm._torch.models": [],
     "tensorrt_llm._torch.models.modeling_utils": ["MODEL_CLASS_MAPPING"],

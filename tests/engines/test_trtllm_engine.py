@@ -215,6 +215,8 @@ def test_adapter_uses_only_what_the_snapshot_records():
     assert defaults["sleep_tags"].default is None and \
         {str(k): v for k, v in {1: ["kv_cache"], 2: ["kv_cache", "model"]}.items()} == snap["sleep"]["adapter_tags"]
     assert "_sleep_tags = {1: [\"kv_cache\"], 2: [\"kv_cache\", \"model\"]" in src
+    assert T._FINISH[snap["cancel"]["finish_reason"]] == "aborted"  # what a partial rollout continues from
+    assert "h.abort" in src  # RequestOutput.abort(): the path snap["cancel"] records
 
 
 @pytest.fixture

@@ -5,8 +5,11 @@ CANCELLED and sends it through the ordinary response path); the adapter reports 
 partial response with the remaining budget is an ordinary request."""
 import time
 
-from nemo_dapo.engines.base import Request
-from tests.engines.test_trtllm_engine import VOCAB, engine, events  # noqa: F401 - the fixture
+import pytest
+
+from nemo_dapo.engines.base import EngineError, Request
+from tests.engines import fake_trtllm as F
+from tests.engines.test_trtllm_engine import VOCAB, checkpoint, engine, events  # noqa: F401 - the fixture
 
 BUDGET = 400
 
@@ -28,6 +31,7 @@ def test_an_aborted_sample_reports_its_prefix_and_continues_from_prompt_plus_par
         assert s.finish_reason == "aborted" and 0 < n < BUDGET
         assert s.token_ids == drawn(r, k)[:n]
         assert len(s.logprobs) == n and s.logprobs[-1] == -0.1 * n  # the log-prob of each token it drew
+    assert len(events(log, "cancel_request")) == 2  # each sample through the release's abort -> cancel chain
     p = c.samples[0]
     cont = Request(id="cont", prompt_ids=r.prompt_ids + p.token_ids, n=1, max_new_tokens=BUDGET - len(p.token_ids),
                    seed=9, ignore_eos=True)
@@ -36,3 +40,34 @@ def test_an_aborted_sample_reports_its_prefix_and_continues_from_prompt_plus_par
     assert got.id == "cont" and got.samples[0].token_ids == drawn(cont, 0)
     assert len(p.token_ids) + len(got.samples[0].token_ids) == BUDGET and got.samples[0].finish_reason == "length"
     assert events(log, "SamplingParams")[-1]["max_tokens"] == BUDGET - len(p.token_ids)
+
+
+class _Handle:
+    def __init__(self, tokens, logprobs, reason):
+        from types import SimpleNamespace
+        self.outputs = [SimpleNamespace(token_ids=tokens, logprobs=[{t: F.Logprob(-1.0 - i)} for i, t in
+                                                                   enumerate(tokens[:logprobs])],
+                                        finish_reason=reason)]
+
+
+@pytest.mark.parametrize("reason,want", [("cancelled", [5, 6]), ("length", None)])
+def test_tokens_without_their_log_prob(tmp_path, reason, want):
+    """One log-prob fewer than tokens: a cancelled sample keeps the tokens that have their log-prob (TensorRT-LLM
+    releases differ in whether a cancel can split a token from its log-prob); any other sample is an error, never
+    a silent shift of log-probs against tokens."""
+    d = tmp_path / "c"
+    d.mkdir()
+    checkpoint(d)
+    eng = F.make_engine(str(d))
+    try:
+        h = _Handle([5, 6, 7], 2, reason)
+        eng._live["r"] = {"handles": [h], "samples": [None], "stops": set(), "logprobs": True}
+        if want is None:
+            with pytest.raises(EngineError, match="3 tokens but 2 log-probs"):
+                eng._collect("r", 0, h, None)
+        else:
+            eng._collect("r", 0, h, None)
+            s = eng._live["r"]["samples"][0]
+            assert s.token_ids == want and s.logprobs == [-1.0, -2.0] and s.finish_reason == "aborted"
+    finally:
+        eng.close()
