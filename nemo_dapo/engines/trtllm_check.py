@@ -5,9 +5,10 @@
 Reads ``trtllm_api_snapshot.json`` (next to this file by default: the record of the pinned release), introspects the
 installed package (``SamplingParams`` / ``TorchLlmArgs`` / ``KvCacheConfig`` fields, ``LogprobMode`` and scheduler
 members, ``WorkerExtension.update_weights``'s signature and source markers, the abort path down to the executor's
-cancel, the sleep RPCs and memory tags, the registered model architectures) and ``import ray``, and prints EVERY mismatch, one per line. Exit status: 0 when all
-items match, 1 when any does not, 2 when the snapshot cannot be read. ``containers/Dockerfile.engine`` runs it, so an
-image whose TensorRT-LLM differs from the record fails to build; CI runs it against ``tests/engines/fake_trtllm.py``.
+cancel, the sleep RPCs and memory tags, the registered model architectures) and ``import ray``, and prints EVERY
+mismatch, one per line. Exit status: 0 when all items match, 1 when any does not, 2 when the snapshot cannot be
+read. ``containers/Dockerfile.engine`` runs it, so an image whose TensorRT-LLM differs from the record fails to
+build; CI runs it against ``tests/engines/fake_trtllm.py``.
 
 Which snapshot keys are checked is declared in :data:`CHECKED` (item -> the sub-keys whose values are compared) and
 :data:`DOC_KEYS` (sub-keys that only document); a test fails if the snapshot holds a key in neither.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import queue
 
+import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
@@ -23,6 +24,8 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 def write_buckets_in_process(write_buckets: list, results_queue) -> None:
     """Write every bucket with megatron's own ``write_preloaded_data`` and put ``{bucket index: [WriteResult]}``
     (or the first exception) on ``results_queue``, as ``write_preloaded_data_multiproc`` does from its children."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the writer's D2H copies are non_blocking; megatron's caller syncs before its fork
     local, count = queue.Queue(), queue.Queue()  # count: the JoinableQueue protocol (get, task_done) in-process
     results = {}
     for index, bucket in enumerate(write_buckets):
