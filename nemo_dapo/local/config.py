@@ -211,11 +211,16 @@ CHOICES = {
     "reward.verifier": ("dapo", "tolerant", "math_verify"),
     "data.task": ("arithmetic", "file"),
     "model.arch": ("llama", "qwen2"),
-    "rollout.engine": ("inprocess", *sorted(engine_registry.cpu_engines())),  # inprocess: no engine server
     "rollout.on_filler_full": ("abort", "finish", "suspend"),
     "rollout.fill_order": ("finish", "prompt"),
     "rollout.server.sleep_level": (0, 1, 2),
 }
+
+
+def choices() -> dict:
+    """``CHOICES`` and ``rollout.engine``'s, read from the engine registry at each call (a row registered after this
+    module was imported counts); ``inprocess`` runs no engine server."""
+    return {**CHOICES, "rollout.engine": ("inprocess", *sorted(engine_registry.cpu_engines()))}
 
 
 # Where each field of the shared algorithm block (nemo_dapo.core.settings.FIELDS) lives in this config.
@@ -389,7 +394,7 @@ def check_trainable(cfg: Config) -> Config:
 
 def validate(cfg: Config) -> Config:
     """Checks beyond types; each error names the key and what to set it to."""
-    for key, allowed in CHOICES.items():
+    for key, allowed in choices().items():
         if _get(cfg, key) not in allowed:
             raise ConfigError(f"config key '{key}' = {_get(cfg, key)!r} is not one of {allowed}")
     _check_algorithm(cfg)

@@ -124,3 +124,16 @@ def test_the_registry_imports_nothing_but_the_standard_library():
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     third_party = [m for m in json.loads(out.stdout) if m.split(".")[0] not in sys.stdlib_module_names]
     assert third_party == []
+
+
+def test_a_cpu_row_is_a_rollout_engine_of_the_cpu_job(monkeypatch):
+    """The CPU config reads the registry when it validates, not when it was imported: a row registered later counts."""
+    import dataclasses
+
+    from nemo_dapo.core.settings import ConfigError
+    from nemo_dapo.local.config import load_config
+
+    with pytest.raises(ConfigError, match=f"'rollout.engine' = '{TOY}' is not one of"):
+        load_config(overrides=[f"rollout.engine={TOY}"])
+    monkeypatch.setitem(R.ENGINES, TOY, dataclasses.replace(TOY_ROW, cpu=True))
+    assert load_config(overrides=[f"rollout.engine={TOY}"]).rollout.engine == TOY
