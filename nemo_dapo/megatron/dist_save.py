@@ -12,6 +12,7 @@ builds is run with its own ``AsyncRequest.execute_sync`` and the buckets go thro
 """
 from __future__ import annotations
 
+import inspect
 import queue
 
 import torch
@@ -60,3 +61,39 @@ class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
 def save_sharded(sharded_state_dict: dict, checkpoint_dir: str) -> None:
     """``dist_checkpointing.save`` in megatron-core's default format (``torch_dist``), writing in this process."""
     dist_checkpointing.save(sharded_state_dict, checkpoint_dir, sharded_strategy=InProcessTorchDistSave())
+
+
+# What this module calls of megatron-core's private save path (0.10.0), checked by check_megatron_api()
+MEGATRON_API = {
+    (TorchDistSaveShardedStrategy, "_get_save_and_finalize_callbacks"): ["self", "writer", "save_state_dict_ret"],
+    (TorchDistSaveShardedStrategy, "async_save"): ["self", "sharded_state_dict", "checkpoint_dir"],
+    (FileSystemWriterAsync, "write_preloaded_data"): ["local_proc_idx", "write_bucket", "results_queue", "count_queue",
+                                                      "use_fsync"],
+    (AsyncRequest, "execute_sync"): ["self"],
+}
+
+
+def check_megatron_api() -> list:
+    """The differences between the installed megatron-core and what this module calls (empty: it matches). The
+    trainer image runs it at build time (containers/Dockerfile)."""
+    problems = []
+    for (owner, name), params in MEGATRON_API.items():
+        fn = getattr(owner, name, None)
+        if fn is None:
+            problems.append(f"megatron-core lacks {owner.__name__}.{name}")
+            continue
+        got = list(inspect.signature(inspect.unwrap(fn)).parameters)
+        if got != params:
+            problems.append(f"megatron-core {owner.__name__}.{name} takes {got}, nemo_dapo.megatron.dist_save calls "
+                            f"it with {params}")
+    if list(AsyncRequest._fields[:3]) != ["async_fn", "async_fn_args", "finalize_fns"]:
+        problems.append(f"megatron-core AsyncRequest fields are {AsyncRequest._fields}")
+    return problems
+
+
+if __name__ == "__main__":
+    import sys
+
+    found = check_megatron_api()
+    print("\n".join(found) or "nemo_dapo.megatron.dist_save: the installed megatron-core matches")
+    sys.exit(1 if found else 0)
