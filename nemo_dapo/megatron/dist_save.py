@@ -6,9 +6,10 @@ child's ``FileSystemWriterAsync.write_preloaded_data_multiproc`` forks one more 
 multi-threaded by then (gloo's or NCCL's threads, torch's pools), and a child forked while another thread holds a
 lock inherits that lock held forever; the parent then polls ``is_alive`` / waits on ``count_queue`` with no timeout.
 It is intermittent and likelier on a loaded machine (one CI run of the Qwen3 conversion test, ~20 saves, hung until
-killed); Megatron-LM later replaced these processes with threads for the same reason. Here the request megatron
-builds is run with its own ``AsyncRequest.execute_sync`` and the buckets go through the same
-``write_preloaded_data`` (same files, same format, same results) one after another in this process: nothing forks.
+killed); a public report of the same failure cites Megatron-LM PR #3633 replacing these processes with threads
+(not read here: the pin is 0.10). Here the request megatron builds is run with its own
+``AsyncRequest.execute_sync`` and the buckets go through the same ``write_preloaded_data`` (same files, same
+format, same results) one after another in this process: nothing forks.
 """
 from __future__ import annotations
 
