@@ -14,7 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "containers" / "dapo.sbatch"
 
-# ENGINE_MODE: up (a server stays up), die (every server exits 1 at once), late_die (exits 1 after 2 s)
+# ENGINE_MODE: up (a server stays up), die (every server exits 1 at once), late_die (exits 1 once the trainer's srun
+# has recorded its call: a fixed delay raced the trainer's start on a loaded machine)
 SRUN = r"""#!/bin/bash
 exec 9>"$SRUN_DIR/lock"; flock 9
 n=$(ls "$SRUN_DIR" | grep -c '^call' || true)
@@ -24,10 +25,10 @@ flock -u 9; exec 9>&-
 case "$*" in
   *nemo_dapo.cluster.engine_options*) printf '{\n "engine": "trtllm",\n "engine_gpus": %s,\n "options": {}\n}\n' \
       "${ENGINE_GPUS:-8}" > "$RESULTS/engine_options.json" ;;
-  *nemo_dapo.engines.server*) case "${ENGINE_MODE:-up}" in die) exit 1 ;; late_die) sleep 2; exit 1 ;; esac
+  *nemo_dapo.engines.server*) case "${ENGINE_MODE:-up}" in die) exit 1 ;; late_die) until [ -e "$SRUN_DIR/trainer_up" ]; do sleep 0.1; done; exit 1 ;; esac
                               exec sleep 300 ;;
   *nemo_dapo.engines.health*) if [ "${ENGINE_MODE:-up}" = die ]; then exec sleep 300; fi ;;  # its full wait
-  *train_gpt_dapo.py*) [ "${ENGINE_MODE:-up}" = late_die ] && exec sleep 60; exit 0 ;;
+  *train_gpt_dapo.py*) touch "$SRUN_DIR/trainer_up"; [ "${ENGINE_MODE:-up}" = late_die ] && exec sleep 60; exit 0 ;;
 esac
 """
 
