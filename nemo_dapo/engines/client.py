@@ -181,8 +181,17 @@ class EngineClient:
         if self._dead is not None:
             raise EngineDied(self._dead)
 
+    def raise_if_dead(self) -> None:
+        """EngineDied when the connection is gone (the server died, was killed, or this client was closed)."""
+        self._check()
+
     def call(self, op: str, *, timeout_s: Optional[float] = None, **fields) -> dict:
         """Send one command and wait for its reply; an ``error`` reply raises (EngineWeightError for weights)."""
+        return self.reply(self.send(op, timeout_s=timeout_s, **fields), op, timeout_s=timeout_s)
+
+    def send(self, op: str, *, timeout_s: Optional[float] = None, **fields) -> int:
+        """Send one command without waiting; returns its number for :meth:`reply` (commands to several servers
+        can then be in flight together, as a collective weight update needs)."""
         self._check()
         cmd = next(self._cmd)
         timeout = self.request_timeout_s if timeout_s is None else timeout_s
@@ -193,6 +202,11 @@ class EngineClient:
         except (OSError, ValueError) as e:
             self._die(f"cannot send {op!r} to engine {self.name!r} ({e!r})")
             self._check()
+        return cmd
+
+    def reply(self, cmd: int, op: str, *, timeout_s: Optional[float] = None) -> dict:
+        """Wait for the reply to command ``cmd`` (an ``op``); an ``error`` reply raises."""
+        timeout = self.request_timeout_s if timeout_s is None else timeout_s
         with self._cv:
             ok = self._cv.wait_for(lambda: cmd in self._replies or self._dead is not None, timeout=timeout)
             msg = self._replies.pop(cmd, None)

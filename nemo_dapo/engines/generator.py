@@ -22,6 +22,7 @@ from nemo_dapo.core.loop_data import mix_seed
 from nemo_dapo.core.types import Generation
 from nemo_dapo.engines.base import EngineError, EngineWeightError, Request
 from nemo_dapo.engines.client import EngineClient
+from nemo_dapo.engines.weight_group import update_over_group
 
 
 def weight_buckets(policy, bucket_bytes: int) -> Iterator[list]:
@@ -151,10 +152,15 @@ class EngineGenerator:
 
     eos_id/pad_id: the tokenizer's; stop_token_ids: extra tokens that end a response (kept in it, as EOS is);
     top_k: 0 = off; bucket_bytes: weight-update bucket size; sleep_level: 0 keeps the engine awake while the trainer
-    trains, 1 frees its KV cache, 2 its weights too (``sleep`` is called by the loop before the update)."""
+    trains, 1 frees its KV cache, 2 its weights too (``sleep`` is called by the loop before the update);
+    weight_transport: ``shm`` (shared memory) or ``gloo`` (a broadcast over a process group: weight_group.py; the
+    group formed at the first update is kept, and formed again after a failed one)."""
 
     def __init__(self, client: EngineClient, *, eos_id: int, pad_id: int, stop_token_ids=(), top_k: int = 0,
-                 bucket_bytes: int = 64 << 20, sleep_level: int = 0):
+                 bucket_bytes: int = 64 << 20, sleep_level: int = 0, weight_transport: str = "shm"):
+        if weight_transport not in ("shm", "gloo"):
+            raise ValueError(f"weight_transport must be 'shm' or 'gloo', got {weight_transport!r:.40}")
+        self.weight_transport, self._group = weight_transport, None
         self.client, self.eos_id, self.pad_id = client, int(eos_id), int(pad_id)
         self.stop_token_ids = sorted({int(eos_id), *map(int, stop_token_ids)})
         self.top_k, self.bucket_bytes, self.sleep_level = top_k, bucket_bytes, sleep_level
@@ -234,7 +240,12 @@ class EngineGenerator:
             self._wake()
         t0 = time.perf_counter()
         try:
-            self.last_update = self.client.update_weights(weight_buckets(policy, self.bucket_bytes))
+            buckets = weight_buckets(policy, self.bucket_bytes)
+            if self.weight_transport == "gloo":
+                group, self._group = self._group, None  # dropped unless the update succeeds
+                self.last_update, self._group = update_over_group([self.client], buckets, group=group)
+            else:
+                self.last_update = self.client.update_weights(buckets)
         except EngineWeightError as e:
             raise EngineWeightError(f"{e} [{_PARTIAL}]", e.name) from e
         except EngineError as e:

@@ -25,11 +25,14 @@ one ``{"op": "reply", "cmd": k, ...}`` or ``{"op": "error", "cmd": k, "type": ..
     submit           {requests: [Request]}           -> {}   queued; completions follow as they finish
     abort            {ids: [str]}                    -> {aborted: n}; the aborted requests' completions follow
     update_weights   {shm, tensors: [WeightSpec]}    -> {loaded: n}; one bucket, read from shared memory
+    join_weights     {address, rank, world_size, ...} -> {joining}; the collective transport (weight_group.py)
+    update_weights   {via: "group", size, tensors}   -> {receiving: n}; one bucket, broadcast by the trainer
     update_weights_done {}                           -> {}   post-process, reset caches; generation may resume
     sleep            {level: 1|2}                    -> {}   level 1 frees the KV cache, 2 the weights too
     wake             {tags?: ["weights"|"kv_cache"]} -> {}   without tags: everything asleep (then submit works);
                                                              with tags: only that part (hello info's wake_tags)
-    health           {}                              -> {running, weights_ok, sleeping, uptime_s, engine}
+    health           {}                              -> {running, weights_ok, sleeping, uptime_s, engine,
+                                                        weight_group}
     shutdown         {}                              -> {}   then the server exits
 
 Server -> client, unprompted:
@@ -611,7 +614,7 @@ class AttachedBuffer:
         """[(name, tensor view)] for the specs; views are valid until :meth:`close`."""
         out = []
         for spec in specs:
-            if not _fits(spec, self._shm.size):
+            if not spec_fits(spec, self._shm.size):
                 raise ProtocolError(f"weight {spec['name']!r} ends past the {self._shm.size}-byte block")
             out.append((spec["name"], _view(self._shm.buf, spec)))
         return out
@@ -623,7 +626,7 @@ class AttachedBuffer:
             pass
 
 
-def _fits(spec: dict, size: int) -> bool:
+def spec_fits(spec: dict, size: int) -> bool:
     """Whether a (client-given) spec is well formed and lies inside a block of ``size`` bytes."""
     shape, offset = spec["shape"], spec["offset"]
     if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) and type(offset) is int):

@@ -37,6 +37,7 @@ from typing import Optional
 
 from nemo_dapo.core import engine_registry
 from nemo_dapo.engines import protocol as P
+from nemo_dapo.engines import weight_group as WG
 from nemo_dapo.engines.base import WAKE_TAGS, EngineError, EngineWeightError, Request, check_finite, check_token_ids
 
 log = logging.getLogger("nemo_dapo.engine")
@@ -98,6 +99,8 @@ class EngineServer:
         self.sleeping = False
         self.started = time.time()
         self._buffer: Optional[P.AttachedBuffer] = None
+        self._group = WG.ServerSide()
+        self._then = None  # a collective to enter once the reply is sent (join_weights, update_weights via group)
         self._stop = False
 
     # ---- sessions -------------------------------------------------------------------------------------------------
@@ -138,6 +141,7 @@ class EngineServer:
             log.exception("aborting the requests of the closed session failed")
         self.inflight.clear()
         self._close_buffer()
+        self._group = WG.ServerSide()  # the next trainer forms its own group
         ch.close()
 
     def _session(self, ch: P.Channel) -> None:
@@ -214,6 +218,9 @@ class EngineServer:
             return
         ch.send({"op": "reply", "cmd": cmd, **reply})
         self._send_completions(ch, after)
+        then, self._then = self._then, None
+        if then is not None:
+            then()
 
     def _op_hello(self, msg):
         if msg.get("version") != P.PROTOCOL_VERSION:
@@ -265,10 +272,22 @@ class EngineServer:
         done = self.adapter.abort(ids) if ids else []
         return {"aborted": len(done)}, done
 
+    def _op_join_weights(self, msg):
+        self._then = self._group.join_later(msg)
+        return {"joining": True}, []
+
     def _op_update_weights(self, msg):
         if self.inflight:
             raise _BadRequest(f"{len(self.inflight)} requests are still running: let them finish or abort them "
                               "before updating weights")
+        self._group.raise_failed()  # a bucket that failed after its reply: the update is refused from here on
+        if msg.get("via", "shm") == "group":
+            receive = self._group.receive_later(msg, self._load_checked)
+            self.weights_ok = False
+            self._then = receive
+            return {"receiving": len(msg["tensors"])}, []
+        if msg.get("via", "shm") != "shm":
+            raise _BadRequest(f"update_weights: via must be 'shm' or 'group', got {msg.get('via')!r:.40}")
         if not isinstance(msg.get("tensors"), list):
             raise _BadRequest("update_weights needs 'tensors': a list of weight specs")
         if self._buffer is None or self._buffer.name != msg.get("shm"):
@@ -277,15 +296,19 @@ class EngineServer:
         self.weights_ok = False  # an update has begun (a refused block name above changes nothing)
         named = self._buffer.tensors(msg["tensors"])
         try:
-            for name, t in named:  # the whole bucket before any of it is loaded: a refused bucket changes nothing
-                check_finite(name, t, self.name)
-            if named:
-                self.adapter.load_weights(named)
+            self._load_checked(named)
         finally:
             del named  # the adapter copied them; drop the views before the block can be closed
         return {"loaded": len(msg["tensors"])}, []
 
+    def _load_checked(self, named: list) -> None:
+        for name, t in named:  # the whole bucket before any of it is loaded: a refused bucket changes nothing
+            check_finite(name, t, self.name)
+        if named:
+            self.adapter.load_weights(named)
+
     def _op_update_weights_done(self, msg):
+        self._group.raise_failed()
         self._close_buffer()
         self.adapter.finish_weights()
         self.weights_ok = True
@@ -317,7 +340,8 @@ class EngineServer:
 
     def _op_health(self, msg):
         return {"running": len(self.inflight), "weights_ok": self.weights_ok, "sleeping": self.sleeping,
-                "uptime_s": round(time.time() - self.started, 3), "engine": self.name}, []
+                "uptime_s": round(time.time() - self.started, 3), "engine": self.name,
+                "weight_group": self._group.state}, []
 
     def _op_shutdown(self, msg):
         self._stop = True

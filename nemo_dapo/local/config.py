@@ -129,6 +129,7 @@ class EngineServerConfig:
     connect_timeout_s: float = MISSING
     request_timeout_s: float = MISSING
     bucket_mb: int = MISSING
+    weight_transport: str = MISSING
     max_batch_size: int = MISSING
     sleep_level: int = MISSING
     threads: int = MISSING
@@ -214,6 +215,7 @@ CHOICES = {
     "rollout.on_filler_full": ("abort", "finish", "suspend"),
     "rollout.fill_order": ("finish", "prompt"),
     "rollout.server.sleep_level": (0, 1, 2),
+    "rollout.server.weight_transport": ("shm", "gloo"),
 }
 
 

@@ -54,7 +54,7 @@ RESUME_SAFE_KEYS = (
     "trainer.threads", "trainer.tensorboard", "trainer.plots", "reward.num_workers",
     "rollout.server.python", "rollout.server.address", "rollout.server.connect_timeout_s",
     "rollout.server.request_timeout_s", "rollout.server.bucket_mb", "rollout.server.sleep_level",
-    "rollout.server.threads",
+    "rollout.server.threads", "rollout.server.weight_transport",
     "eval.",  # the final evaluation only (a warning says that the stored base evaluation used the old keys)
 )
 BUDGET_KEYS = ("trainer.max_steps", "trainer.max_samples", "trainer.max_time_s")

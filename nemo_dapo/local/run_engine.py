@@ -43,11 +43,12 @@ class EngineRollouts:
                 _save_hf(model, tokenizer, model_dir)
                 address = self._start(cfg, model_dir)
             self.client = EngineClient(address, name=engine, connect_timeout_s=srv.connect_timeout_s,
-                                       request_timeout_s=srv.request_timeout_s, process=self.proc)
+                                       request_timeout_s=srv.request_timeout_s, process=self.proc,
+                                       check_shared_memory=srv.weight_transport == "shm")
             log.info("rollouts through engine %s at %s (%s)", engine, address, self.client.info)
             self.generator = EngineGenerator(self.client, eos_id=tokenizer.eos_token_id,
                                              pad_id=tokenizer.pad_token_id, bucket_bytes=srv.bucket_mb << 20,
-                                             sleep_level=srv.sleep_level)
+                                             sleep_level=srv.sleep_level, weight_transport=srv.weight_transport)
             self.generator.update_weights(policy)  # resumed or not, the engine starts from the trainer's weights
         except BaseException:
             self.close()

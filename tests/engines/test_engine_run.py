@@ -25,6 +25,8 @@ ENGINES = {
     "local": ["rollout.engine=local"],
     "vllm": HEAD_DIM_32 + ["rollout.engine=vllm", f"rollout.server.python={VLLM_PYTHON}"],
 }
+GLOO = ["rollout.server.weight_transport=gloo"]
+ENGINES.update({f"{k}/gloo": v + GLOO for k, v in list(ENGINES.items())})  # the collective transport
 
 
 @pytest.fixture(scope="module")
@@ -50,12 +52,12 @@ def _engine_vs_trainer(run, seed: int) -> tuple:
 def test_engine_weights_follow_the_trainer_every_step(tmp_path, base_dir, base_dir_hd32, engine):  # noqa: F811
     from nemo_dapo.local.run import LocalRun
 
-    if engine == "vllm" and not os.path.exists(VLLM_PYTHON):
+    if engine.startswith("vllm") and not os.path.exists(VLLM_PYTHON):
         pytest.skip(f"no vLLM engine venv at {VLLM_PYTHON} (bash scripts/install.sh .venv-vllm engine-vllm)")
     # Dynamic sampling off, so every step trains and refits. The toy base's rewards are nearly all equal (its
     # advantages ~0), so each step's weight change is forced by perturbing the weights before it: the engine must
     # show them after the step, which only the loop's refit can bring about.
-    base = base_dir_hd32 if engine == "vllm" else base_dir
+    base = base_dir_hd32 if engine.startswith("vllm") else base_dir
     cfg = tiny_cfg(str(tmp_path), f"model.path={base}", *ENGINE, *ENGINES[engine],
                    "algorithm.dynamic_sampling.enabled=false")
     run = LocalRun(cfg)
@@ -75,19 +77,23 @@ def test_engine_weights_follow_the_trainer_every_step(tmp_path, base_dir, base_d
             valid = batch.response_mask > 0
             assert (engine_lp - trainer_lp)[valid].abs().max() < 1e-4  # the engine has the new weights
         assert run.sampler.last_update["tensors"] == len(run.model.state_dict())
+        assert run.sampler.last_update.get("transport", "shm") == ("group" if "gloo" in engine else "shm")
     finally:
         run.close()
 
 
-def _train_cmd(run_dir, base, steps):
+def _train_cmd(run_dir, base, steps, *extra):
     return [sys.executable, "-m", "nemo_dapo.cli", "train", *TINY, f"run_dir={run_dir}", f"model.path={base}",
-            *ENGINE, f"trainer.max_steps={steps}", "rollout.server.request_timeout_s=30"]
+            *ENGINE, f"trainer.max_steps={steps}", "rollout.server.request_timeout_s=30", *extra]
 
 
-def test_engine_killed_mid_run_gives_a_clear_error_and_a_resumable_checkpoint(tmp_path, base_dir):  # noqa: F811
+@pytest.mark.parametrize("transport", [[], GLOO], ids=["shm", "gloo"])
+def test_engine_killed_mid_run_gives_a_clear_error_and_a_resumable_checkpoint(tmp_path, base_dir,  # noqa: F811
+                                                                               transport):
     run_dir = str(tmp_path / "run")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(_train_cmd(run_dir, base_dir, 10_000), stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(_train_cmd(run_dir, base_dir, 10_000, *transport), stderr=subprocess.PIPE, text=True,
+                            env=env)
     engine_pid, lines = None, []
     for line in proc.stderr:
         lines.append(line)
@@ -103,8 +109,8 @@ def test_engine_killed_mid_run_gives_a_clear_error_and_a_resumable_checkpoint(tm
     done = max(r["step"] for r in read_metrics(run_dir, "train"))
     assert os.path.isfile(os.path.join(run_dir, "checkpoints", f"step_{done:08d}.pt"))
     # The same command with a live engine resumes after the last finished step.
-    again = subprocess.run(_train_cmd(run_dir, base_dir, done + 1), capture_output=True, text=True, env=env,
-                           timeout=300)
+    again = subprocess.run(_train_cmd(run_dir, base_dir, done + 1, *transport), capture_output=True, text=True,
+                           env=env, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"rollout step {done})" in again.stderr and "resumed from" in again.stderr
     assert [r["step"] for r in read_metrics(run_dir, "train")][-1] == done + 1

@@ -1,0 +1,258 @@
+"""The collective weight transport: one broadcast from the trainer to every engine server, beside shared memory.
+
+Shared memory reaches only the servers on the trainer's host. Here the trainer (rank 0) and N engine servers (ranks
+1..N) form a process group of their own, never the trainer's world (the trainer may run one already), so the engines
+can live on other nodes and one broadcast feeds them all. The trainer hosts its rendezvous (a ``TCPStore``) and tells
+each server where it is (``join_weights``). A bucket travels as one flat uint8 tensor in the layout of
+``protocol.weight_layout`` (64-byte aligned offsets), so both transports share the WeightSpec and its checks.
+
+Protocol (one reply per command, as every other op; the server blocks in the collective right after its reply):
+
+    join_weights   {address: "tcp://H:P", rank, world_size, group_timeout_s} -> {joining: true}; then it joins
+    update_weights {via: "group", size, tensors: [WeightSpec]}          -> {receiving: n}; then it receives the
+                                                                           bucket from rank 0 and loads it
+
+The trainer sends a bucket's ``update_weights`` to every server and waits for every reply before it broadcasts: a
+server that refuses is known before anyone blocks. A receive or a load that fails afterwards is answered on the
+server's next ``update_weights`` / ``update_weights_done`` (its weights are then not usable, as with shared memory).
+When anything fails part-way the trainer drops the group: the servers still waiting in the broadcast see their peer
+close and fail at once, and the next update forms a new group.
+
+Backend: gloo (CPU tensors: the CPU engines, and any server that loads through its adapter). The engines' GPU workers
+would take NCCL through a worker extension of their own; that is not built, and ``nccl`` is refused by name.
+``GLOO_SOCKET_IFNAME`` picks the network interface where the default (the host name's address) is the wrong one.
+"""
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from nemo_dapo.engines import protocol as P
+from nemo_dapo.engines.base import EngineError, EngineWeightError
+
+PREFIX = "nemo_dapo/weights"
+MAX_WORLD = 4096  # servers of one trainer, plus the trainer
+MAX_BUCKET_BYTES = 16 << 30  # one bucket of a group update (the recipes' buckets are 64-512 MiB)
+BACKENDS = ("gloo",)
+
+
+def check_backend(name: str) -> str:
+    """The backend of a weight group, refused by name where it is not built."""
+    if name == "nccl":
+        raise ValueError("weight transport 'nccl' is not built: the engines' GPU workers would need a worker "
+                         "extension that receives the broadcast; use 'gloo' (the servers load through their adapter) "
+                         "or shared memory")
+    if name not in BACKENDS:
+        raise ValueError(f"weight-group backend must be one of {list(BACKENDS)}, got {name!r:.40}")
+    return name
+
+
+def _timeout(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(seconds))
+
+
+def parse_store(address) -> tuple:
+    """``tcp://HOST:PORT`` -> (host, port); a ProtocolError names anything else."""
+    if not isinstance(address, str) or not address.startswith("tcp://"):
+        raise P.ProtocolError(f"weight-group address must be tcp://HOST:PORT, got {address!r:.80}")
+    host, sep, port = address[len("tcp://"):].rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise P.ProtocolError(f"weight-group address must be tcp://HOST:PORT, got {address!r:.80}")
+    return host.strip("[]"), int(port)
+
+
+def check_join(msg: dict) -> tuple:
+    """(host, port, rank, world_size, timeout_s) of a ``join_weights`` message, each checked."""
+    host, port = parse_store(msg.get("address"))
+    rank, world, timeout_s = msg.get("rank"), msg.get("world_size"), msg.get("group_timeout_s", 300)
+    if type(world) is not int or not 2 <= world <= MAX_WORLD:
+        raise P.ProtocolError(f"join_weights: world_size must be an int in [2, {MAX_WORLD}], got {world!r:.40}")
+    if type(rank) is not int or not 1 <= rank < world:
+        raise P.ProtocolError(f"join_weights: rank must be an int in [1, world_size), got {rank!r:.40}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 3600:
+        raise P.ProtocolError(f"join_weights: group_timeout_s must be a number in (0, 3600], got {timeout_s!r:.40}")
+    return host, port, rank, world, float(timeout_s)
+
+
+def check_bucket(specs, size) -> int:
+    """The byte size of a group bucket whose every spec lies inside it (ProtocolError otherwise)."""
+    if type(size) is not int or not 0 <= size <= MAX_BUCKET_BYTES:
+        raise P.ProtocolError(f"update_weights: size must be an int in [0, {MAX_BUCKET_BYTES}], got {size!r:.40}")
+    if not isinstance(specs, list):
+        raise P.ProtocolError("update_weights needs 'tensors': a list of weight specs")
+    for spec in specs:
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise P.ProtocolError(f"a weight spec must be an object with a string name, got {spec!r:.80}")
+        if not P.spec_fits(spec, size):
+            raise P.ProtocolError(f"weight {spec['name']!r} ends past the {size}-byte bucket")
+    return size
+
+
+def _views(flat: torch.Tensor, specs: Sequence[dict]) -> list:
+    out = []
+    for spec in specs:
+        dtype, shape = P.dtype_of(spec["dtype"]), tuple(spec["shape"])
+        start = int(spec["offset"])
+        out.append((spec["name"], flat[start:start + P.nbytes(dtype, shape)].view(dtype).view(shape)))
+    return out
+
+
+class WeightGroup:
+    """Trainer side, rank 0: hosts the rendezvous at ``host`` (an address the engine nodes reach) on a free port.
+
+    ``connect`` blocks until all ``engines`` servers have joined (each after its ``join_weights``) or ``timeout_s``."""
+
+    def __init__(self, host: str, engines: int, *, timeout_s: float = 300.0):
+        if not 1 <= engines < MAX_WORLD:
+            raise ValueError(f"a weight group serves 1..{MAX_WORLD - 1} engine servers, got {engines}")
+        self.world_size, self.timeout_s = engines + 1, float(timeout_s)
+        self._store = dist.TCPStore(host, 0, self.world_size, True, timeout=_timeout(timeout_s),
+                                    wait_for_workers=False)
+        self.address = f"tcp://{host}:{self._store.port}"
+        self._pg = None
+
+    def join_message(self, rank: int) -> dict:
+        return {"address": self.address, "rank": rank, "world_size": self.world_size,
+                "group_timeout_s": self.timeout_s}
+
+    def connect(self) -> None:
+        self._pg = dist.ProcessGroupGloo(dist.PrefixStore(PREFIX, self._store), 0, self.world_size,
+                                         _timeout(self.timeout_s))
+
+    def broadcast(self, bucket: list, specs: list, size: int) -> None:
+        """Send one bucket of (name, tensor) pairs, laid out by ``protocol.weight_layout``."""
+        flat = torch.empty(size, dtype=torch.uint8)
+        for (_, view), (_, t) in zip(_views(flat, specs), bucket):
+            view.copy_(t.detach().reshape(view.shape).to("cpu"))
+        self._pg.broadcast(flat, 0).wait()
+
+    def close(self) -> None:
+        """Drop the group and its rendezvous; a server still waiting in a broadcast fails as its peer closes."""
+        self._pg = self._store = None
+
+
+class GroupMember:
+    """Engine-server side, rank >= 1 of the trainer's group (blocks in the constructor until every rank joined)."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float):
+        store = dist.TCPStore(host, port, world_size, False, timeout=_timeout(timeout_s))
+        self._pg = dist.ProcessGroupGloo(dist.PrefixStore(PREFIX, store), rank, world_size, _timeout(timeout_s))
+
+    def receive(self, specs: list, size: int) -> list:
+        """[(name, tensor)] of one bucket broadcast by rank 0 (views of one fresh buffer)."""
+        flat = torch.empty(size, dtype=torch.uint8)
+        self._pg.broadcast(flat, 0).wait()
+        return _views(flat, specs)
+
+
+class ServerSide:
+    """What an engine server keeps of its group: the member, its state for ``health``, and the error of a receive
+    or load that failed after the reply (answered on the next weight command)."""
+
+    def __init__(self):
+        self.member: Optional[GroupMember] = None
+        self.state = "none"
+        self.failed: Optional[EngineWeightError] = None
+
+    def join_later(self, msg: dict):
+        """Check a ``join_weights`` message; returns what joins, to be run after the reply."""
+        host, port, rank, world, timeout_s = check_join(msg)
+        self.member, self.state = None, "joining"
+        self.failed = None  # a new group starts a new update: the trainer knew of the old one's failure
+
+        def join():
+            try:
+                self.member = GroupMember(host, port, rank, world, timeout_s)
+                self.state = "joined"
+            except Exception as e:  # noqa: BLE001 - reported through health and the next update
+                self.state = f"failed to join {msg['address']} as rank {rank}: {type(e).__name__}: {e}"
+        return join
+
+    def receive_later(self, msg: dict, load):
+        """Check a group ``update_weights``; returns what receives the bucket and hands it to ``load``."""
+        if self.member is None:
+            raise P.ProtocolError(f"update_weights via group: no weight group is joined ({self.state}); send "
+                                  "join_weights first")
+        specs, size = msg.get("tensors"), check_bucket(msg.get("tensors"), msg.get("size"))
+
+        def receive():
+            try:
+                named = self.member.receive(specs, size)
+            except Exception as e:  # noqa: BLE001 - the trainer dropped the group or died: the next update rejoins
+                self.member, self.state = None, f"left: a broadcast failed ({type(e).__name__}: {e})"
+                self.failed = EngineWeightError(f"the weight broadcast failed part-way ({e}); the update is "
+                                                "incomplete")
+                return
+            try:
+                load(named)
+            except EngineWeightError as e:
+                self.failed = e
+            except Exception as e:  # noqa: BLE001 - answered on the next weight command
+                self.failed = EngineWeightError(f"loading a broadcast bucket failed: {type(e).__name__}: {e}")
+        return receive
+
+    def raise_failed(self) -> None:
+        failed, self.failed = self.failed, None
+        if failed is not None:
+            raise failed
+
+
+# ---- trainer side: one update to many servers ---------------------------------------------------------------------
+def update_over_group(clients: Sequence, buckets, *, host: str = "127.0.0.1", timeout_s: float = 300.0,
+                      group: Optional[WeightGroup] = None) -> tuple:
+    """Broadcast every (name, tensor) bucket to ``clients`` (EngineClient), then ``update_weights_done`` each.
+
+    ``group``: a joined group from an earlier update (None: form one). Returns (stats, the group to reuse, or None
+    when it failed and was dropped). A server that dies or refuses raises EngineError / EngineWeightError."""
+    stats = {"buckets": 0, "tensors": 0, "bytes": 0, "seconds": 0.0, "transport": "group"}
+    t0 = time.perf_counter()
+    try:
+        if group is None:
+            group = _form(clients, host, timeout_s)
+        for bucket in buckets:
+            bucket = list(bucket)
+            specs, size = P.weight_layout(bucket)
+            cmds = [c.send("update_weights", via="group", size=size, tensors=specs) for c in clients]
+            for c, k in zip(clients, cmds):
+                c.reply(k, "update_weights")
+            _collective(clients, lambda: group.broadcast(bucket, specs, size))
+            stats["buckets"] += 1
+            stats["tensors"] += len(specs)
+            stats["bytes"] += size
+        for k, c in [(c.send("update_weights_done"), c) for c in clients]:
+            c.reply(k, "update_weights_done")
+    except BaseException:
+        if group is not None:
+            group.close()
+        raise
+    stats["seconds"] = time.perf_counter() - t0
+    return stats, group
+
+
+def _form(clients: Sequence, host: str, timeout_s: float) -> WeightGroup:
+    group = WeightGroup(host, len(clients), timeout_s=timeout_s)
+    try:
+        for k, c in [(c.send("join_weights", **group.join_message(r + 1)), c) for r, c in enumerate(clients)]:
+            c.reply(k, "join_weights")
+        _collective(clients, group.connect, joining=True)
+    except BaseException:
+        group.close()
+        raise
+    return group
+
+
+def _collective(clients: Sequence, fn, joining: bool = False) -> None:
+    """Run a collective; a failure is named after the engine that died, or after the servers' own account."""
+    try:
+        fn()
+    except RuntimeError as e:  # gloo: a peer that closed, or the time-out
+        time.sleep(0.2)  # a dead server's socket closes a moment after its process ends
+        for c in clients:
+            c.raise_if_dead()
+        states = "; ".join(f"{c.name}: {c.health().get('weight_group', '?')}" for c in clients)
+        what = "forming the weight group" if joining else "the weight broadcast"
+        raise EngineError(f"{what} failed ({e}); the engine servers say: {states}") from None

@@ -1,0 +1,141 @@
+"""The collective weight transport (engines/weight_group.py) between a trainer and real server processes over gloo:
+one broadcast feeds several servers, the bytes equal the shared-memory path's, refusals and deaths end the update
+with a clear error and never a hang, and a hostile join or bucket leaves the server serving."""
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from nemo_dapo.engines import protocol as P
+from nemo_dapo.engines import weight_group as WG
+from nemo_dapo.engines.base import EngineError, EngineWeightError, Request
+from nemo_dapo.engines.client import EngineDied
+from tests.engines.test_protocol import expected, start
+
+
+@pytest.fixture
+def two(tmp_path):
+    servers = [start(tmp_path, name) for name in ("a", "b")]
+    yield servers
+    for proc, client in servers:
+        proc.stop(client if client.alive else None)
+
+
+def first_tokens(client, req):
+    client.submit([req])
+    return client.next_completion().samples[0].token_ids
+
+
+def test_one_broadcast_updates_every_server_and_the_group_is_reused(two):
+    clients = [c for _, c in two]
+    stats, group = WG.update_over_group(clients, [[("w", torch.tensor([1.0, 2.0, 3.0, 4.0]))]])
+    assert stats["buckets"] == 1 and stats["tensors"] == 1 and stats["transport"] == "group"
+    req = Request(id="x", prompt_ids=[5], max_new_tokens=4, seed=2)
+    for c in clients:
+        assert first_tokens(c, req) == expected(req, 0, offset=10)
+        assert c.health()["weight_group"] == "joined"
+    again, same = WG.update_over_group(clients, [[("w", torch.zeros(4))]], group=group)
+    assert same is group and again["buckets"] == 1
+    assert all(first_tokens(c, Request(id="y", prompt_ids=[5], max_new_tokens=4, seed=2)) == expected(req, 0)
+               for c in clients)
+
+
+def test_group_bytes_equal_the_shared_memory_layout_for_mixed_dtypes():
+    bucket = [("a", torch.arange(6, dtype=torch.bfloat16).view(2, 3)), ("b", torch.tensor([True, False])),
+              ("c", torch.empty(0, 5)), ("d", torch.arange(3, dtype=torch.int64))]
+    specs, size = P.weight_layout(bucket)
+    flat = torch.zeros(size, dtype=torch.uint8)
+    for (_, view), (_, t) in zip(WG._views(flat, specs), bucket):
+        view.copy_(t)
+    shm = P.WeightBuffer()
+    try:
+        name, shm_specs = shm.pack(bucket)
+        assert shm_specs == specs
+        assert bytes(shm._shm.buf[:size]) == flat.numpy().tobytes()
+    finally:
+        shm.close()
+    for (name, got), (want_name, want) in zip(WG._views(flat, specs), bucket):
+        assert name == want_name and got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_a_refused_tensor_names_itself_drops_the_group_and_the_next_update_forms_a_new_one(two):
+    clients = [c for _, c in two]
+    _, group = WG.update_over_group(clients, [[("w", torch.ones(4))]])
+    t0 = time.monotonic()
+    with pytest.raises(EngineWeightError, match="'model.bogus.weight'"):
+        WG.update_over_group(clients, [[("w", torch.ones(4))], [("model.bogus.weight", torch.ones(4))]], group=group)
+    assert time.monotonic() - t0 < 10  # the servers still in the broadcast saw the group close
+    with pytest.raises(EngineError, match="mixed weights"):
+        clients[1].submit([Request(id="z", prompt_ids=[1])])
+    stats, fresh = WG.update_over_group(clients, [[("w", torch.zeros(4))]])
+    assert fresh is not group and stats["buckets"] == 1
+    req = Request(id="z", prompt_ids=[5], max_new_tokens=3, seed=1)
+    assert [first_tokens(c, req) for c in clients] == [expected(req, 0)] * 2
+
+
+def test_a_server_killed_mid_transfer_raises_engine_died_and_the_other_stays_usable(tmp_path):
+    slow, fast = start(tmp_path, "slow", load_delay_s=3.0), start(tmp_path, "fast")
+    try:
+        clients = [slow[1], fast[1]]
+        _, group = WG.update_over_group(clients, [[("w", torch.ones(4))]])
+
+        def buckets():
+            yield [("w", torch.ones(4))]
+            os.kill(slow[0].pid, signal.SIGKILL)  # the slow server is loading bucket 1
+            yield [("w", torch.zeros(4))]
+        t0 = time.monotonic()
+        with pytest.raises(EngineDied, match="'slow'"):
+            WG.update_over_group(clients, buckets(), group=group)
+        assert time.monotonic() - t0 < 30
+        stats, _ = WG.update_over_group([fast[1]], [[("w", torch.zeros(4))]])
+        assert stats["buckets"] == 1 and fast[1].health()["weights_ok"]
+    finally:
+        for proc, client in (slow, fast):
+            proc.stop(client if client.alive else None)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"address": "http://x:1", "rank": 1, "world_size": 2}, "tcp://HOST:PORT"),
+    ({"address": "tcp://127.0.0.1:99999", "rank": 1, "world_size": 2}, "tcp://HOST:PORT"),
+    ({"address": "tcp://127.0.0.1:5", "rank": 0, "world_size": 2}, "rank must be"),
+    ({"address": "tcp://127.0.0.1:5", "rank": 1, "world_size": 10 ** 9}, "world_size must be"),
+    ({"address": "tcp://127.0.0.1:5", "rank": 1, "world_size": 2, "group_timeout_s": "soon"},
+     "group_timeout_s must be"),
+])
+def test_a_bad_join_is_refused_by_name_and_the_server_serves_on(two, fields, message):
+    client = two[0][1]
+    with pytest.raises(EngineError, match=message):
+        client.call("join_weights", **fields)
+    assert client.health()["weight_group"] == "none"
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"size": 16, "tensors": [{"name": "w", "dtype": "float32", "shape": [4], "offset": 0}]}, "no weight group"),
+])
+def test_a_group_bucket_without_a_group_is_refused(two, fields, message):
+    client = two[0][1]
+    with pytest.raises(EngineError, match=message):
+        client.call("update_weights", via="group", **fields)
+    with pytest.raises(EngineError, match="via must be"):
+        client.call("update_weights", via="carrier-pigeon", tensors=[])
+    assert client.health()["running"] == 0
+
+
+def test_a_bucket_past_its_size_or_too_large_is_refused_before_anything_blocks(two):
+    clients = [c for _, c in two]
+    _, group = WG.update_over_group(clients, [[("w", torch.ones(4))]])
+    client = clients[0]
+    spec = {"name": "w", "dtype": "float32", "shape": [4], "offset": 0}
+    for size, tensors, message in ((8, [spec], "ends past"), (WG.MAX_BUCKET_BYTES + 1, [spec], "size must be"),
+                                   (16, [{**spec, "shape": ["4"]}], "shape must be"), (16, "w", "a list")):
+        with pytest.raises(EngineError, match=message):
+            client.call("update_weights", via="group", size=size, tensors=tensors)
+    stats, _ = WG.update_over_group(clients, [[("w", torch.zeros(4))]], group=group)  # still joined, still serving
+    assert stats["buckets"] == 1
+
+
+def test_nccl_is_refused_by_name():
+    with pytest.raises(ValueError, match="nccl"):
+        WG.check_backend("nccl")
