@@ -99,7 +99,7 @@ class EngineServer:
         self.sleeping = False
         self.started = time.time()
         self._buffer: Optional[P.AttachedBuffer] = None
-        self._group = WG.ServerSide()
+        self._group = WG.ServerSide(self.adapter)
         self._then = None  # a collective to enter once the reply is sent (join_weights, update_weights via group)
         self._stop = False
 
@@ -141,7 +141,7 @@ class EngineServer:
             log.exception("aborting the requests of the closed session failed")
         self.inflight.clear()
         self._close_buffer()
-        self._group = WG.ServerSide()  # the next trainer forms its own group
+        self._group = WG.ServerSide(self.adapter)  # the next trainer forms its own group
         ch.close()
 
     def _session(self, ch: P.Channel) -> None:

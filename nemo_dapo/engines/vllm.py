@@ -12,7 +12,8 @@
   Names and shapes are checked against the checkpoint's safetensors headers. A module an update touches must get
   all its tensors (q, k, v; weight, bias), else ``finish_weights`` raises and the engine refuses further work (vLLM
   would compute with uninitialised memory). Tied embeddings: vLLM's CPU lm_head keeps its own packed copy, so
-  ``lm_head.weight`` and ``model.embed_tokens.weight`` are always loaded together.
+  ``lm_head.weight`` and ``model.embed_tokens.weight`` are always loaded together. The collective transport
+  (weight_group.py) is received by the workers themselves (``_rpc_group`` through ``collective_rpc``).
 * Sleep: vLLM's CPU worker ignores it: sleep pauses the scheduler and drops the prefix cache but frees nothing
   (``info()["sleep_frees_memory"]``); on GPU pass ``enable_sleep_mode=True``.
 """
@@ -52,6 +53,32 @@ def _rpc_reload(worker, phase: str, weights=None):
         finally:
             quiet.disabled = was
         _repack_cpu_experts(model)
+
+
+def _rpc_group(worker, op: str, args):
+    """Runs on vLLM's worker (collective_rpc): the collective weight transport (weight_group.py) received by the
+    worker itself, one rank per worker (``base + worker.rank``), so a bucket never passes through the server.
+    "receive" returns the name of a non-finite tensor (nothing of the bucket loaded), else None."""
+    from nemo_dapo.engines.base import EngineWeightError, check_finite
+    from nemo_dapo.engines.weight_group import GroupMember
+    if op == "join":
+        host, port, base, world, timeout_s = args
+        worker.nemo_dapo_weight_group = None  # a new group replaces the old one
+        worker.nemo_dapo_weight_group = GroupMember(host, port, base + worker.rank, world, timeout_s)
+        return None
+    specs, size, dtype, tied = args
+    named = worker.nemo_dapo_weight_group.receive(specs, size)
+    for name, t in named:
+        try:
+            check_finite(name, t, "vllm")
+        except EngineWeightError:
+            return name
+    batch = {name: t.to(dtype=getattr(torch, dtype), copy=True) for name, t in named}
+    for name, alias in tied.items():
+        if name in batch and alias not in batch:
+            batch[alias] = batch[name]
+    _rpc_reload(worker, "load", list(batch.items()))
+    return None
 
 
 def _repack_cpu_experts(model) -> None:
@@ -112,6 +139,7 @@ class VLLMEngine:
         return {"engine": "vllm", "name": self.name, "model": self.model_dir, "vllm_version": self._version,
                 "vocab_size": int(self._config["vocab_size"]), "max_seq_len": self._engine.model_config.max_model_len,
                 "max_batch_size": self._max_batch_size, "dtype": str(self._dtype).replace("torch.", ""),
+                "weight_group_ranks": self._engine.vllm_config.parallel_config.world_size,
                 "device": "cpu" if self._cpu else "cuda", "sleep_frees_memory": not self._cpu,
                 # GPU sleep level 1 offloads the weights to CPU and drops the KV cache, level 2 drops both
                 # (vllm/v1/worker/gpu_worker.py sleep / wake_up(tags)); the CPU worker frees nothing, so it says
@@ -190,12 +218,7 @@ class VLLMEngine:
         batch = {}
         for name, tensor in named:  # copies: vLLM buffers tensors until their module is complete
             shape = self._shapes[name] if name in self._shapes else self._shapes.get(self._tied.get(name))
-            try:
-                check_weight(name, tensor, None if shape is None else torch.empty(shape, device="meta"), self.name)
-            except EngineWeightError:
-                if self._updating:  # earlier buckets of this update are in: the model is half-updated
-                    self._broken = f"a weight update was interrupted by the rejected tensor {name!r}"
-                raise
+            self._checked(name, tensor, shape)
             batch[name] = tensor.detach().to(dtype=self._dtype, copy=True)
         for name, alias in self._tied.items():  # tied: vLLM's CPU lm_head keeps its own packed copy: load both
             if name in batch and alias not in batch:
@@ -208,12 +231,58 @@ class VLLMEngine:
         self._reload("load", list(batch.items()))
         self._received.update(batch)
 
+    def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+        """Every worker joins the trainer's weight group (weight_group.py), as ranks ``rank`` onwards."""
+        self._check_alive()
+        self._engine.collective_rpc(_rpc_group, args=("join", (host, port, rank, world_size, timeout_s)))
+
+    def check_weight_specs(self, specs: list) -> None:
+        """Names, shapes and dtypes of a broadcast bucket, checked from its specs before the server agrees to receive
+        it (as ``load_weights`` checks tensors): a refused bucket is refused before anyone enters the broadcast."""
+        from .protocol import dtype_of
+        self._check_alive()
+        for spec in specs:
+            name = spec["name"]
+            shape = self._shapes[name] if name in self._shapes else self._shapes.get(self._tied.get(name))
+            self._checked(name, torch.empty(spec["shape"], dtype=dtype_of(spec["dtype"]), device="meta"), shape)
+
+    def receive_weights(self, specs: list, size: int) -> None:
+        """One broadcast bucket (checked by ``check_weight_specs``), received and loaded by the workers. A failed
+        broadcast raises ``GroupBroken`` and leaves the update open (the next full update completes it)."""
+        from .weight_group import GroupBroken
+        if not specs:
+            return
+        if not self._updating:
+            self._reload("start")
+            self._updating, self._received = True, set()
+        dtype = str(self._dtype).replace("torch.", "")
+        try:
+            bad = self._engine.collective_rpc(_rpc_group, args=("receive", (specs, size, dtype, self._tied)))[0]
+        except GroupBroken:
+            raise
+        except Exception as e:  # a failed load leaves the model half-updated
+            self._broken = f"vLLM failed to load a broadcast bucket ({type(e).__name__}: {e})"
+            raise EngineWeightError(f"engine {self.name!r}: {self._broken}", specs[0]["name"]) from e
+        if bad is not None:  # nothing of the bucket loaded: as the server's own check on the shm path
+            raise EngineWeightError(f"engine {self.name!r}: weight {bad!r} holds NaN or inf values; refusing it",
+                                    bad)
+        names = {s["name"] for s in specs}
+        self._received.update(names | {self._tied[n] for n in names if n in self._tied})
+
     def _reload(self, phase: str, batch=None):
         try:
             return self._engine.collective_rpc(_rpc_reload, args=(phase, batch))[0]
         except Exception as e:  # a failed phase leaves the model half-updated
             self._broken = f"vLLM failed in weight-update phase {phase!r} ({type(e).__name__}: {e})"
             raise EngineWeightError(f"engine {self.name!r}: {self._broken}", batch[0][0] if batch else "") from e
+
+    def _checked(self, name: str, tensor: torch.Tensor, shape) -> None:
+        try:
+            check_weight(name, tensor, None if shape is None else torch.empty(shape, device="meta"), self.name)
+        except EngineWeightError:
+            if self._updating:  # earlier buckets of this update are in: the model is half-updated
+                self._broken = f"a weight update was interrupted by the rejected tensor {name!r}"
+            raise
 
     def finish_weights(self) -> None:
         self._check_alive()

@@ -40,6 +40,10 @@ MAX_BUCKET_BYTES = 16 << 30  # one bucket of a group update (the recipes' bucket
 BACKENDS = ("gloo",)
 
 
+class GroupBroken(EngineError):
+    """A broadcast of the weight group failed: the group is gone (the trainer dropped it, or a peer died)."""
+
+
 def check_backend(name: str) -> str:
     """The backend of a weight group, refused by name where it is not built."""
     if name == "nccl":
@@ -104,12 +108,13 @@ def _views(flat: torch.Tensor, specs: Sequence[dict]) -> list:
 class WeightGroup:
     """Trainer side, rank 0: hosts the rendezvous at ``host`` (an address the engine nodes reach) on a free port.
 
-    ``connect`` blocks until all ``engines`` servers have joined (each after its ``join_weights``) or ``timeout_s``."""
+    ``connect`` blocks until all ``receivers`` ranks (engine servers, or their workers) have joined (after their
+    ``join_weights``) or ``timeout_s``."""
 
-    def __init__(self, host: str, engines: int, *, timeout_s: float = 300.0):
-        if not 1 <= engines < MAX_WORLD:
-            raise ValueError(f"a weight group serves 1..{MAX_WORLD - 1} engine servers, got {engines}")
-        self.world_size, self.timeout_s = engines + 1, float(timeout_s)
+    def __init__(self, host: str, receivers: int, *, timeout_s: float = 300.0):
+        if not 1 <= receivers < MAX_WORLD:
+            raise ValueError(f"a weight group has 1..{MAX_WORLD - 1} receiving ranks, got {receivers}")
+        self.world_size, self.timeout_s = receivers + 1, float(timeout_s)
         self._store = dist.TCPStore(host, 0, self.world_size, True, timeout=_timeout(timeout_s),
                                     wait_for_workers=False)
         self.address = f"tcp://{host}:{self._store.port}"
@@ -143,18 +148,42 @@ class GroupMember:
         self._pg = dist.ProcessGroupGloo(dist.PrefixStore(PREFIX, store), rank, world_size, _timeout(timeout_s))
 
     def receive(self, specs: list, size: int) -> list:
-        """[(name, tensor)] of one bucket broadcast by rank 0 (views of one fresh buffer)."""
+        """[(name, tensor)] of one bucket broadcast by rank 0 (views of one fresh buffer); GroupBroken when the
+        broadcast fails (a peer closed, or the time-out)."""
         flat = torch.empty(size, dtype=torch.uint8)
-        self._pg.broadcast(flat, 0).wait()
+        try:
+            self._pg.broadcast(flat, 0).wait()
+        except RuntimeError as e:
+            raise GroupBroken(f"{type(e).__name__}: {e}") from None
         return _views(flat, specs)
+
+    def receive_and_load(self, specs: list, size: int, load) -> None:
+        load(self.receive(specs, size))
+
+
+class _AdapterMember:
+    """A member whose engine receives the broadcast in its own workers (``adapter.join_weight_group`` /
+    ``check_weight_specs`` / ``receive_weights``: vLLM's collective_rpc), so a bucket's bytes never pass through the
+    server process. The adapter checks a bucket from its specs before the server replies, and once it replies its
+    workers always read the whole broadcast: a rank that skipped one would read the next bucket's bytes as this."""
+
+    def __init__(self, adapter, host: str, port: int, rank: int, world_size: int, timeout_s: float):
+        self.adapter = adapter
+        adapter.join_weight_group(host, port, rank, world_size, timeout_s)
+
+    def receive_and_load(self, specs: list, size: int, load) -> None:
+        self.adapter.receive_weights(specs, size)
 
 
 class ServerSide:
     """What an engine server keeps of its group: the member, its state for ``health``, and the error of a receive
-    or load that failed after the reply (answered on the next weight command)."""
+    or load that failed after the reply (answered on the next weight command). An adapter with
+    ``join_weight_group`` / ``receive_weights`` receives in its workers, with ``info()["weight_group_ranks"]``
+    ranks from the one the trainer gives it; any other is one rank and receives here."""
 
-    def __init__(self):
-        self.member: Optional[GroupMember] = None
+    def __init__(self, adapter=None):
+        self.adapter = adapter
+        self.member = None
         self.state = "none"
         self.failed: Optional[EngineWeightError] = None
 
@@ -164,10 +193,15 @@ class ServerSide:
         self.member, self.state = None, "joining"
         self.failed = None  # a new group starts a new update: the trainer knew of the old one's failure
 
+        in_workers = hasattr(self.adapter, "join_weight_group")
+        if in_workers:  # an engine that cannot take weights says so now, not by a join the trainer waits out
+            self.adapter.check_weight_specs([])
+
         def join():
             try:
-                self.member = GroupMember(host, port, rank, world, timeout_s)
-                self.state = "joined"
+                self.member = (_AdapterMember(self.adapter, host, port, rank, world, timeout_s) if in_workers
+                               else GroupMember(host, port, rank, world, timeout_s))
+                self.state = "joined" + (" (in the engine's workers)" if in_workers else "")
             except Exception as e:  # noqa: BLE001 - reported through health and the next update
                 self.state = f"failed to join {msg['address']} as rank {rank}: {type(e).__name__}: {e}"
         return join
@@ -178,17 +212,16 @@ class ServerSide:
             raise P.ProtocolError(f"update_weights via group: no weight group is joined ({self.state}); send "
                                   "join_weights first")
         specs, size = msg.get("tensors"), check_bucket(msg.get("tensors"), msg.get("size"))
+        if isinstance(self.member, _AdapterMember):  # refused now, or its workers would leave the bytes unread
+            self.adapter.check_weight_specs(specs)
 
         def receive():
             try:
-                named = self.member.receive(specs, size)
-            except Exception as e:  # noqa: BLE001 - the trainer dropped the group or died: the next update rejoins
-                self.member, self.state = None, f"left: a broadcast failed ({type(e).__name__}: {e})"
+                self.member.receive_and_load(specs, size, load)
+            except GroupBroken as e:  # the trainer dropped the group or died: the next update rejoins
+                self.member, self.state = None, f"left: a broadcast failed ({e})"
                 self.failed = EngineWeightError(f"the weight broadcast failed part-way ({e}); the update is "
                                                 "incomplete")
-                return
-            try:
-                load(named)
             except EngineWeightError as e:
                 self.failed = e
             except Exception as e:  # noqa: BLE001 - answered on the next weight command
@@ -234,9 +267,13 @@ def update_over_group(clients: Sequence, buckets, *, host: str = "127.0.0.1", ti
 
 
 def _form(clients: Sequence, host: str, timeout_s: float) -> WeightGroup:
-    group = WeightGroup(host, len(clients), timeout_s=timeout_s)
+    """A new group: server k gets ``info["weight_group_ranks"]`` ranks (one per engine worker that receives; 1 when
+    the server receives itself) from the first rank after server k-1's."""
+    ranks = [int(c.info.get("weight_group_ranks", 1)) for c in clients]
+    group = WeightGroup(host, sum(ranks), timeout_s=timeout_s)
+    firsts = [1 + sum(ranks[:k]) for k in range(len(clients))]
     try:
-        for k, c in [(c.send("join_weights", **group.join_message(r + 1)), c) for r, c in enumerate(clients)]:
+        for k, c in [(c.send("join_weights", **group.join_message(r)), c) for r, c in zip(firsts, clients)]:
             c.reply(k, "join_weights")
         _collective(clients, group.connect, joining=True)
     except BaseException:

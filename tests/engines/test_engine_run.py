@@ -78,6 +78,9 @@ def test_engine_weights_follow_the_trainer_every_step(tmp_path, base_dir, base_d
             assert (engine_lp - trainer_lp)[valid].abs().max() < 1e-4  # the engine has the new weights
         assert run.sampler.last_update["tensors"] == len(run.model.state_dict())
         assert run.sampler.last_update.get("transport", "shm") == ("group" if "gloo" in engine else "shm")
+        if "gloo" in engine:  # vLLM's worker receives the broadcast itself (collective_rpc), the local server does
+            assert run.sampler.client.health()["weight_group"] == {
+                "local/gloo": "joined", "vllm/gloo": "joined (in the engine's workers)"}[engine]
     finally:
         run.close()
 
