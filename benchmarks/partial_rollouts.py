@@ -17,7 +17,10 @@ run's counters it takes
 
 and prints one row per run, the medians per policy and a RESULT line of key=value fields (the second policy's medians
 against the first's). ``--compare fill_order`` measures the cost of the reproducible mode instead: both with abort,
-``rollout.fill_order`` = finish (the baseline) against prompt.
+``rollout.fill_order`` = finish (the baseline) against prompt. ``--compare overlap``: partial rollouts without
+(the baseline) and with ``rollout.overlap`` (the engine process generates while the trainer trains), each run's RL
+seconds per 1,000 trained responses; run it as ``taskset -c 0,1 ... trainer.threads=1 rollout.processes=1`` so
+that the trainer and the engine (one thread each) share the same two cores in both.
 
     OMP_NUM_THREADS=1 nice -n 10 python benchmarks/partial_rollouts.py --base-model DIR [--seeds 3] [--engine local]
         [--config-name tiny_cpu_long]
@@ -41,6 +44,9 @@ COMPARISONS = {
                        "suspend": ["rollout.on_filler_full=suspend", "rollout.max_staleness=1"]},
     "fill_order": {"finish": ["rollout.on_filler_full=abort", "rollout.fill_order=finish"],
                    "prompt": ["rollout.on_filler_full=abort", "rollout.fill_order=prompt"]},
+    # one-step-off: the engine process generates while the trainer process trains (one thread each)
+    "overlap": {"sync": ["rollout.on_filler_full=suspend", "rollout.max_staleness=1", "rollout.overlap=false"],
+                "overlap": ["rollout.on_filler_full=suspend", "rollout.max_staleness=1", "rollout.overlap=true"]},
 }
 
 
@@ -65,6 +71,7 @@ def run_once(out: str, policy: str, seed: int, args) -> dict:
     steps = [r for r in rows if "timing/step_s" in r]
     return dict(policy=policy, seed=seed, generated_tokens=generated, trained_responses=trained,
                 rl_seconds=sum(r["timing/step_s"] for r in steps),
+                s_per_1k_trained=1000 * sum(r["timing/step_s"] for r in steps) / trained,
                 to_filled_s=statistics.median(r["timing/to_last_needed_s"] for r in steps),
                 discarded_frac=discarded / generated, tokens_per_trained=generated / trained,
                 untrained_frac=1.0 - last["counters/trained_tokens"] / generated,
@@ -78,7 +85,8 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="1 seed, 256 responses, 16 held-out problems")
     p.add_argument("--config-name", default="tiny_cpu", help="recipe (its base model: --base-model)")
     p.add_argument("--compare", default="on_filler_full", choices=sorted(COMPARISONS),
-                   help="on_filler_full: abort vs suspend; fill_order: finish vs prompt (both abort)")
+                   help="on_filler_full: abort vs suspend; fill_order: finish vs prompt (both abort); overlap: "
+                   "suspend without vs with rollout.overlap (run it under taskset -c 0,1)")
     p.add_argument("--out", default=None, help="default runs/partial_rollouts (runs/fill_order with --compare "
                    "fill_order)")
     p.add_argument("--seeds", type=int, default=3)
@@ -93,7 +101,7 @@ def main() -> int:
     elif not args.base_model:
         p.error("--base-model DIR is required (a run's base_model/), unless --quick")
     args.out = args.out or os.path.join(ROOT, "runs", "partial_rollouts" if args.compare == "on_filler_full"
-                                        else args.compare)
+                                        else args.compare)  # runs/fill_order, runs/overlap
     os.makedirs(args.out, exist_ok=True)
     policies = COMPARISONS[args.compare]
     results = []
@@ -109,7 +117,8 @@ def main() -> int:
                   f"{r['steps']:.0f} steps, RL {r['rl_seconds']:.1f} s, to filled {r['to_filled_s']:.2f} s",
                   flush=True)
     med = {pol: {k: statistics.median(r[k] for r in results if r["policy"] == pol)
-                 for k in ("discarded_frac", "tokens_per_trained", "accuracy", "rl_seconds", "to_filled_s")}
+                 for k in ("discarded_frac", "tokens_per_trained", "accuracy", "rl_seconds", "to_filled_s",
+                           "s_per_1k_trained")}
            for pol in policies}
     acc = {pol: [r["accuracy"] for r in results if r["policy"] == pol] for pol in policies}
     for pol, m in med.items():
@@ -121,6 +130,9 @@ def main() -> int:
           f"discarded_{name_a}={a['discarded_frac']:.3f} discarded_{name_b}={b['discarded_frac']:.3f} "
           f"tokens_per_trained_ratio={b['tokens_per_trained'] / a['tokens_per_trained']:.3f} "
           f"rl_time_ratio={b['rl_seconds'] / a['rl_seconds']:.3f} "
+          f"s_per_1k_trained_{name_a}={a['s_per_1k_trained']:.1f} "
+          f"s_per_1k_trained_{name_b}={b['s_per_1k_trained']:.1f} "
+          f"s_per_1k_trained_ratio={b['s_per_1k_trained'] / a['s_per_1k_trained']:.3f} "
           f"to_filled_ratio={b['to_filled_s'] / a['to_filled_s']:.3f} "
           f"accuracy_{name_a}={a['accuracy']:.3f} accuracy_{name_b}={b['accuracy']:.3f}")
     json.dump(results, open(os.path.join(args.out, "results.json"), "w"), indent=1)

@@ -120,7 +120,7 @@ class DAPOLoop(StreamingPhase):
     def __init__(self, *, policy: Policy, generator: Generator, reward_fn: RewardFn, loss_fn: LossFn,
                  prompts: PromptSet, filler: BatchFiller, settings: LoopSettings,
                  sampler: Optional[PromptSampler] = None, reducer: Optional[Reducer] = None,
-                 max_staleness: int = 0):
+                 max_staleness: int = 0, overlap: bool = False):
         self.policy, self.generator, self.reward_fn, self.loss_fn = policy, generator, reward_fn, loss_fn
         self.prompts, self.filler, self.settings = prompts, filler, settings
         self.sampler = sampler or PromptSampler(len(prompts), seed=settings.seed)
@@ -135,6 +135,12 @@ class DAPOLoop(StreamingPhase):
             raise ValueError(f"max_staleness must be an int >= 0 (weight versions), got {max_staleness!r}")
         self.max_staleness, self._version = max_staleness, 0
         self._suspended: list = []
+        # overlap (one-step-off): once the filler is full the engine goes on generating (the rest of the batch and
+        # the next batch's prompts) while the trainer trains; parked before the refit (loop_stream._park_live).
+        self.overlap, self._live = bool(overlap), []
+        if self.overlap and not self._suspending():
+            raise ValueError("overlap needs partial rollouts: on_filler_full='suspend' with max_staleness >= 1, "
+                             "streaming, one data-parallel rank (the work left running is suspended at the refit)")
         self.partial_counters = dict.fromkeys(PARTIAL_COUNTERS, 0)
         if self._suspending() and settings.fill_order == "prompt":
             raise ValueError("fill_order='prompt' cannot be combined with on_filler_full='suspend': how far a "
@@ -333,6 +339,7 @@ class DAPOLoop(StreamingPhase):
                 return None
             generated.extend(self._generate_groups(self.filler.next_gen_batch_size(), timers))
         if should_stop is not None and should_stop("update"):
+            self._park_live()
             return None
         t_needed = timers.pop("filled_at", time.perf_counter()) - t_start
         groups = self.filler.take()
@@ -356,15 +363,17 @@ class DAPOLoop(StreamingPhase):
             metrics["train/batch_tokens"] = float(batch.num_tokens())
             if batch.token_version is not None:
                 metrics.update(staleness_metrics(batch, self._version))
-            sleep = getattr(self.generator, "sleep", None)
+            sleep = None if self.overlap else getattr(self.generator, "sleep", None)
             if callable(sleep):  # an engine frees its KV cache (and maybe weights) while the trainer trains
                 sleep()
             metrics.update(self._update(batch, timers))
             self.counters["trained_samples"] += len(batch)
             self.counters["trained_tokens"] += batch.num_tokens()
+            self._park_live()  # an engine takes weights only with nothing running
             self.generator.update_weights(self.policy)
             self._version += 1
             metrics["rollout/trained_tokens"] = float(batch.num_tokens())
+        self._park_live()  # a step that trained nothing: nothing runs past the step (checkpoints see it all)
         step_s = time.perf_counter() - t_start
         metrics.update(rollout_metrics(self.counters, tokens_before, timers, t_needed))
         metrics["rollout/skipped_prompts"] = float(self.counters["skipped_prompts"] - skipped_before)

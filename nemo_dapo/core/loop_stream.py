@@ -8,10 +8,22 @@ drew each token, and continued by the next generation batch unless more than ``m
 """
 from __future__ import annotations
 
+import itertools
 import time
+from dataclasses import dataclass
 
 from nemo_dapo.core.loop_data import mix_seed
 from nemo_dapo.core.partial import assemble, complete, continuation_requests, split_stale, stamp, suspend
+
+
+@dataclass
+class _Live:
+    """A stream left running past the filler (overlap): what parking it needs."""
+    stream: object
+    who: list  # [(prompt index, uid)] per stream key
+    seeds: list
+    resumed: list  # SuspendedGroup per key < len(resumed)
+    counted: int  # generated tokens already counted
 
 
 class StreamingPhase:
@@ -95,24 +107,75 @@ class StreamingPhase:
             groups.extend(group)
             self.filler.add_groups(group)
 
-        for k, out in stream:
+        # Groups that finished while parked (overlap: during the last update) have no request; they enter first.
+        done = [k for k in range(r) if not requests[k]]
+        scored = set()
+        for k, out in itertools.chain(((k, assemble(resumed[k], self.prompts.pad_id)) for k in done), stream):
+            scored.add(k)
             t1 = time.perf_counter()
             was_full = self.filler.full()
-            score(k, complete(resumed[k], out, v, self.prompts.pad_id) if k < r else stamp(out, v))
+            if k >= r:
+                out = stamp(out, v)
+            elif requests[k]:
+                out = complete(resumed[k], out, v, self.prompts.pad_id)
+            score(k, out)
             t_scoring += time.perf_counter() - t1
             if self.filler.full() and not was_full:
                 timers["filled_at"] = time.perf_counter()
-                for j, part in sorted(stream.suspend().items()):
-                    sg = suspend(part, v, index=who[j][0], uid=who[j][1], seed=seeds[j],
-                                 prior=resumed[j] if j < r else None, max_new_tokens=s.max_new_tokens)
-                    if sg.unfinished():
-                        self._suspended.append(sg)
-                    else:  # its last samples finished while the stream stopped: a carried-over group like others
-                        score(j, assemble(sg, self.prompts.pad_id))
+                waiting = [j for j in done if j not in scored]  # finished while parked, not handed over yet
+                live = _Live(stream, who, seeds, resumed, counted=stream.generated_tokens)
+                if self.overlap:  # the engine goes on while the trainer trains; parked before the refit
+                    self._suspended += [resumed[j] for j in waiting]
+                    self._draw_ahead(live, len(indices) + r)
+                    self._live.append(live)
+                else:
+                    for j in waiting:
+                        score(j, assemble(resumed[j], self.prompts.pad_id))
+                    self._park([live], score)
                 break
         timers["gen"] += time.perf_counter() - t0 - t_scoring
         self.counters["generated_tokens"] += stream.generated_tokens
         return groups
+
+    def _draw_ahead(self, live: "_Live", n_prompts: int) -> None:
+        """Overlap: the next generation batch's prompts, drawn and added to the live stream now (weights of this
+        step), so the engine has work while the trainer trains; parked with the rest before the refit."""
+        s, g = self.settings, self.settings.group_size
+        skipped_before = self.sampler.skipped
+        indices, uids = self.sampler.draw(n_prompts)
+        self.counters["skipped_prompts"] += self.sampler.skipped - skipped_before
+        self.counters["consumed_prompts"] += n_prompts
+        self.counters["consumed_samples"] += n_prompts * g
+        prompt_ids, prompt_mask = self.prompts.collate(list(indices))
+        base = mix_seed(self._seed(), 1)
+        seeds = [mix_seed(base, k) % (2 ** 31) for k in range(n_prompts)]
+        requests = [[(row[m.bool()].tolist(), g, s.max_new_tokens, seeds[k])]
+                    for k, (row, m) in enumerate(zip(prompt_ids, prompt_mask))]
+        self.generator.stream_requests(requests, temperature=s.temperature, top_p=s.top_p, into=live.stream,
+                                       first_key=len(live.who))
+        live.who += list(zip(indices, uids))
+        live.seeds += seeds
+
+    def _park(self, live: list, score=None) -> None:
+        """Suspend every live stream (core/partial.py): each group keeps its tokens and log-probs with the version
+        that drew them. ``score``: hand a group whose samples have all finished to the filler now (inside a
+        generation batch); None (overlap, before the refit): keep it with the suspended ones, for the next batch."""
+        s, v = self.settings, self._version
+        for one in live:
+            r = len(one.resumed)
+            for j, part in sorted(one.stream.suspend().items()):
+                sg = suspend(part, v, index=one.who[j][0], uid=one.who[j][1], seed=one.seeds[j],
+                             prior=one.resumed[j] if j < r else None, max_new_tokens=s.max_new_tokens)
+                if sg.unfinished() or score is None:
+                    self._suspended.append(sg)
+                else:  # its last samples finished while the stream stopped: a carried-over group like others
+                    score(j, assemble(sg, self.prompts.pad_id))
+
+    def _park_live(self) -> None:
+        """Overlap, before the refit (and before a step returns): park what ran on during the update."""
+        live, self._live = self._live, []
+        self._park(live)
+        self.counters["generated_tokens"] += sum(one.stream.generated_tokens - one.counted for one in live)
 
     def _partial_metrics(self) -> dict:
         """partial/*: the suspended work held now, what was continued / dropped as stale (cumulative), and the share

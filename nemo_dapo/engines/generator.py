@@ -79,15 +79,21 @@ class GroupStream:
 
     def __init__(self, client: EngineClient, ids: list, pad_id: int, group_of: Optional[list] = None):
         self.client, self.pad_id = client, pad_id
-        self._index = {rid: (k if group_of is None else group_of[k]) for k, rid in enumerate(ids)}
+        self._index: dict = {}
         self._members: dict = {}
-        for rid in ids:
-            self._members.setdefault(self._index[rid], []).append(rid)
-        self._pending = set(ids)
+        self._pending: set = set()
         self._held: dict = {}  # rid -> Completion of a group whose other requests still run
         self.generated_tokens = 0
         self.aborted_tokens = 0
         self.aborted_requests = 0
+        self.add(ids, list(range(len(ids))) if group_of is None else group_of)
+
+    def add(self, ids: list, group_of: list) -> None:
+        """Requests ``ids`` (already submitted) joining this stream, request k in group ``group_of[k]``."""
+        for rid, k in zip(ids, group_of):
+            self._index[rid] = k
+            self._members.setdefault(k, []).append(rid)
+        self._pending.update(ids)
 
     @property
     def done(self) -> bool:
@@ -186,10 +192,12 @@ class EngineGenerator:
         self.client.submit(requests)
         return GroupStream(self.client, [r.id for r in requests], self.pad_id)
 
-    def stream_requests(self, groups: list, *, temperature: float = 1.0, top_p: float = 1.0) -> GroupStream:
+    def stream_requests(self, groups: list, *, temperature: float = 1.0, top_p: float = 1.0,
+                        into: Optional[GroupStream] = None, first_key: int = 0) -> GroupStream:
         """Submit explicit requests, ``groups[k]`` a list of ``(prompt token ids, n, max_new_tokens, seed)`` (a fresh
         group: one request of n samples; a resumed one: a request per unfinished sample, prompt + its tokens so far);
-        returns the stream of finished groups, group k's samples in request order."""
+        returns the stream of finished groups, group k's samples in request order. ``into``: add them to that live
+        stream instead, as groups ``first_key + k`` (one stream per client: a stream drops completions not its own)."""
         self._wake()
         requests, group_of = [], []
         for k, parts in enumerate(groups):
@@ -198,10 +206,13 @@ class EngineGenerator:
                                         max_new_tokens=int(budget), temperature=float(temperature),
                                         top_p=float(top_p), top_k=self.top_k, seed=int(seed),
                                         stop_token_ids=self.stop_token_ids, logprobs=True))
-                group_of.append(k)
+                group_of.append(first_key + k)
         if requests:
             self.client.submit(requests)
-        return GroupStream(self.client, [r.id for r in requests], self.pad_id, group_of=group_of)
+        if into is None:
+            return GroupStream(self.client, [r.id for r in requests], self.pad_id, group_of=group_of)
+        into.add([r.id for r in requests], group_of)
+        return into
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens,
                  temperature: float = 1.0, top_p: float = 1.0, seed: Optional[int] = None) -> Generation:

@@ -146,6 +146,7 @@ class RolloutConfig:
     on_filler_full: str = MISSING
     fill_order: str = MISSING
     max_staleness: int = MISSING
+    overlap: bool = MISSING
     server: EngineServerConfig = field(default_factory=EngineServerConfig)
 
 
@@ -438,6 +439,10 @@ def _check_partial_rollouts(cfg) -> None:
     r = cfg.rollout
     if not isinstance(r.max_staleness, int) or isinstance(r.max_staleness, bool) or r.max_staleness < 0:
         raise ConfigError(f"config key 'rollout.max_staleness' must be an int >= 0, got {r.max_staleness!r}")
+    if r.overlap and (r.on_filler_full != "suspend" or r.max_staleness == 0 or r.server.sleep_level != 0):
+        raise ConfigError("config key 'rollout.overlap' = true keeps the engine generating while the trainer trains "
+                          "and suspends that work at the refit: it needs rollout.on_filler_full=suspend, "
+                          "rollout.max_staleness >= 1 and rollout.server.sleep_level=0")
     if r.on_filler_full != "suspend" or r.max_staleness == 0:
         return
     if r.fill_order == "prompt":

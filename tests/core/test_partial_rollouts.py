@@ -203,3 +203,64 @@ def test_suspend_needs_a_generator_that_takes_explicit_requests():
         base = make_loop()
         DAPOLoop(policy=base.policy, generator=base.generator, reward_fn=base.reward_fn, loss_fn=base.loss_fn,
                  prompts=base.prompts, filler=base.filler, settings=base.settings, max_staleness=-1)
+
+
+# ---- overlap (one-step-off) -----------------------------------------------------------------------------------------
+class BusyPolicy(PushingPolicy):
+    """PushingPolicy whose every update lets the engine take ``steps`` decode steps first: the engine generating
+    while the trainer trains, made deterministic (the in-process client steps only when asked)."""
+
+    def __init__(self, steps=3):
+        super().__init__()
+        self.steps, self.client = steps, None
+
+    def train_step(self, minibatch, *, norm, loss_fn):
+        for _ in range(self.steps):
+            if self.client.adapter.has_work():
+                self.client.ready.extend(self.client.adapter.step())
+        return super().train_step(minibatch, norm=norm, loss_fn=loss_fn)
+
+
+def overlap_loop(seed=3, steps=3):
+    loop = loop_with(seed=seed)
+    policy = BusyPolicy(steps)
+    policy.client = loop.generator.client
+    return DAPOLoop(policy=policy, generator=loop.generator, reward_fn=loop.reward_fn, loss_fn=loop.loss_fn,
+                    prompts=loop.prompts, filler=loop.filler, settings=loop.settings, max_staleness=1, overlap=True)
+
+
+def test_overlap_generates_during_the_update_and_trains_that_work_one_version_later():
+    loop = overlap_loop()
+    m1 = loop.step()
+    assert not loop._live and loop._suspended  # parked before the refit: nothing runs past a step
+    finished_early = [g for g in loop._suspended if not g.unfinished()]
+    assert finished_early and all(g.oldest_version() == 0 for g in loop._suspended)  # drawn by version 0
+    drawn_ahead = m1["counters/consumed_prompts"]
+    calls = len(loop.policy.calls)
+    m2 = loop.step()
+    assert m2["partial/resumed_groups"] >= len(finished_early)
+    uids = {int(u) for mb in trained(loop, calls) for u in mb.group_ids}
+    assert {g.uid for g in finished_early} & uids  # work done during the update was trained next step ...
+    assert m2["partial/trained_lag_max"] == 1  # ... one version later, within max_staleness
+    assert drawn_ahead > loop_with(seed=3).step()["counters/consumed_prompts"]  # the next batch was drawn early
+
+
+def test_overlap_accounts_for_every_generated_token_and_resumes_as_uninterrupted(tmp_path):
+    loop = overlap_loop()
+    responses = 0.0
+    for _ in range(4):
+        responses += loop.step()["response/tokens"]
+    c, p = loop.counters, loop.partial_counters
+    held = sum(g.num_tokens() for g in loop._suspended)
+    assert c["generated_tokens"] == responses + held + p["stale_tokens"] + c["aborted_tokens"]
+    path = save_checkpoint(str(tmp_path), 4, {"loop": loop.state_dict()})
+    again = overlap_loop()
+    again.load_state_dict(load_checkpoint(path)["loop"])
+    assert steady(loop.step()) == steady(again.step())
+
+
+def test_overlap_needs_partial_rollouts():
+    loop = loop_with(on_filler_full="abort")
+    with pytest.raises(ValueError, match="overlap needs partial rollouts"):
+        DAPOLoop(policy=loop.policy, generator=loop.generator, reward_fn=loop.reward_fn, loss_fn=loop.loss_fn,
+                 prompts=loop.prompts, filler=loop.filler, settings=loop.settings, max_staleness=1, overlap=True)
