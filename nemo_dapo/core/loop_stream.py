@@ -126,7 +126,9 @@ class StreamingPhase:
                 live = _Live(stream, who, seeds, resumed, counted=stream.generated_tokens)
                 if self.overlap:  # the engine goes on while the trainer trains; parked before the refit
                     self._suspended += [resumed[j] for j in waiting]
-                    self._draw_ahead(live, len(indices) + r)
+                    # the next batch: this one's size, less the groups that will be continued in it anyway
+                    carried = len(waiting) + len(set(range(len(who))) - scored - set(done))
+                    self._draw_ahead(live, max(len(indices) + r - carried, 0))
                     self._live.append(live)
                 else:
                     for j in waiting:
@@ -141,6 +143,8 @@ class StreamingPhase:
         """Overlap: the next generation batch's prompts, drawn and added to the live stream now (weights of this
         step), so the engine has work while the trainer trains; parked with the rest before the refit."""
         s, g = self.settings, self.settings.group_size
+        if n_prompts == 0:
+            return
         skipped_before = self.sampler.skipped
         indices, uids = self.sampler.draw(n_prompts)
         self.counters["skipped_prompts"] += self.sampler.skipped - skipped_before
