@@ -264,3 +264,15 @@ def test_overlap_needs_partial_rollouts():
     with pytest.raises(ValueError, match="overlap needs partial rollouts"):
         DAPOLoop(policy=loop.policy, generator=loop.generator, reward_fn=loop.reward_fn, loss_fn=loop.loss_fn,
                  prompts=loop.prompts, filler=loop.filler, settings=loop.settings, max_staleness=1, overlap=True)
+
+
+@pytest.mark.parametrize("extra", [["rollout.on_filler_full=abort"], ["rollout.max_staleness=0"],
+                                   ["rollout.server.sleep_level=1"]])
+def test_the_cpu_config_refuses_overlap_without_partial_rollouts_or_with_a_sleeping_engine(extra):
+    from nemo_dapo.local.config import ConfigError, load_config
+
+    keys = ["rollout.engine=local", "rollout.streaming=true", "rollout.on_filler_full=suspend",
+            "algorithm.tis_cap=2.0", "rollout.overlap=true"]
+    assert load_config("tiny_cpu", keys).rollout.overlap is True
+    with pytest.raises(ConfigError, match="rollout.overlap"):
+        load_config("tiny_cpu", keys + extra)

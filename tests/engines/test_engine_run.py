@@ -90,12 +90,15 @@ def _train_cmd(run_dir, base, steps, *extra):
             *ENGINE, f"trainer.max_steps={steps}", "rollout.server.request_timeout_s=30", *extra]
 
 
-@pytest.mark.parametrize("transport", [[], GLOO], ids=["shm", "gloo"])
+OVERLAP = ["rollout.on_filler_full=suspend", "algorithm.tis_cap=2.0", "rollout.overlap=true"]
+
+
+@pytest.mark.parametrize("mode", [[], GLOO, OVERLAP], ids=["shm", "gloo", "overlap"])
 def test_engine_killed_mid_run_gives_a_clear_error_and_a_resumable_checkpoint(tmp_path, base_dir,  # noqa: F811
-                                                                               transport):
+                                                                               mode):
     run_dir = str(tmp_path / "run")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(_train_cmd(run_dir, base_dir, 10_000, *transport), stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(_train_cmd(run_dir, base_dir, 10_000, *mode), stderr=subprocess.PIPE, text=True,
                             env=env)
     engine_pid, lines = None, []
     for line in proc.stderr:
@@ -112,7 +115,7 @@ def test_engine_killed_mid_run_gives_a_clear_error_and_a_resumable_checkpoint(tm
     done = max(r["step"] for r in read_metrics(run_dir, "train"))
     assert os.path.isfile(os.path.join(run_dir, "checkpoints", f"step_{done:08d}.pt"))
     # The same command with a live engine resumes after the last finished step.
-    again = subprocess.run(_train_cmd(run_dir, base_dir, done + 1, *transport), capture_output=True, text=True,
+    again = subprocess.run(_train_cmd(run_dir, base_dir, done + 1, *mode), capture_output=True, text=True,
                            env=env, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"rollout step {done})" in again.stderr and "resumed from" in again.stderr
