@@ -5,6 +5,8 @@ counters. Streaming (``rollout.streaming``, world size 1) scores each group as s
 acts on ``on_filler_full`` the moment the filler is full: ``abort`` / ``finish`` the rest of the batch, or
 ``suspend`` it (partial rollouts, core/partial.py: the unfinished groups are kept, with the weight version that
 drew each token, and continued by the next generation batch unless more than ``max_staleness`` versions old).
+With ``overlap`` the suspension waits: the stream runs on through the update with the next batch's prompts added
+(``_draw_ahead``), and is parked just before the refit (``_park_live``).
 """
 from __future__ import annotations
 
