@@ -58,26 +58,31 @@ def _rpc_reload(worker, phase: str, weights=None):
 def _rpc_group(worker, op: str, args):
     """Runs on vLLM's worker (collective_rpc): the collective weight transport (weight_group.py) received by the
     worker itself, one rank per worker (``base + worker.rank``), so a bucket never passes through the server.
-    "receive" returns the name of a non-finite tensor (nothing of the bucket loaded), else None."""
+    "receive" answers in plain data (an exception may not cross a worker process intact): ("broken", why) when the
+    broadcast failed, ("nan", name) for a non-finite tensor (nothing of the bucket loaded), else None."""
     from nemo_dapo.engines.base import EngineWeightError, check_finite
-    from nemo_dapo.engines.weight_group import GroupMember
+    from nemo_dapo.engines.weight_group import GroupBroken, GroupMember
     if op == "join":
         host, port, base, world, timeout_s = args
         worker.nemo_dapo_weight_group = None  # a new group replaces the old one
         worker.nemo_dapo_weight_group = GroupMember(host, port, base + worker.rank, world, timeout_s)
         return None
     specs, size, dtype, tied = args
-    named = worker.nemo_dapo_weight_group.receive(specs, size)
+    try:
+        named = worker.nemo_dapo_weight_group.receive(specs, size)
+    except GroupBroken as e:
+        return ("broken", str(e))
     for name, t in named:
         try:
             check_finite(name, t, "vllm")
         except EngineWeightError:
-            return name
+            return ("nan", name)
     batch = {name: t.to(dtype=getattr(torch, dtype), copy=True) for name, t in named}
     for name, alias in tied.items():
         if name in batch and alias not in batch:
             batch[alias] = batch[name]
-    _rpc_reload(worker, "load", list(batch.items()))
+    if batch:
+        _rpc_reload(worker, "load", list(batch.items()))
     return None
 
 
@@ -250,22 +255,20 @@ class VLLMEngine:
         """One broadcast bucket (checked by ``check_weight_specs``), received and loaded by the workers. A failed
         broadcast raises ``GroupBroken`` and leaves the update open (the next full update completes it)."""
         from .weight_group import GroupBroken
-        if not specs:
-            return
-        if not self._updating:
+        if specs and not self._updating:  # an empty bucket is still read: every rank takes every broadcast
             self._reload("start")
             self._updating, self._received = True, set()
         dtype = str(self._dtype).replace("torch.", "")
         try:
             bad = self._engine.collective_rpc(_rpc_group, args=("receive", (specs, size, dtype, self._tied)))[0]
-        except GroupBroken:
-            raise
         except Exception as e:  # a failed load leaves the model half-updated
             self._broken = f"vLLM failed to load a broadcast bucket ({type(e).__name__}: {e})"
-            raise EngineWeightError(f"engine {self.name!r}: {self._broken}", specs[0]["name"]) from e
+            raise EngineWeightError(f"engine {self.name!r}: {self._broken}", specs[0]["name"] if specs else "") from e
+        if bad is not None and bad[0] == "broken":
+            raise GroupBroken(bad[1])
         if bad is not None:  # nothing of the bucket loaded: as the server's own check on the shm path
-            raise EngineWeightError(f"engine {self.name!r}: weight {bad!r} holds NaN or inf values; refusing it",
-                                    bad)
+            raise EngineWeightError(f"engine {self.name!r}: weight {bad[1]!r} holds NaN or inf values; refusing it",
+                                    bad[1])
         names = {s["name"] for s in specs}
         self._received.update(names | {self._tied[n] for n in names if n in self._tied})
 

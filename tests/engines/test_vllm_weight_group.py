@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from nemo_dapo.engines import protocol as P
 from nemo_dapo.engines import weight_group as WG
 from nemo_dapo.engines.base import EngineWeightError, Request
 from nemo_dapo.engines.client import EngineClient, EngineProcess
@@ -66,3 +67,19 @@ def test_broadcast_into_vllm_workers_equals_shared_memory_and_refusals_keep_it_i
         assert e.value.name == culprit and time.monotonic() - t0 < 60
     _, group = WG.update_over_group([client], buckets(weights, 1.5))  # a fresh group, read in step
     assert logprobs(client, "after") == want
+
+
+def test_a_trainer_that_drops_the_group_mid_bucket_leaves_vllm_usable(vllm_server):
+    client, weights = vllm_server
+    client.update_weights(buckets(weights, 1.5))
+    want = logprobs(client, "before")
+    group = WG._form([client], "127.0.0.1", 60.0)
+    specs, size = P.weight_layout(buckets(weights, 0.5)[0])
+    assert client.call("update_weights", via="group", size=size, tensors=specs)["receiving"] == len(specs)
+    group.close()  # the trainer goes away with the worker waiting in the broadcast
+    deadline = time.monotonic() + 60
+    while not client.health()["weight_group"].startswith("left") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert client.health()["weight_group"].startswith("left: a broadcast failed")
+    WG.update_over_group([client], buckets(weights, 1.5))  # a new group and a whole update: usable again
+    assert logprobs(client, "again") == want
