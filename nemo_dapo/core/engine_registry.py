@@ -18,6 +18,9 @@ from typing import Optional
 
 # nemo-dapo plan's generation models an engine can select (cluster/plan_generation.py MODEL_LABELS)
 PLAN_MODELS = ("static", "inflight")
+# How a trainer's weights reach its engine servers: shared memory, or a broadcast over a gloo process group
+# (engines/weight_group.py); the CPU config's choices and the generator's check both read this.
+WEIGHT_TRANSPORTS = ("shm", "gloo")
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,7 @@ class StreamingPhase:
                 if self.overlap:  # the engine goes on while the trainer trains; parked before the refit
                     self._suspended += [resumed[j] for j in waiting]
                     # the next batch: this one's size, less the groups that will be continued in it anyway
-                    carried = len(waiting) + len(set(range(len(who))) - scored - set(done))
+                    carried = len(who) - len(scored)
                     self._draw_ahead(live, max(len(indices) + r - carried, 0))
                     self._live.append(live)
                 else:

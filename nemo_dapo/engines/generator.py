@@ -22,7 +22,7 @@ from nemo_dapo.core.loop_data import mix_seed
 from nemo_dapo.core.types import Generation
 from nemo_dapo.engines.base import EngineError, EngineWeightError, Request
 from nemo_dapo.engines.client import EngineClient
-from nemo_dapo.engines.weight_group import update_over_group
+from nemo_dapo.engines.weight_group import check_transport, update_over_group
 
 
 def weight_buckets(policy, bucket_bytes: int) -> Iterator[list]:
@@ -164,9 +164,7 @@ class EngineGenerator:
 
     def __init__(self, client: EngineClient, *, eos_id: int, pad_id: int, stop_token_ids=(), top_k: int = 0,
                  bucket_bytes: int = 64 << 20, sleep_level: int = 0, weight_transport: str = "shm"):
-        if weight_transport not in ("shm", "gloo"):
-            raise ValueError(f"weight_transport must be 'shm' or 'gloo', got {weight_transport!r:.40}")
-        self.weight_transport, self._group = weight_transport, None
+        self.weight_transport, self._group = check_transport(weight_transport), None
         self.client, self.eos_id, self.pad_id = client, int(eos_id), int(pad_id)
         self.stop_token_ids = sorted({int(eos_id), *map(int, stop_token_ids)})
         self.top_k, self.bucket_bytes, self.sleep_level = top_k, bucket_bytes, sleep_level

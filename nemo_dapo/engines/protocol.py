@@ -563,7 +563,7 @@ class WeightBuffer:
 
     def fill(self, bucket: list, specs: list) -> None:
         for spec, (_, t) in zip(specs, bucket):
-            view = _view(self._shm.buf, spec)
+            view = spec_view(self._shm.buf, spec)
             view.copy_(t.detach().reshape(view.shape).to("cpu"))
             del view
 
@@ -590,7 +590,7 @@ def _aligned(n: int, to: int = 64) -> int:
     return (n + to - 1) // to * to
 
 
-def _view(buf, spec: dict) -> torch.Tensor:
+def spec_view(buf, spec: dict) -> torch.Tensor:
     dtype, shape = dtype_of(spec["dtype"]), tuple(spec["shape"])
     count = math.prod(shape)
     if count == 0:
@@ -616,7 +616,7 @@ class AttachedBuffer:
         for spec in specs:
             if not spec_fits(spec, self._shm.size):
                 raise ProtocolError(f"weight {spec['name']!r} ends past the {self._shm.size}-byte block")
-            out.append((spec["name"], _view(self._shm.buf, spec)))
+            out.append((spec["name"], spec_view(self._shm.buf, spec)))
         return out
 
     def close(self) -> None:

@@ -31,27 +31,28 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from nemo_dapo.core import engine_registry
 from nemo_dapo.engines import protocol as P
 from nemo_dapo.engines.base import EngineError, EngineWeightError
 
 PREFIX = "nemo_dapo/weights"
 MAX_WORLD = 4096  # servers of one trainer, plus the trainer
 MAX_BUCKET_BYTES = 16 << 30  # one bucket of a group update (the recipes' buckets are 64-512 MiB)
-BACKENDS = ("gloo",)
+TRANSPORTS = engine_registry.WEIGHT_TRANSPORTS  # what a trainer may choose: "shm", or a group's backend
 
 
 class GroupBroken(EngineError):
     """A broadcast of the weight group failed: the group is gone (the trainer dropped it, or a peer died)."""
 
 
-def check_backend(name: str) -> str:
-    """The backend of a weight group, refused by name where it is not built."""
+def check_transport(name: str) -> str:
+    """A weight transport of ``TRANSPORTS``; one that is not built is refused by name."""
     if name == "nccl":
         raise ValueError("weight transport 'nccl' is not built: the engines' GPU workers would need a worker "
                          "extension that receives the broadcast; use 'gloo' (the servers load through their adapter) "
                          "or shared memory")
-    if name not in BACKENDS:
-        raise ValueError(f"weight-group backend must be one of {list(BACKENDS)}, got {name!r:.40}")
+    if name not in TRANSPORTS:
+        raise ValueError(f"weight_transport must be one of {list(TRANSPORTS)}, got {name!r:.40}")
     return name
 
 
@@ -97,12 +98,9 @@ def check_bucket(specs, size) -> int:
 
 
 def _views(flat: torch.Tensor, specs: Sequence[dict]) -> list:
-    out = []
-    for spec in specs:
-        dtype, shape = P.dtype_of(spec["dtype"]), tuple(spec["shape"])
-        start = int(spec["offset"])
-        out.append((spec["name"], flat[start:start + P.nbytes(dtype, shape)].view(dtype).view(shape)))
-    return out
+    """[(name, view into ``flat``)]: the shared-memory block's views, over a uint8 tensor instead."""
+    buf = flat.numpy()
+    return [(spec["name"], P.spec_view(buf, spec)) for spec in specs]
 
 
 class WeightGroup:
@@ -239,8 +237,8 @@ def update_over_group(clients: Sequence, buckets, *, host: str = "127.0.0.1", ti
                       group: Optional[WeightGroup] = None) -> tuple:
     """Broadcast every (name, tensor) bucket to ``clients`` (EngineClient), then ``update_weights_done`` each.
 
-    ``group``: a joined group from an earlier update (None: form one). Returns (stats, the group to reuse, or None
-    when it failed and was dropped). A server that dies or refuses raises EngineError / EngineWeightError."""
+    ``group``: a joined group from an earlier update (None: form one). Returns (stats, the group to reuse). A server
+    that dies or refuses raises EngineError / EngineWeightError, after the group was dropped."""
     stats = {"buckets": 0, "tensors": 0, "bytes": 0, "seconds": 0.0, "transport": "group"}
     t0 = time.perf_counter()
     try:
