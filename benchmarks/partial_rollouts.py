@@ -14,12 +14,14 @@ run's counters it takes
 
   RL seconds               the sum of the rollout steps' wall time (timing/step_s)
   time to fill             the median over steps of timing/to_last_needed_s (until the filler was full)
+  engine idle              the share of RL seconds with no request in flight (timing/engine_idle_s)
+  trained lag              the trained tokens' mean weight-version lag, averaged over steps
 
 and prints one row per run, the medians per policy and a RESULT line of key=value fields (the second policy's medians
 against the first's). ``--compare fill_order`` measures the cost of the reproducible mode instead: both with abort,
 ``rollout.fill_order`` = finish (the baseline) against prompt. ``--compare overlap``: partial rollouts without
 (the baseline) and with ``rollout.overlap`` (the engine process generates while the trainer trains), each run's RL
-seconds per 1,000 trained responses; run it as ``taskset -c 0,1 ... trainer.threads=1 rollout.processes=1`` so
+seconds per 1,000 trained responses, with each run's ``plots/time.png`` and ``plots/staleness.png``; run it as ``taskset -c 0,1 ... trainer.threads=1 rollout.processes=1`` so
 that the trainer and the engine (one thread each) share the same two cores in both.
 
     OMP_NUM_THREADS=1 nice -n 10 python benchmarks/partial_rollouts.py --base-model DIR [--seeds 3] [--engine local]
@@ -56,7 +58,8 @@ def run_once(out: str, policy: str, seed: int, args) -> dict:
     overrides = ["--config-name", args.config_name, f"run_dir={run_dir}", *base, f"seed={seed}",
                  f"rollout.engine={args.engine}", "rollout.streaming=true", "algorithm.tis_cap=2.0",
                  f"trainer.max_samples={args.max_samples}", "trainer.max_steps=1000", "trainer.val_every=0",
-                 f"data.heldout_size={args.heldout}", f"eval.n_samples={args.eval_samples}", "trainer.plots=false",
+                 f"data.heldout_size={args.heldout}", f"eval.n_samples={args.eval_samples}",
+                 f"trainer.plots={str(args.compare == 'overlap').lower()}",  # RUN/plots/{time,staleness}.png
                  *COMPARISONS[args.compare][policy], *args.override]
     if not os.path.exists(os.path.join(run_dir, "summary.json")):
         with open(run_dir + ".log", "w") as log:
@@ -75,6 +78,9 @@ def run_once(out: str, policy: str, seed: int, args) -> dict:
                 to_filled_s=statistics.median(r["timing/to_last_needed_s"] for r in steps),
                 discarded_frac=discarded / generated, tokens_per_trained=generated / trained,
                 untrained_frac=1.0 - last["counters/trained_tokens"] / generated,
+                engine_idle_frac=sum(r.get("timing/engine_idle_s", 0.0) for r in steps) / sum(
+                    r["timing/step_s"] for r in steps),
+                trained_lag_mean=statistics.mean(r.get("partial/trained_lag_mean", 0.0) for r in steps),
                 accuracy=summary["final_accuracy"], base_accuracy=summary["base_accuracy"],
                 steps=last["counters/rollout_steps"])
 
@@ -118,7 +124,7 @@ def main() -> int:
                   flush=True)
     med = {pol: {k: statistics.median(r[k] for r in results if r["policy"] == pol)
                  for k in ("discarded_frac", "tokens_per_trained", "accuracy", "rl_seconds", "to_filled_s",
-                           "s_per_1k_trained")}
+                           "s_per_1k_trained", "engine_idle_frac", "trained_lag_mean")}
            for pol in policies}
     acc = {pol: [r["accuracy"] for r in results if r["policy"] == pol] for pol in policies}
     for pol, m in med.items():
@@ -134,7 +140,9 @@ def main() -> int:
           f"s_per_1k_trained_{name_b}={b['s_per_1k_trained']:.1f} "
           f"s_per_1k_trained_ratio={b['s_per_1k_trained'] / a['s_per_1k_trained']:.3f} "
           f"to_filled_ratio={b['to_filled_s'] / a['to_filled_s']:.3f} "
-          f"accuracy_{name_a}={a['accuracy']:.3f} accuracy_{name_b}={b['accuracy']:.3f}")
+          f"accuracy_{name_a}={a['accuracy']:.3f} accuracy_{name_b}={b['accuracy']:.3f} "
+          f"engine_idle_{name_a}={a['engine_idle_frac']:.3f} engine_idle_{name_b}={b['engine_idle_frac']:.3f} "
+          f"trained_lag_{name_a}={a['trained_lag_mean']:.3f} trained_lag_{name_b}={b['trained_lag_mean']:.3f}")
     json.dump(results, open(os.path.join(args.out, "results.json"), "w"), indent=1)
     return 0
 

@@ -137,7 +137,7 @@ class DAPOLoop(StreamingPhase):
         self._suspended: list = []
         # overlap (one-step-off): once the filler is full the engine goes on generating (the rest of the batch and
         # the next batch's prompts) while the trainer trains; parked before the refit (loop_stream._park_live).
-        self.overlap, self._live = bool(overlap), []
+        self.overlap, self._live, self._sample_cap = bool(overlap), [], None
         if self.overlap and not self._suspending():
             raise ValueError("overlap needs partial rollouts: on_filler_full='suspend' with max_staleness >= 1, "
                              "streaming, one data-parallel rank (the work left running is suspended at the refit)")
@@ -322,17 +322,25 @@ class DAPOLoop(StreamingPhase):
         return out
 
     # ---- one rollout step -----------------------------------------------------------------------------------------
-    def step(self, should_stop: Optional[Callable[[str], bool]] = None) -> Optional[dict]:
+    def step(self, should_stop: Optional[Callable[[str], bool]] = None,
+             sample_cap: Optional[int] = None) -> Optional[dict]:
         """Run one rollout step; returns flat float metrics (``/``-grouped names) including the counters.
+
+        ``sample_cap`` (overlap): the caller's budget of ``counters["consumed_samples"]``; the next batch's prompts
+        are drawn ahead only while they keep the count below it, so the last step leaves no drawn-ahead work behind
+        (0: draw nothing ahead, the caller's last step). None: no budget.
 
         ``should_stop(phase)`` (optional) is asked before each generation batch (phase ``"generate"``) and before
         the update (``"update"``); it must answer the same on every rank. True ends the step there and returns
         None: the groups generated so far stay in the filler, so ``state_dict()`` holds the partial step and a
         resumed loop continues it (a caller uses this to checkpoint before a time limit)."""
         t_start, s = time.perf_counter(), self.settings
+        self._sample_cap = None if sample_cap is None else int(sample_cap)
         timers = dict.fromkeys(("gen", "reward", "old_logp", "update"), 0.0)
         generated: list = []
         tokens_before = (self.counters["generated_tokens"], self.counters["aborted_tokens"])
+        idle = getattr(self.generator, "idle_seconds", None)  # engine generators only
+        idle_before = idle() if callable(idle) else None
         skipped_before = self.counters["skipped_prompts"]
         while not self.filler.ready():
             if should_stop is not None and should_stop("generate"):
@@ -385,6 +393,9 @@ class DAPOLoop(StreamingPhase):
                                                           if trained_groups else 0.0)
         metrics.update({f"timing/{k}_s": timers[k] for k in ("gen", "reward", "old_logp", "update")})
         metrics["timing/step_s"] = step_s
+        if idle_before is not None:  # the engine with no request in flight: what overlap takes back
+            metrics["timing/engine_idle_s"] = idle() - idle_before
+            metrics["timing/engine_idle_frac"] = metrics["timing/engine_idle_s"] / step_s if step_s > 0 else 0.0
         gen_tokens = metrics.get("response/tokens", 0.0)
         metrics["perf/gen_tokens_per_s"] = gen_tokens / timers["gen"] if timers["gen"] > 0 else 0.0
         metrics.update({f"counters/{k}": float(v) for k, v in self.counters.items()})

@@ -127,9 +127,10 @@ class StreamingPhase:
                 waiting = [j for j in done if j not in scored]  # finished while parked, not handed over yet
                 live = _Live(stream, who, seeds, resumed, counted=stream.generated_tokens)
                 if self.overlap:  # the engine goes on while the trainer trains; parked before the refit
-                    self._suspended += [resumed[j] for j in waiting]
+                    doomed = self._drop_doomed(live, [k for k in range(r) if k not in scored])
+                    self._suspended += [resumed[j] for j in waiting if j not in doomed]
                     # the next batch: this one's size, less the groups that will be continued in it anyway
-                    carried = len(who) - len(scored)
+                    carried = len(who) - len(scored) - len(doomed)
                     self._draw_ahead(live, max(len(indices) + r - carried, 0))
                     self._live.append(live)
                 else:
@@ -141,10 +142,27 @@ class StreamingPhase:
         self.counters["generated_tokens"] += stream.generated_tokens
         return groups
 
+    def _drop_doomed(self, live: "_Live", keys: list) -> set:
+        """Overlap, at filler full: of the resumed groups ``keys`` (not handed over), those whose oldest token the
+        staleness bound refuses under the next weights are dropped now (counted as stale) rather than generating on
+        through the update for nothing; their running requests are aborted. Returns the keys dropped."""
+        nxt, doomed = self._version + 1, set()
+        for k in keys:
+            oldest = live.resumed[k].oldest_version()
+            if oldest is not None and nxt - oldest > self.max_staleness:
+                doomed.add(k)
+        live.stream.drop(sorted(doomed))
+        self.partial_counters["stale_groups"] += len(doomed)
+        self.partial_counters["stale_tokens"] += sum(live.resumed[k].num_tokens() for k in doomed)
+        return doomed
+
     def _draw_ahead(self, live: "_Live", n_prompts: int) -> None:
         """Overlap: the next generation batch's prompts, drawn and added to the live stream now (weights of this
-        step), so the engine has work while the trainer trains; parked with the rest before the refit."""
+        step), so the engine has work while the trainer trains; parked with the rest before the refit. Drawn only
+        while ``counters["consumed_samples"]`` stays below ``step``'s ``sample_cap``: the run goes on to use them."""
         s, g = self.settings, self.settings.group_size
+        if self._sample_cap is not None:
+            n_prompts = min(n_prompts, max((self._sample_cap - self.counters["consumed_samples"] - 1) // g, 0))
         if n_prompts == 0:
             return
         skipped_before = self.sampler.skipped
@@ -169,7 +187,9 @@ class StreamingPhase:
         s, v = self.settings, self._version
         for one in live:
             r = len(one.resumed)
-            for j, part in sorted(one.stream.suspend().items()):
+            parts = one.stream.suspend()
+            self.partial_counters["stale_tokens"] += one.stream.aborted_tokens  # the doomed groups' last tokens
+            for j, part in sorted(parts.items()):
                 sg = suspend(part, v, index=one.who[j][0], uid=one.who[j][1], seed=one.seeds[j],
                              prior=one.resumed[j] if j < r else None, max_new_tokens=s.max_new_tokens)
                 if sg.unfinished() or score is None:

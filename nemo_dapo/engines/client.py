@@ -62,6 +62,7 @@ class EngineClient:
         self._cv = threading.Condition()
         self.completions: "queue.Queue" = queue.Queue()
         self._dead: Optional[str] = None
+        self._outstanding, self._idle_since, self._idle_s = 0, time.perf_counter(), 0.0
         self._reader = threading.Thread(target=self._read, daemon=True, name=f"{name}-reader")
         self._reader.start()
         try:
@@ -146,6 +147,7 @@ class EngineClient:
                 msg = self._ch.recv(P.IO_TIMEOUT_S)
                 op = msg["op"]
                 if op == "completion":
+                    self._in_flight(-1)
                     self.completions.put(Completion.from_wire(msg))
                 elif op in ("reply", "error"):
                     with self._cv:
@@ -223,7 +225,25 @@ class EngineClient:
         return msg
 
     def submit(self, requests: Sequence[Request]) -> None:
+        self._in_flight(len(requests))  # before the send: a completion may come back before the reply
         self.call("submit", requests=[r.to_wire() for r in requests])
+
+    def _in_flight(self, delta: int) -> None:
+        """Requests submitted and not yet completed (each submitted request completes once, aborted ones too)."""
+        with self._cv:
+            now = time.perf_counter()
+            if self._outstanding == 0 and delta > 0:
+                self._idle_s += now - self._idle_since
+            self._outstanding = max(self._outstanding + delta, 0)
+            if self._outstanding == 0:
+                self._idle_since = now
+
+    def idle_seconds(self) -> float:
+        """Wall seconds since connecting with no request of this client in flight: the engine had nothing to
+        generate (weight updates and sleep count as idle)."""
+        with self._cv:
+            extra = time.perf_counter() - self._idle_since if self._outstanding == 0 else 0.0
+            return self._idle_s + extra
 
     def next_completion(self, timeout_s: Optional[float] = None) -> Completion:
         """The next finished request (any order); raises EngineError on a time-out or a dead engine."""

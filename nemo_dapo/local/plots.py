@@ -33,6 +33,16 @@ PANELS = {
         ("timing/gen_s", "generation time (s)"),
         ("timing/update_s", "update time (s)"),
         ("perf/gen_tokens_per_s", "generated tokens / s"),
+        ("timing/engine_idle_s", "engine idle (s): no request in flight"),
+        ("timing/engine_idle_frac", "engine idle / step time"),
+    ),
+    "staleness": (  # partial rollouts / overlap (rollout.on_filler_full=suspend)
+        ("partial/trained_lag_mean", "trained tokens' lag (versions), mean"),
+        ("partial/trained_lag_max", "trained tokens' lag (versions), max"),
+        ("partial/trained_stale_token_frac", "trained tokens drawn by older weights"),
+        ("partial/discarded_token_frac", "generated tokens discarded (cumulative)"),
+        ("partial/suspended_groups", "groups suspended at step end"),
+        ("partial/stale_groups", "groups dropped past max_staleness (cumulative)"),
     ),
 }
 

@@ -273,6 +273,12 @@ def _stop_reason(run: LocalRun, t_rl: float) -> str:
     return ""
 
 
+def _sample_cap(run: LocalRun) -> Optional[int]:
+    """The budget the loop's overlap draws ahead within: none on the last step by count, else trainer.max_samples."""
+    t = run.cfg.trainer
+    return 0 if run.step + 1 >= t.max_steps else t.max_samples
+
+
 def _train_steps(run: LocalRun, logger: RunLogger, base_eval: dict, t_start: float,
                  stop: Optional[StopSignals] = None) -> None:
     """Step until a budget is spent; validate every val_every steps and at the end, checkpoint likewise.
@@ -287,7 +293,7 @@ def _train_steps(run: LocalRun, logger: RunLogger, base_eval: dict, t_start: flo
     guard.streak, guard.start_entropy = int(run.health["streak"]), run.health["start_entropy"]
     while not _stop_reason(run, t_rl):
         try:
-            metrics = run.loop.step()
+            metrics = run.loop.step(sample_cap=_sample_cap(run))
         except EngineError as e:
             # Nothing of the failed step is lost: the policy is untouched until generation ends, and the loop's
             # state (prompts drawn, groups already scored) is saved as it stands; rerunning resumes from it.

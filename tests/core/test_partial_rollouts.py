@@ -276,3 +276,22 @@ def test_the_cpu_config_refuses_overlap_without_partial_rollouts_or_with_a_sleep
     assert load_config("tiny_cpu", keys).rollout.overlap is True
     with pytest.raises(ConfigError, match="rollout.overlap"):
         load_config("tiny_cpu", keys + extra)
+
+
+def test_overlap_drops_at_filler_full_the_groups_the_bound_refuses_after_the_refit():
+    loop = overlap_loop()
+    for _ in range(5):
+        loop.step()
+        # nothing held after a step is already past the bound under the weights that will continue it
+        assert split_stale(loop._suspended, loop._version, loop.max_staleness)[1] == []
+    p = loop.partial_counters
+    assert p["stale_groups"] > 0 and p["stale_tokens"] > 0  # the drop did happen (and was counted)
+
+
+def test_overlap_draws_nothing_ahead_past_the_callers_budget():
+    plain = int(loop_with(seed=3).step()["counters/consumed_samples"])
+    assert overlap_loop().step(sample_cap=0)["counters/consumed_samples"] == plain  # the last step
+    g = 4
+    capped = overlap_loop().step(sample_cap=plain + 2 * g + 1)["counters/consumed_samples"]
+    assert capped == plain + 2 * g  # two prompts more keep the count below the cap: the run goes on to use them
+    assert overlap_loop().step()["counters/consumed_samples"] > capped

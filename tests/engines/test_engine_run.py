@@ -119,4 +119,6 @@ def test_engine_killed_mid_run_gives_a_clear_error_and_a_resumable_checkpoint(tm
                            env=env, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"rollout step {done})" in again.stderr and "resumed from" in again.stderr
-    assert [r["step"] for r in read_metrics(run_dir, "train")][-1] == done + 1
+    last = read_metrics(run_dir, "train")[-1]
+    assert last["step"] == done + 1
+    assert 0.0 <= last["timing/engine_idle_s"] <= last["timing/step_s"]  # the engine's idle time is logged

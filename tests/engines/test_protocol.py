@@ -245,3 +245,20 @@ def test_closing_a_client_frees_the_server_for_the_next_one(tmp_path):
         assert second.health()["running"] == 0
     finally:
         proc.stop(second if "second" in locals() and second.alive else None)
+
+
+def test_idle_seconds_count_only_the_time_with_no_request_in_flight(tmp_path):
+    proc, client = start(tmp_path, "idle", step_delay_s=0.05)
+    try:
+        time.sleep(0.3)
+        t0, idle0 = time.perf_counter(), client.idle_seconds()
+        assert idle0 >= 0.3  # nothing submitted since the connection
+        client.submit([Request(id="busy", prompt_ids=[1], n=1, max_new_tokens=12, seed=1)])  # ~0.6 s of steps
+        client.next_completion()
+        busy = time.perf_counter() - t0
+        idle1 = client.idle_seconds()
+        assert busy >= 0.5 and idle1 - idle0 < 0.25 * busy  # the engine was busy all along
+        time.sleep(0.4)
+        assert client.idle_seconds() - idle1 >= 0.35  # and idle again once the completion came back
+    finally:
+        proc.stop(client)
