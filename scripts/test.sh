@@ -11,8 +11,10 @@ if [ "$(cat "$VENV/.nemo_dapo_install" 2>/dev/null)" != "$want" ]; then
   bash scripts/install.sh "$VENV" full || exit 1
 fi
 export OMP_NUM_THREADS=1
+# Two pytest workers (TEST_WORKERS=0: one process): much of the suite waits on processes it starts, so a second
+# worker fills the idle core. --dist loadfile keeps a module's tests (and its module-scoped fixtures) on one worker.
 # --durations: the slowest tests are where the suite's time goes; the list is printed at the end of every run.
-"$VENV/bin/python" -m pytest --durations=25 "$@"
+"$VENV/bin/python" -m pytest -n "${TEST_WORKERS:-2}" --dist loadfile --durations=25 "$@"
 rc=$?
 # pytest exit code 5 means "no tests collected": an empty run is a failure here, never a silent pass.
 [ $rc -eq 5 ] && echo "pytest collected no tests: failing on purpose" >&2
