@@ -127,10 +127,9 @@ class StreamingPhase:
                 waiting = [j for j in done if j not in scored]  # finished while parked, not handed over yet
                 live = _Live(stream, who, seeds, resumed, counted=stream.generated_tokens)
                 if self.overlap:  # the engine goes on while the trainer trains; parked before the refit
-                    doomed = self._drop_doomed(live, [k for k in range(r) if k not in scored])
-                    self._suspended += [resumed[j] for j in waiting if j not in doomed]
+                    self._suspended += [resumed[j] for j in waiting]
                     # the next batch: this one's size, less the groups that will be continued in it anyway
-                    carried = len(who) - len(scored) - len(doomed)
+                    carried = len(who) - len(scored)
                     self._draw_ahead(live, max(len(indices) + r - carried, 0))
                     self._live.append(live)
                 else:
@@ -141,20 +140,6 @@ class StreamingPhase:
         timers["gen"] += time.perf_counter() - t0 - t_scoring
         self.counters["generated_tokens"] += stream.generated_tokens
         return groups
-
-    def _drop_doomed(self, live: "_Live", keys: list) -> set:
-        """Overlap, at filler full: of the resumed groups ``keys`` (not handed over), those whose oldest token the
-        staleness bound refuses under the next weights are dropped now (counted as stale) rather than generating on
-        through the update for nothing; their running requests are aborted. Returns the keys dropped."""
-        nxt, doomed = self._version + 1, set()
-        for k in keys:
-            oldest = live.resumed[k].oldest_version()
-            if oldest is not None and nxt - oldest > self.max_staleness:
-                doomed.add(k)
-        live.stream.drop(sorted(doomed))
-        self.partial_counters["stale_groups"] += len(doomed)
-        self.partial_counters["stale_tokens"] += sum(live.resumed[k].num_tokens() for k in doomed)
-        return doomed
 
     def _draw_ahead(self, live: "_Live", n_prompts: int) -> None:
         """Overlap: the next generation batch's prompts, drawn and added to the live stream now (weights of this
@@ -187,9 +172,7 @@ class StreamingPhase:
         s, v = self.settings, self._version
         for one in live:
             r = len(one.resumed)
-            parts = one.stream.suspend()
-            self.partial_counters["stale_tokens"] += one.stream.aborted_tokens  # the doomed groups' last tokens
-            for j, part in sorted(parts.items()):
+            for j, part in sorted(one.stream.suspend().items()):
                 sg = suspend(part, v, index=one.who[j][0], uid=one.who[j][1], seed=one.seeds[j],
                              prior=one.resumed[j] if j < r else None, max_new_tokens=s.max_new_tokens)
                 if sg.unfinished() or score is None:

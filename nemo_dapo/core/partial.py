@@ -9,7 +9,8 @@ budget and continues under the new weights (engines with a prefix cache reuse th
 Staleness: ``version`` counts the refits of the generator (0 = the weights it started with). A suspended group is
 dropped (and counted) when the weights that would continue it are more than ``max_staleness`` versions newer than
 its oldest token, so every token of a response was sampled by weights at most ``max_staleness`` versions older than
-the newest weights that sampled any of it. ``max_staleness: 0`` resumes nothing: the loop then aborts as before.
+the newest weights that sampled any of it (the span of a response). A group whose samples have all finished is
+never dropped: nothing continues it. ``max_staleness: 0`` resumes nothing: the loop then aborts as before.
 
 Per-token behaviour log-probs end up in ``RolloutBatch.engine_logp``; the loss takes its ratio against the trainer's
 own old-log-prob pass and corrects the behaviour mismatch with the truncated importance weight (core/loss.py).
@@ -144,9 +145,12 @@ def continuation_requests(group: SuspendedGroup, prompt: Sequence[int], max_new_
 
 
 def split_stale(groups: Sequence[SuspendedGroup], version: int, max_staleness: int) -> tuple:
-    """(groups to continue under weights ``version``, groups dropped: their oldest token is too old)."""
+    """(groups to continue under weights ``version``, groups dropped: continuing them would make a response span
+    more than ``max_staleness`` versions). A group whose samples have all finished (overlap: during the update) is
+    kept: no weights continue it, its span is final, and it is trained like any group carried over."""
     keep, drop = [], []
     for g in groups:
         oldest = g.oldest_version()
-        (drop if oldest is not None and version - oldest > max_staleness else keep).append(g)
+        stale = g.unfinished() and oldest is not None and version - oldest > max_staleness
+        (drop if stale else keep).append(g)
     return keep, drop

@@ -83,7 +83,6 @@ class GroupStream:
         self._members: dict = {}
         self._pending: set = set()
         self._held: dict = {}  # rid -> Completion of a group whose other requests still run
-        self._dropping: set = set()  # aborted by drop(): their completions are counted, never yielded
         self.generated_tokens = 0
         self.aborted_tokens = 0
         self.aborted_requests = 0
@@ -100,20 +99,11 @@ class GroupStream:
     def done(self) -> bool:
         return not self._pending
 
-    def _dropped(self, c) -> bool:
-        """A completion of a request that drop() aborted: counted (generated and aborted), never yielded."""
-        if c.id not in self._dropping:
-            return False
-        self._dropping.discard(c.id)
-        self.generated_tokens += c.num_tokens
-        self.aborted_tokens += c.num_tokens
-        return True
-
     def __iter__(self):
         while self._pending:
             c = self.client.next_completion()
-            if self._dropped(c) or c.id not in self._pending:
-                continue  # dropped, or a late completion of an earlier, aborted stream
+            if c.id not in self._pending:
+                continue  # a late completion of an earlier, aborted stream
             self._pending.discard(c.id)
             self.generated_tokens += c.num_tokens
             k = self._index[c.id]
@@ -128,29 +118,16 @@ class GroupStream:
     def _stop(self) -> dict:
         """Abort every request still running; their (partial) completions, by id."""
         got: dict = {}
-        if self._pending:
-            self.client.abort(sorted(self._pending))
-        while self._pending or self._dropping:
+        if not self._pending:
+            return got
+        self.client.abort(sorted(self._pending))
+        while self._pending:
             c = self.client.next_completion()
-            if not self._dropped(c) and c.id in self._pending:
+            if c.id in self._pending:
                 self._pending.discard(c.id)
                 self.generated_tokens += c.num_tokens
                 got[c.id] = c
         return got
-
-    def drop(self, keys) -> None:
-        """Abort groups ``keys`` and forget them: their tokens, those already held and those the abort reports, count
-        in ``aborted_tokens``; the other groups run on."""
-        rids = [r for k in keys for r in self._members.pop(k, ())]
-        running = [r for r in rids if r in self._pending]
-        for r in rids:
-            c = self._held.pop(r, None)
-            if c is not None:
-                self.aborted_tokens += c.num_tokens
-        self._pending.difference_update(running)
-        self._dropping.update(running)
-        if running:
-            self.client.abort(running)
 
     def abort(self) -> None:
         """Abort every request still running and collect their (partial) completions."""

@@ -109,6 +109,9 @@ def test_split_stale_drops_groups_whose_oldest_token_is_too_old():
     keep, drop = split_stale([fresh, old], version=3, max_staleness=1)
     assert keep == [fresh] and drop == [old]
     assert split_stale([old], version=3, max_staleness=2) == ([old], [])
+    # every sample finished (overlap: during the update): nothing continues it, its span (1) is final
+    done = SuspendedGroup(0, 3, 0, [SampleState([4, 5], [0.0, 0.0], [1, 2], "stop")])
+    assert split_stale([done], version=9, max_staleness=1) == ([done], [])
 
 
 # ---- the loop -------------------------------------------------------------------------------------------------------
@@ -278,14 +281,21 @@ def test_the_cpu_config_refuses_overlap_without_partial_rollouts_or_with_a_sleep
         load_config("tiny_cpu", keys + extra)
 
 
-def test_overlap_drops_at_filler_full_the_groups_the_bound_refuses_after_the_refit():
-    loop = overlap_loop()
-    for _ in range(5):
+def test_overlap_trains_groups_finished_during_the_update_and_bounds_every_responses_span():
+    loop, late, trained_late, spans = overlap_loop(), set(), set(), []
+    for _ in range(6):
+        before = len(loop.policy.calls)
         loop.step()
-        # nothing held after a step is already past the bound under the weights that will continue it
-        assert split_stale(loop._suspended, loop._version, loop.max_staleness)[1] == []
-    p = loop.partial_counters
-    assert p["stale_groups"] > 0 and p["stale_tokens"] > 0  # the drop did happen (and was counted)
+        for mb in trained(loop, before):
+            trained_late |= late & {int(u) for u in mb.group_ids}
+            for versions, mask in zip(mb.token_version, mb.response_mask):  # each trained response's span
+                v = versions[mask.bool()]
+                spans.append(int(v.max() - v.min()) if v.numel() else 0)
+        # finished during this update, the oldest token already past the bound for the next weights
+        late = {g.uid for g in loop._suspended if not g.unfinished()
+                and loop._version - g.oldest_version() > loop.max_staleness}
+    assert max(spans) <= loop.max_staleness  # every trained response spans at most max_staleness versions
+    assert trained_late  # such groups were trained in the next step, not dropped as stale
 
 
 def test_overlap_draws_nothing_ahead_past_the_callers_budget():
