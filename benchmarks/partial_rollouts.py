@@ -21,8 +21,9 @@ and prints one row per run, the medians per policy and a RESULT line of key=valu
 against the first's). ``--compare fill_order`` measures the cost of the reproducible mode instead: both with abort,
 ``rollout.fill_order`` = finish (the baseline) against prompt. ``--compare overlap``: partial rollouts without
 (the baseline) and with ``rollout.overlap`` (the engine process generates while the trainer trains), each run's RL
-seconds per 1,000 trained responses, with each run's ``plots/time.png`` and ``plots/staleness.png``; run it as ``taskset -c 0,1 ... trainer.threads=1 rollout.processes=1`` so
-that the trainer and the engine (one thread each) share the same two cores in both.
+seconds per 1,000 trained responses, with each run's ``plots/time.png`` and ``plots/staleness.png``; run it as
+``taskset -c 0,1 ... trainer.threads=1 rollout.processes=1`` so that the trainer and the engine (one thread each)
+share the same two cores in both.
 
     OMP_NUM_THREADS=1 nice -n 10 python benchmarks/partial_rollouts.py --base-model DIR [--seeds 3] [--engine local]
         [--config-name tiny_cpu_long]

@@ -257,7 +257,7 @@ def test_idle_seconds_count_only_the_time_with_no_request_in_flight(tmp_path):
         client.next_completion()
         busy = time.perf_counter() - t0
         idle1 = client.idle_seconds()
-        assert busy >= 0.5 and idle1 - idle0 < 0.25 * busy  # the engine was busy all along
+        assert busy >= 0.5 and idle1 - idle0 < 0.5 * busy  # the engine was busy all along
         time.sleep(0.4)
         assert client.idle_seconds() - idle1 >= 0.35  # and idle again once the completion came back
     finally:
