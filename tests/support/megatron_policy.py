@@ -247,6 +247,6 @@ class MegatronPolicy:
         if state.get("layout") != self._layout():
             raise ValueError(f"MegatronPolicy.load_state_dict: the state was saved by rank layout "
                              f"{state.get('layout')} but this rank is {self._layout()}; reshard it first "
-                             "(refit_gather.full_state_dict + model.load_full_state_dict)")
+                             "(megatron_reduction.full_state_dict, then megatron_model.load_full_state_dict)")
         self.inner.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
