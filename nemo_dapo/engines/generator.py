@@ -232,10 +232,8 @@ class EngineGenerator:
         return self._asleep
 
     def idle_seconds(self) -> float:
-        """Wall seconds the engine has had no request in flight since the client connected (a client that does not
-        keep the count, 0.0)."""
-        idle = getattr(self.client, "idle_seconds", None)
-        return float(idle()) if callable(idle) else 0.0
+        """Wall seconds the engine has had no request in flight since the client connected."""
+        return self.client.idle_seconds()
 
     def sleep(self) -> None:
         if self.sleep_level and not self._asleep:

@@ -25,6 +25,9 @@ class InProcessClient:
             self.ready.extend(self.adapter.step())
         return self.ready.popleft()
 
+    def idle_seconds(self) -> float:
+        return 0.0  # the adapter steps only when a completion is asked for: no wall time of its own to count
+
     def abort(self, ids) -> int:
         done = self.adapter.abort(list(ids))
         self.ready.extend(done)
