@@ -311,7 +311,9 @@ class LocalEngine:
                 buf = getattr(layer, name)
                 window = buf[:L, :, lo:c].clone()  # source and target may overlap
                 if new_cap != buf.shape[2]:
-                    buf = buf.new_empty(buf.shape[0], buf.shape[1], new_cap, buf.shape[3])
+                    # zeros, not new_empty: masked columns still enter q.k and p.v, and 0 * a NaN left in
+                    # uninitialised memory is NaN (the output then depended on what the allocator handed back)
+                    buf = buf.new_zeros(buf.shape[0], buf.shape[1], new_cap, buf.shape[3])
                     setattr(layer, name, buf)
                 buf[:L, :, new_lo:new_lo + width] = window
         self._start[:L] += new_lo - lo

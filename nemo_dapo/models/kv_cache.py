@@ -57,8 +57,9 @@ class InPlaceLayer(CacheLayerMixin if LAYERED else object):
 
     def allocate(self, batch, heads, capacity, k_dim, v_dim, dtype, device) -> None:
         self.dtype, self.device = dtype, device
-        self.keys = torch.empty(batch, heads, capacity, k_dim, dtype=dtype, device=device)
-        self.values = torch.empty(batch, heads, capacity, v_dim, dtype=dtype, device=device)
+        # zeros: masked columns still enter q.k and p.v, and 0 * a NaN from uninitialised memory is NaN
+        self.keys = torch.zeros(batch, heads, capacity, k_dim, dtype=dtype, device=device)
+        self.values = torch.zeros(batch, heads, capacity, v_dim, dtype=dtype, device=device)
         self.capacity, self.is_initialized = capacity, True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
