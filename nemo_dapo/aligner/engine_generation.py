@@ -259,6 +259,8 @@ class AlignerEngineGenerator:
         self.training_offload = training_offload
         if training_offload is not None:
             actor.training_state_offload = training_offload  # ActorPolicy's guard reads it (onload_for_use)
+        if engine is not None:  # the loop logs timing/engine_idle_* where this exists: on the owners (rank 0 is one)
+            self.idle_seconds = engine.idle_seconds
 
     @property
     def rank(self) -> int:

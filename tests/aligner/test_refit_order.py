@@ -115,6 +115,10 @@ class FakeClient:
     def next_completion(self, timeout_s=None):
         return self.queue.pop(0)
 
+    def idle_seconds(self):  # EngineClient's: a clock that advances 0.25 s per reading here
+        self.idle_reads = getattr(self, "idle_reads", 0) + 1
+        return 0.25 * self.idle_reads
+
 
 class FakeActor:
     """NeMo-Aligner actor's offload / onload pair (megatron_gpt_ppo_actor.py) on the ledger. The Adam states reach
@@ -277,3 +281,13 @@ def test_a_failing_weights_wake_is_raised_after_the_gather_is_drained(world_of_o
     with pytest.raises(EngineError, match="wake refused"):
         gen.update_weights()
     assert drained == [0, 1, 2]  # every bucket of the gather ran (the other ranks' collectives complete)
+
+
+def test_the_engine_idle_time_is_logged_on_a_rank_that_owns_an_engine_and_only_there(world_of_one, gpu):
+    gpu.budget = 200.0
+    loop, gen, client = colocated_loop(gpu, releases=TRTLLM_LIKE)
+    metrics = loop.step()
+    assert metrics["timing/engine_idle_s"] == 0.25  # the client's clock read at the step's start and end
+    assert metrics["timing/engine_idle_frac"] == pytest.approx(0.25 / metrics["timing/step_s"])
+    owner_less = eg.AlignerEngineGenerator(FakeActor(gpu), None, owners=[1], mp_group=None, hf_config=None, pad_id=0)
+    assert not hasattr(owner_less, "idle_seconds")  # no client: no number (the loop then logs none)
