@@ -37,6 +37,8 @@ FORBIDDEN = {
 ALLOWED = {
     ("nemo_dapo/engines/vllm.py", "vllm"): "the vLLM adapter imports its engine in the vLLM engine's environment",
     ("nemo_dapo/engines/trtllm.py", "tensorrt_llm"): "the TensorRT-LLM adapter imports its engine in the engine image",
+    ("nemo_dapo/engines/trtllm_worker.py", "tensorrt_llm"): "our worker extension subclasses the release's RL hook, "
+                                                            "built on first use inside the engine's Ray workers",
     # (engines/trtllm_check.py reads the installed TensorRT-LLM by importlib, from names in its API snapshot: no
     # import statement to allow)
     ("nemo_dapo/local/config.py", "omegaconf"): "the CPU job's configs are YAML read with omegaconf when one is "

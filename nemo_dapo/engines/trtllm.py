@@ -29,6 +29,9 @@ adapter against a fake shaped like that release (tests/engines/fake_trtllm.py).
   model's size, not TP times it; ``"per_rank"`` copies it to every GPU. TRT-LLM skips unknown names silently, so
   names and shapes are checked against the checkpoint's safetensors headers first, and the parts of a fused module
   (q/k/v, gate/up, an expert's w1/w3) are held back on the GPU until the bucket that completes them.
+* The collective weight transport (weight_group.py): each Ray worker receives the trainer's broadcast itself
+  through our extension of that hook (``trtllm_worker.GroupWorkerExtension``, ``join_weight_group`` /
+  ``receive_weights`` here), one group rank per worker; the finalize is the same ``update_weights(None)``.
 * CUDA graphs are off (``cuda_graph_config=None``): at this release ``pre_reload_weights`` is incompatible with CUDA
   graphs when a module rebuilds its tensors (PR #10456; the release's sleep test builds its LLM the same way; the
   graph-safe reload, PR #11267, is later).
@@ -53,9 +56,9 @@ import torch
 
 from .base import (HF_HEAD, Completion, EngineError, EngineWeightError, Request, Sample, check_usable, check_weight,
                    read_checkpoint)
+from .trtllm_worker import EXTENSION as WORKER_EXTENSION  # the release's RL hook plus the group receive
 
 SEED_STRIDE = 1_000_003
-WORKER_EXTENSION = "tensorrt_llm.llmapi.rlhf_utils.WorkerExtension"
 DAPO_PROMPT_BUDGET, DAPO_RESPONSE_BUDGET = 2048, 20480
 _FINISH = {"stop": "stop", "length": "length", "cancelled": "aborted", "timeout": "aborted"}
 _FUSED = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"}, {"w1", "w3"})
@@ -175,7 +178,7 @@ class TRTLLMEngine:
                 "max_input_len": self._max_input_len, "max_batch_size": self._max_batch_size,
                 "dtype": str(self._dtype).replace("torch.", ""), "devices": self._devices, "sleep_frees_memory": True,
                 "refit_copy": self._refit_copy, "sleep_releases": self._sleep_releases(),
-                "wake_tags": ["weights", "kv_cache"]}
+                "wake_tags": ["weights", "kv_cache"], "weight_group_ranks": len(self._devices)}
 
     def _sleep_releases(self) -> dict:
         """What each sleep level frees in the protocol's words: the KV cache, and "weights" for any other memory tag
@@ -304,29 +307,77 @@ class TRTLLMEngine:
         for name, tensor in named:
             if self._tied and name == HF_HEAD:
                 continue  # tied: TensorRT-LLM's HF mapper skips lm_head and shares the embedding
-            shape = self._shapes.get(name)
-            try:
-                check_weight(name, tensor, None if shape is None else torch.empty(shape, device="meta"), self.name)
-            except EngineWeightError:
-                if self._updating:
-                    self._broken = f"a weight update was interrupted by the rejected tensor {name!r}"
-                raise
+            self._checked(name, tensor)
             targets = self._devices[:1] if self._refit_copy == "shared" else self._devices
-            copies = [tensor.detach().to(device=d, dtype=self._dtype, copy=True) for d in targets]
-            group = fused_group(name)
-            if group is None:
-                ready.append((name, copies))
-                continue
-            held = self._pending.setdefault(group, {})
-            held[name] = copies
-            prefix, parts, leaf = group
-            need = {f"{prefix}.{p}.{leaf}" for p in parts} & set(self._shapes)
-            if need <= set(held):
-                ready.extend(self._pending.pop(group).items())
+            ready += self._hold(name, [tensor.detach().to(device=d, dtype=self._dtype, copy=True) for d in targets])
         self._updating = True
         if ready:
             self._send(ready)
             self._received.update(n for n, _ in ready)
+
+    def _hold(self, name: str, value) -> list:
+        """[(name, value)] that may be loaded now: ``name`` alone, or nothing while it is part of a fused module
+        whose other parts are still to come, or all of that module's parts once this one completes it."""
+        group = fused_group(name)
+        if group is None:
+            return [(name, value)]
+        held = self._pending.setdefault(group, {})
+        held[name] = value
+        prefix, parts, leaf = group
+        need = {f"{prefix}.{p}.{leaf}" for p in parts} & set(self._shapes)
+        return list(self._pending.pop(group).items()) if need <= set(held) else []
+
+    # ---- the collective weight transport, received in the Ray workers (trtllm_worker.py) ----------------------------
+    def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+        """Every worker joins the trainer's weight group (weight_group.py), as ranks ``rank`` onwards."""
+        self._check_alive()
+        self._llm._collective_rpc("nemo_dapo_join", args=(host, port, rank, world_size, timeout_s))
+
+    def check_weight_specs(self, specs: list) -> None:
+        """Names, shapes and dtypes of a broadcast bucket, checked from its specs before the server agrees to receive
+        it (as ``load_weights`` checks tensors): a refused bucket is refused before anyone enters the broadcast."""
+        from .protocol import dtype_of
+        self._check_alive()
+        for spec in specs:
+            if not (self._tied and spec["name"] == HF_HEAD):  # dropped in the workers, as load_weights drops it
+                self._checked(spec["name"], torch.empty(spec["shape"], dtype=dtype_of(spec["dtype"]), device="meta"))
+
+    def _checked(self, name: str, tensor: torch.Tensor) -> None:
+        """``check_weight`` against the checkpoint's shape; a refusal after part of an update breaks the engine."""
+        shape = self._shapes.get(name)
+        try:
+            check_weight(name, tensor, None if shape is None else torch.empty(shape, device="meta"), self.name)
+        except EngineWeightError:
+            if self._updating:
+                self._broken = f"a weight update was interrupted by the rejected tensor {name!r}"
+            raise
+
+    def receive_weights(self, specs: list, size: int) -> None:
+        """One broadcast bucket (checked by ``check_weight_specs``), received and loaded by the workers; the parts of
+        a fused module are held there until their module is complete. A failed broadcast raises ``GroupBroken``
+        (the update stays open: the next full update completes it)."""
+        from .weight_group import GroupBroken
+        skip = [HF_HEAD] if self._tied else []  # tied: TensorRT-LLM's HF mapper shares the embedding
+        first = not self._updating  # nothing of this update is in the model yet
+        ready = [n for s in specs if s["name"] not in skip for n, _ in self._hold(s["name"], None)]
+        self._updating = True
+        dtype = str(self._dtype).replace("torch.", "")
+        try:
+            answers = self._llm._collective_rpc("nemo_dapo_receive", args=(specs, size, dtype, ready, skip))
+        except Exception as e:  # a failed load leaves the model half-updated
+            self._broken = f"TensorRT-LLM failed to load a broadcast bucket ({type(e).__name__}: {e})"
+            raise EngineWeightError(f"engine {self.name!r}: {self._broken}", specs[0]["name"] if specs else "") from e
+        bad = next((a for a in answers if a is not None), None)
+        if bad is not None and bad[0] == "broken":
+            raise GroupBroken(bad[1])
+        if bad is not None:  # nothing of the bucket loaded: as the server's own check on the shm path
+            if first:
+                self._updating, self._pending = False, {}
+            else:
+                self._broken = f"a weight update was interrupted by the rejected tensor {bad[1]!r}"
+            raise EngineWeightError(f"engine {self.name!r}: weight {bad[1]!r} holds NaN or inf values; refusing it",
+                                    bad[1])
+        self._received.update(ready)
 
     def _send(self, ready: list) -> None:
         from tensorrt_llm._torch.utils import get_device_uuid

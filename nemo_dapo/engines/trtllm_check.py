@@ -4,11 +4,11 @@
 
 Reads ``trtllm_api_snapshot.json`` (next to this file by default: the record of the pinned release), introspects the
 installed package (``SamplingParams`` / ``TorchLlmArgs`` / ``KvCacheConfig`` fields, ``LogprobMode`` and scheduler
-members, ``WorkerExtension.update_weights``'s signature and source markers, the abort path down to the executor's
-cancel, the sleep RPCs and memory tags, the registered model architectures) and ``import ray``, and prints EVERY
-mismatch, one per line. Exit status: 0 when all items match, 1 when any does not, 2 when the snapshot cannot be
-read. ``containers/Dockerfile.engine`` runs it, so an image whose TensorRT-LLM differs from the record fails to
-build; CI runs it against ``tests/engines/fake_trtllm.py``.
+members, ``WorkerExtension.update_weights``'s signature and source markers, our worker extension's base, decorator
+and mixing-in, the abort path down to the executor's cancel, the sleep RPCs and memory tags, the registered model
+architectures) and ``import ray``, and prints EVERY mismatch, one per line. Exit status: 0 when all items match, 1
+when any does not, 2 when the snapshot cannot be read. ``containers/Dockerfile.engine`` runs it, so an image whose
+TensorRT-LLM differs from the record fails to build; CI runs it against ``tests/engines/fake_trtllm.py``.
 
 Which snapshot keys are checked is declared in :data:`CHECKED` (item -> the sub-keys whose values are compared) and
 :data:`DOC_KEYS` (sub-keys that only document); a test fails if the snapshot holds a key in neither.
@@ -230,6 +230,31 @@ def _worker_extension(c: Check, item: dict, _snap) -> None:
         _methods(c, cls, item["methods"], "WorkerExtension")
 
 
+def _group_extension(c: Check, item: dict, snap) -> None:
+    """Our worker extension (engines/trtllm_worker.py) against the release: the decorator it applies, the
+    wrapper that mixes it in by import path, the worker attributes it reads and no name the worker already has."""
+    where = "group_worker_extension"
+    c.load(item["decorator_path"], f"{where}.decorator_path")
+    wrapper = c.load(f"{item['wrapper_module']}.{item['wrapper_class']}", f"{where}.wrapper_class")
+    if wrapper is not None:
+        src = "".join(_source(k) for k in inspect.getmro(wrapper))
+        c.subset(item["wrapper_markers"], [m for m in item["wrapper_markers"] if m in src],
+                 f"{where}.wrapper_markers", f"source markers (in {wrapper.__name__})")
+    worker = c.load(f"{snap['sleep']['worker_module']}.{snap['sleep']['worker_class']}", f"{where}.worker_markers")
+    if worker is not None:
+        src = "".join(_source(k) for k in inspect.getmro(worker))
+        c.subset(item["worker_markers"], [m for m in item["worker_markers"] if m in src], f"{where}.worker_markers",
+                 f"source markers (in {worker.__name__})")
+        clash = sorted(m for m in item["methods"] if hasattr(worker, m))
+        c.need(not clash, f"{where}.methods", f"{worker.__name__} already has {clash} (the release refuses a clash)")
+    ext = c.load(item["class_path"], f"{where}.class_path")
+    hook = c.load(snap["WorkerExtension"]["class_path"], f"{where}.class_path")
+    if ext is not None and hook is not None:
+        c.need(issubclass(ext, hook), f"{where}.class_path", f"{ext.__name__} does not extend {hook.__name__}")
+        c.subset(item["methods"], [m for m in item["methods"] if callable(getattr(ext, m, None))],
+                 f"{where}.methods", f"methods of {item['class_path']}")
+
+
 def _sleep(c: Check, item: dict, snap) -> None:
     worker = c.load(f"{item['worker_module']}.{item['worker_class']}", "sleep.worker_class")
     if worker is not None:
@@ -277,6 +302,8 @@ CHECKED = {
     "Logprob": (_attributes_item("tensorrt_llm.executor.result", "Logprob"), {"attributes"}),
     "cancel": (_cancel, {"classes", "finish_reason"}),
     "WorkerExtension": (_worker_extension, {"module", "class_path", "methods"}),
+    "group_worker_extension": (_group_extension, {"class_path", "decorator_path", "wrapper_module", "wrapper_class",
+                                                  "wrapper_markers", "worker_markers", "methods"}),
     "sleep": (_sleep, {"worker_module", "worker_class", "rpc_methods", "tags_module", "tags_enum", "tags",
                        "adapter_tags"}),
     "ray": (_ray, {"import", "executor_class", "force_local_cluster_env"}),

@@ -18,8 +18,9 @@ server's next ``update_weights`` / ``update_weights_done`` (its weights are then
 When anything fails part-way the trainer drops the group: the servers still waiting in the broadcast see their peer
 close and fail at once, and the next update forms a new group.
 
-Backend: gloo (CPU tensors: the CPU engines, and any server that loads through its adapter). The engines' GPU workers
-would take NCCL through a worker extension of their own; that is not built, and ``nccl`` is refused by name.
+Backend: gloo (CPU tensors). vLLM's and TensorRT-LLM's workers receive the broadcast themselves (engines/vllm.py,
+engines/trtllm_worker.py) and copy it to their GPU; a GPU-to-GPU NCCL broadcast into those same worker methods is
+not built, and ``nccl`` is refused by name.
 ``GLOO_SOCKET_IFNAME`` picks the network interface where the default (the host name's address) is the wrong one.
 """
 from __future__ import annotations
@@ -48,9 +49,8 @@ class GroupBroken(EngineError):
 def check_transport(name: str) -> str:
     """A weight transport of ``TRANSPORTS``; one that is not built is refused by name."""
     if name == "nccl":
-        raise ValueError("weight transport 'nccl' is not built: the engines' GPU workers would need a worker "
-                         "extension that receives the broadcast; use 'gloo' (the servers load through their adapter) "
-                         "or shared memory")
+        raise ValueError("weight transport 'nccl' is not built (the engines' workers receive the broadcast over "
+                         "gloo and copy it to their GPU); use 'gloo' or shared memory")
     if name not in TRANSPORTS:
         raise ValueError(f"weight_transport must be one of {list(TRANSPORTS)}, got {name!r:.40}")
     return name

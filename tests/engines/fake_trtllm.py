@@ -286,6 +286,7 @@ class _Loader:
             raise ValueError("reload without allow_partial_loading needs every weight")
         if os.environ.get("FAKE_TRTLLM_FAIL") in weights:
             raise RuntimeError(f"reload failed on {os.environ['FAKE_TRTLLM_FAIL']}")
+        _log(op="reload", names=sorted(weights), shapes=[list(weights[n].shape) for n in sorted(weights)])
         for name, t in weights.items():
             if name in model.weights:  # TRT-LLM skips unknown names silently
                 model.weights[name] = t.clone()
@@ -345,7 +346,8 @@ class WorkerExtension:
         model = self.engine.model_engine.model
         if not model.first_pre_reload_weights:
             for module in model.modules():
-                module.pre_reload_weights()
+                if not getattr(module, "_weights_removed", False):
+                    module.pre_reload_weights()
             model.first_pre_reload_weights = True
         if ipc_handles is not None:
             device_uuid = get_device_uuid(self.device_id)
@@ -372,6 +374,9 @@ class WorkerExtension:
 
 # ---- tensorrt_llm/executor/ray_gpu_worker.py, ray_executor.py ---------------------------------------------------
 class RayGPUWorker:
+    def __init__(self, device_id: int, llm_args):
+        self.device_id, self.global_rank, self.llm_args = device_id, device_id, llm_args  # one node: rank = GPU
+
     @control_action_decorator
     def sleep(self, sleep_tags: list):
         self._f_memory(sleep_tags, asleep=True)
@@ -412,14 +417,37 @@ class BaseWorker:  # executor/base_worker.py
         self.engine.cancel_request(request_id)
 
 
-class _Worker(WorkerExtension, RayGPUWorker, BaseWorker):  # RayGPUWorker with ray_worker_extension_cls mixed in
+class _Worker(RayGPUWorker, BaseWorker):  # RayGPUWorker; ray_worker_extension_cls is mixed in by RayWorkerWrapper
     def __init__(self, llm, rank, weights, llm_args):
-        self.device_id, self.llm_args = rank, llm_args
+        RayGPUWorker.__init__(self, rank, llm_args)
         self.engine = _Engine(llm, weights)
         self._client_id_to_request_id = {}
 
     def abort_request(self, request_id: int) -> None:  # ray_gpu_worker.RayWorkerWrapper forwards to BaseWorker
         BaseWorker.abort_request(self, request_id)
+
+
+def resolve_obj_by_qualname(qualname: str):
+    import importlib
+    module, _, attr = qualname.rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+class RayWorkerWrapper:
+    @staticmethod
+    def _inject_worker_extension(worker_class: type, qualname: str) -> type:
+        """The extension resolved by its import path, an attribute the worker already has refused, then a subclass
+        with the worker first in the MRO."""
+        try:
+            ext = resolve_obj_by_qualname(qualname)
+        except Exception as e:
+            raise RuntimeError(f"Failed to load worker extension {qualname}") from e
+        for name in dir(ext):
+            if not name.startswith("__") and hasattr(worker_class, name):
+                raise ValueError(f"Worker class {worker_class.__name__} already has an attribute {name}, which "
+                                 f"conflicts with the worker extension {ext.__name__}")
+        return type(f"{worker_class.__name__}With{ext.__name__}", (worker_class, ext),
+                    {"__module__": worker_class.__module__})
 
 
 # ---- tensorrt_llm/llmapi/llm.py -----------------------------------------------------------------------------------
@@ -430,9 +458,11 @@ class LLM:
             args = TorchLlmArgs(model=model, **kwargs)
         except Exception as e:  # pydantic's ValidationError; llm.py raises ValueError "got invalid argument"
             raise ValueError(f"got invalid argument: {e}") from None
-        if backend != "pytorch" or args.orchestrator_type != "ray" or \
-                args.ray_worker_extension_cls != "tensorrt_llm.llmapi.rlhf_utils.WorkerExtension":
-            raise ValueError("the fake models the PyTorch backend with the Ray RL worker extension only")
+        if backend != "pytorch" or args.orchestrator_type != "ray" or not args.ray_worker_extension_cls:
+            raise ValueError("the fake models the PyTorch backend with a Ray worker extension only")
+        worker_cls = RayWorkerWrapper._inject_worker_extension(_Worker, args.ray_worker_extension_cls)
+        if not issubclass(worker_cls, WorkerExtension):
+            raise ValueError("the fake's workers need the release's RL hook (rlhf_utils.WorkerExtension)")
         config = json.load(open(os.path.join(model, "config.json")))
         from safetensors.torch import load_file
         weights = {}
@@ -441,7 +471,7 @@ class LLM:
                 weights.update(load_file(os.path.join(model, f)))
         self._f_vocab, self._f_asleep, self._f_n, self._f_args = int(config["vocab_size"]), False, 0, args
         self._f_executor = RayExecutor(args.tensor_parallel_size)
-        self._f_workers = [_Worker(self, r, dict(weights), args) for r in range(args.tensor_parallel_size)]
+        self._f_workers = [worker_cls(self, r, dict(weights), args) for r in range(args.tensor_parallel_size)]
         self._f_executor._f_workers = self._f_workers
         self._f_reweigh()
         dumped = args.model_dump(exclude_unset=True, exclude={"kv_cache_config", "scheduler_config"})
@@ -467,20 +497,29 @@ class LLM:
 
     def _collective_rpc(self, method, args=(), kwargs=None, non_block=False, unique_reply_rank=None,
                         target_ranks=None):
-        public = {n for k in (WorkerExtension, RayGPUWorker) for n in vars(k) if not n.startswith("_")}
+        public = {n for n in dir(type(self._f_workers[0])) if not n.startswith("_")}
         if method not in public:
             raise AttributeError(f"worker has no RPC method {method!r}")
         if method == "update_weights" and args[0] is not None:
             expect = {get_device_uuid(w.device_id) for w in self._f_workers}
             if set(args[0]) != expect:
                 raise ValueError(f"Device UUID set {sorted(args[0])} != workers {sorted(expect)}")
-        out = [getattr(w, method)(*args, **(kwargs or {})) for w in self._f_workers]
+        out = _on_every_worker(self._f_workers, method, args, kwargs or {})
         if method == "update_weights" and args[0] is None:
             self._f_reweigh()
         return out
 
     def shutdown(self):
         _log(op="shutdown")
+
+
+def _on_every_worker(workers, method, args, kwargs) -> list:
+    """Ray runs a collective RPC on every worker at once (a collective inside one must not wait for the next
+    worker's call): one thread per worker here; answers in rank order, the first error raised."""
+    import concurrent.futures
+    with concurrent.futures.ThreadPoolExecutor(len(workers)) as pool:
+        futures = [pool.submit(getattr(w, method), *args, **kwargs) for w in workers]
+        return [f.result() for f in futures]
 
 
 # ---- the package -------------------------------------------------------------------------------------------------
@@ -490,12 +529,13 @@ MODULES = {
     "tensorrt_llm.llmapi.llm_args": ["TorchLlmArgs", "KvCacheConfig", "SchedulerConfig", "CapacitySchedulerPolicy"],
     "tensorrt_llm.llmapi.llm": ["LLM", "RequestOutput"],
     "tensorrt_llm.llmapi.rlhf_utils": ["WorkerExtension"],
+    "tensorrt_llm._ray_utils": ["control_action_decorator"],
     "tensorrt_llm.sampling_params": ["SamplingParams", "LogprobMode"],
     "tensorrt_llm.executor": [],
     "tensorrt_llm.executor.result": ["CompletionOutput", "Logprob", "GenerationResultBase", "GenerationResult"],
     "tensorrt_llm.executor.ray_executor": ["RayExecutor"],
     "tensorrt_llm.executor.base_worker": ["BaseWorker"],
-    "tensorrt_llm.executor.ray_gpu_worker": ["RayGPUWorker"],
+    "tensorrt_llm.executor.ray_gpu_worker": ["RayGPUWorker", "RayWorkerWrapper"],
     "tensorrt_llm._torch": [],
     "tensorrt_llm._torch.utils": ["get_device_uuid"],
     "tensorrt_llm._torch.pyexecutor": [],

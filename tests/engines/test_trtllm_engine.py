@@ -76,7 +76,7 @@ def test_llm_built_with_the_budgets_kv_config_and_rl_hook(engine):
     assert "allreduce_strategy" not in llm  # one TP-1 engine: TensorRT-LLM's default
     assert llm["kv_cache_config"] == {"free_gpu_memory_fraction": 0.85, "enable_block_reuse": True}
     assert llm["scheduler_config"] == {"capacity_scheduler_policy": "MAX_UTILIZATION"}
-    assert llm["ray_worker_extension_cls"] == "tensorrt_llm.llmapi.rlhf_utils.WorkerExtension"
+    assert llm["ray_worker_extension_cls"] == "nemo_dapo.engines.trtllm_worker.GroupWorkerExtension"
     assert client.info["max_seq_len"] == 22528 and client.info["vocab_size"] == VOCAB
 
 
@@ -204,10 +204,11 @@ def test_adapter_uses_only_what_the_snapshot_records():
     assert calls["SchedulerConfig"] and calls["SchedulerConfig"] <= set(snap["SchedulerConfig"]["fields"])
     assert {"cuda_graph_config", "allreduce_strategy", "enable_sleep"} <= calls["LLM"]
     assert calls["LLM"] <= set(snap["TorchLlmArgs"]["fields"]) | set(snap["LLM"]["kwargs_besides_fields"])
-    assert rpcs == set(snap["sleep"]["rpc_methods"]) | {"update_weights"}
-    assert rpcs <= set(snap["WorkerExtension"]["methods"]) | set(snap["sleep"]["rpc_methods"])
+    ours = set(snap["group_worker_extension"]["methods"])
+    assert rpcs == set(snap["sleep"]["rpc_methods"]) | {"update_weights"} | ours
+    assert rpcs <= set(snap["WorkerExtension"]["methods"]) | set(snap["sleep"]["rpc_methods"]) | ours
     from nemo_dapo.engines import trtllm as T
-    assert T.WORKER_EXTENSION == snap["WorkerExtension"]["class_path"]
+    assert T.WORKER_EXTENSION == snap["group_worker_extension"]["class_path"]
     src = open(T.__file__).read()
     assert f'logprobs_mode="{snap["LogprobMode"]["adapter_value"]}"' in src
     assert "cuda_graph_config=None" in src and snap["cuda_graphs"]["adapter_value"] is None
