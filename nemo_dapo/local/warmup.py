@@ -38,27 +38,28 @@ from nemo_dapo.local.sampler import LocalSampler
 
 @dataclass
 class WarmupConfig:
-    batch_size: int = 32  # solved problems per update (32 learnt faster per second than 64)
-    lr: float = 3e-3
-    lr_warmup_steps: int = 20
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    max_steps: int = 1500  # cap on updates whatever the probe says
-    min_steps: int = 100  # no probe before this
-    eval_every: int = 25
-    probe_size: int = 128  # dev problems, one sample each
-    temperature: float = 1.0  # probe sampling temperature (the RL sampling temperature)
-    max_new_tokens: int = 64
-    target_low: float = 0.3
-    target_high: float = 0.5
-    max_seconds: Optional[float] = None  # wall-clock cap (None: none)
-    # Faults written into the training solutions (task.Sloppiness). The base model inherits them: at T=1 it slips
-    # in arithmetic, misses the answer format or rambles into the length cap, faults a verifier reward can remove.
-    slip_prob: float = 0.08
-    format_prob: float = 0.3
-    ramble_prob: float = 0.15
-    ramble_passes: int = 1  # a rambling solution has 1..ramble_passes "Check:" passes
-    seed: int = 0
+    """The warm-up's settings. Their values, with what each means, are the ``warmup`` block of
+    ``conf/dapo_base.yaml`` (and the recipes' overrides): ``run_model.warmup_config(cfg)`` builds this from a job's
+    config, so no default is kept here. ``max_new_tokens`` is the probe's generation cap; ``seed`` the run's."""
+    batch_size: int
+    lr: float
+    lr_warmup_steps: int
+    weight_decay: float
+    grad_clip: float
+    max_steps: int
+    min_steps: int
+    eval_every: int
+    probe_size: int
+    temperature: float
+    max_new_tokens: int
+    target_low: float
+    target_high: float
+    max_seconds: Optional[float]
+    slip_prob: float
+    format_prob: float
+    ramble_prob: float
+    ramble_passes: int
+    seed: int
 
 
 @dataclass
@@ -118,14 +119,13 @@ def sft_batches(task: ArithmeticTask, tokenizer, cfg: WarmupConfig) -> Iterator[
                         [sloppy_solution(p, rng, sloppiness, task.style) for p in batch])
 
 
-def supervised_warmup(model, tokenizer, task: Optional[ArithmeticTask] = None, cfg: Optional[WarmupConfig] = None,
+def supervised_warmup(model, tokenizer, task: ArithmeticTask, cfg: WarmupConfig,
                       log: Optional[Callable[[str], None]] = print) -> tuple:
     """Train ``model`` in place on worked solutions of ``task``'s train split until the probe enters the band.
 
     Returns (model, :class:`WarmupStats`). Deterministic for a given ``cfg.seed`` (on the same machine and thread
     count), except that ``max_seconds`` makes the stopping point depend on speed.
     """
-    task, cfg = task or ArithmeticTask(), cfg or WarmupConfig()
     policy = LocalPolicy(model, lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
                          warmup_steps=cfg.lr_warmup_steps)
     probe = task.rows("dev", cfg.probe_size, seed=cfg.seed)

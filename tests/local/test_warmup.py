@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -6,6 +7,8 @@ import torch
 from nemo_dapo.data.task import ArithmeticTask
 from nemo_dapo.data.tokenizer import build_task_tokenizer
 from nemo_dapo.local import warmup as W
+from nemo_dapo.local.config import load_config
+from nemo_dapo.local.run_model import BASE_DIR, prepare_base_model, warmup_config
 from nemo_dapo.models.decoder import build_model
 
 SMALL = dict(arch="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -15,6 +18,11 @@ SMALL = dict(arch="llama", hidden_size=32, intermediate_size=64, num_hidden_laye
 @pytest.fixture(scope="module")
 def tok():
     return build_task_tokenizer(ArithmeticTask(), n_rows=300)
+
+
+def settings(**over) -> W.WarmupConfig:
+    """The main job's warm-up settings (conf: tiny_cpu), with ``over`` replaced."""
+    return dataclasses.replace(warmup_config(load_config("tiny_cpu", [])), **over)
 
 
 def small_model(tok):
@@ -44,7 +52,7 @@ def test_sft_loss_is_the_token_mean_nll():
 
 
 def test_stops_at_the_step_cap_and_is_deterministic(tok):
-    cfg = W.WarmupConfig(batch_size=8, max_steps=3, min_steps=1, eval_every=2, probe_size=4, max_new_tokens=8)
+    cfg = settings(batch_size=8, max_steps=3, min_steps=1, eval_every=2, probe_size=4, max_new_tokens=8)
     runs = []
     for _ in range(2):
         model, stats = W.supervised_warmup(small_model(tok), tok, ArithmeticTask(), cfg, log=None)
@@ -63,7 +71,7 @@ def test_stops_at_the_step_cap_and_is_deterministic(tok):
 def test_stopping_rule(tok, monkeypatch, probes, reason, steps):
     scripted = iter(probes)
     monkeypatch.setattr(W, "sample_accuracy", lambda *a, **k: next(scripted))
-    cfg = W.WarmupConfig(batch_size=4, max_steps=8, min_steps=2, eval_every=2, target_low=0.2, target_high=0.5)
+    cfg = settings(batch_size=4, max_steps=8, min_steps=2, eval_every=2, target_low=0.2, target_high=0.5)
     _, stats = W.supervised_warmup(small_model(tok), tok, ArithmeticTask(), cfg, log=None)
     assert (stats.stop_reason, stats.steps) == (reason, steps)
     assert stats.probe_accuracy == probes[len(stats.history) - 1]
@@ -84,21 +92,21 @@ def test_save_warmup_writes_a_loadable_directory(tok, tmp_path):
     from nemo_dapo.models.decoder import load_model
 
     model = small_model(tok)
-    W.save_warmup(tmp_path / "base", model, tok, W.WarmupStats(steps=3, stop_reason="max_steps"), W.WarmupConfig())
+    W.save_warmup(tmp_path / "base", model, tok, W.WarmupStats(steps=3, stop_reason="max_steps"), settings())
     assert torch.equal(load_model(tmp_path / "base").lm_head.weight, model.lm_head.weight)
     assert load_tokenizer(tmp_path / "base").get_vocab() == tok.get_vocab()
     info = json.loads((tmp_path / "base" / "warmup.json").read_text())
-    assert info["stats"]["steps"] == 3 and info["config"]["target_low"] == W.WarmupConfig().target_low
+    assert info["stats"]["steps"] == 3 and info["config"]["target_low"] == settings().target_low
 
 
 @pytest.mark.slow
-def test_default_warmup_reaches_the_band_quickly(tok):
-    """The real thing at default settings: the dev probe enters the band before the step cap."""
-    task = ArithmeticTask()
-    tok = build_task_tokenizer(task)
-    from nemo_dapo.models.decoder import build_model as build
-
-    model = build(None, vocab_size=len(tok), pad_id=tok.pad_token_id, bos_id=tok.bos_token_id,
-                  eos_id=tok.eos_token_id)
-    _, stats = W.supervised_warmup(model, tok, task, W.WarmupConfig(), log=None)
-    assert stats.stop_reason == "in_band", stats
+def test_the_main_jobs_base_model_reaches_the_band_before_the_step_cap(tmp_path):
+    """The real thing: the base model of `nemo-dapo train` (conf: tiny_cpu), built as the job builds it (task,
+    tokenizer, model, warm-up, cache), enters the probe band before the step cap."""
+    cfg = load_config("tiny_cpu", [f"run_dir={tmp_path}"])
+    _, _, info = prepare_base_model(cfg)
+    stats = info["stats"]
+    assert info["source"] == "warmup" and stats["stop_reason"] == "in_band", stats
+    assert cfg.warmup.target_low <= stats["probe_accuracy"] <= cfg.warmup.target_high
+    assert stats["steps"] < cfg.warmup.max_steps
+    assert (tmp_path / BASE_DIR / "warmup.json").is_file()  # the job's next run reuses it
