@@ -19,7 +19,8 @@ run's counters it takes
 
 and prints one row per run, the medians per policy and a RESULT line of key=value fields (the second policy's medians
 against the first's). ``--compare fill_order`` measures the cost of the reproducible mode instead: both with abort,
-``rollout.fill_order`` = finish (the baseline) against prompt. ``--compare overlap``: partial rollouts without
+``rollout.fill_order`` = finish (the baseline) against prompt; ``--compare suspend_order`` the same with partial
+rollouts (prompt order then generates in rounds of ``rollout.round_tokens``). ``--compare overlap``: partial rollouts without
 (the baseline) and with ``rollout.overlap`` (the engine process generates while the trainer trains), each run's RL
 seconds per 1,000 trained responses, with each run's ``plots/time.png`` and ``plots/staleness.png``; run it as
 ``taskset -c 0,1 ... trainer.threads=1 rollout.processes=1`` so that the trainer and the engine (one thread each)
@@ -47,6 +48,11 @@ COMPARISONS = {
                        "suspend": ["rollout.on_filler_full=suspend", "rollout.max_staleness=1"]},
     "fill_order": {"finish": ["rollout.on_filler_full=abort", "rollout.fill_order=finish"],
                    "prompt": ["rollout.on_filler_full=abort", "rollout.fill_order=prompt"]},
+    # partial rollouts in finishing order (the baseline) vs prompt order (rounds of rollout.round_tokens)
+    "suspend_order": {"finish": ["rollout.on_filler_full=suspend", "rollout.max_staleness=1",
+                                 "rollout.fill_order=finish"],
+                      "prompt": ["rollout.on_filler_full=suspend", "rollout.max_staleness=1",
+                                 "rollout.fill_order=prompt"]},
     # one-step-off: the engine process generates while the trainer process trains (one thread each)
     "overlap": {"sync": ["rollout.on_filler_full=suspend", "rollout.max_staleness=1", "rollout.overlap=false"],
                 "overlap": ["rollout.on_filler_full=suspend", "rollout.max_staleness=1", "rollout.overlap=true"]},
@@ -92,7 +98,8 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="1 seed, 256 responses, 16 held-out problems")
     p.add_argument("--config-name", default="tiny_cpu", help="recipe (its base model: --base-model)")
     p.add_argument("--compare", default="on_filler_full", choices=sorted(COMPARISONS),
-                   help="on_filler_full: abort vs suspend; fill_order: finish vs prompt (both abort); overlap: "
+                   help="on_filler_full: abort vs suspend; fill_order: finish vs prompt (both abort); "
+                   "suspend_order: finish vs prompt (both suspend); overlap: "
                    "suspend without vs with rollout.overlap (run it under taskset -c 0,1)")
     p.add_argument("--out", default=None, help="default runs/partial_rollouts (runs/fill_order with --compare "
                    "fill_order)")

@@ -83,7 +83,8 @@ class LoopSettings:
     on_filler_full: str
     # Streaming only: "finish" hands each group to the filler as it finishes (fastest); "prompt" hands them over in
     # prompt order (a finished group waits for those drawn before it), so which groups train does not depend on
-    # the engine's timing. The batch path is always in prompt order.
+    # the engine's timing (with partial rollouts it generates in rounds: DAPOLoop's round_tokens). The batch path is
+    # always in prompt order.
     fill_order: str
 
     def __post_init__(self):
@@ -120,7 +121,7 @@ class DAPOLoop(StreamingPhase):
     def __init__(self, *, policy: Policy, generator: Generator, reward_fn: RewardFn, loss_fn: LossFn,
                  prompts: PromptSet, filler: BatchFiller, settings: LoopSettings,
                  sampler: Optional[PromptSampler] = None, reducer: Optional[Reducer] = None,
-                 max_staleness: int = 0, overlap: bool = False):
+                 max_staleness: int = 0, overlap: bool = False, round_tokens: Optional[int] = None):
         self.policy, self.generator, self.reward_fn, self.loss_fn = policy, generator, reward_fn, loss_fn
         self.prompts, self.filler, self.settings = prompts, filler, settings
         self.sampler = sampler or PromptSampler(len(prompts), seed=settings.seed)
@@ -142,9 +143,15 @@ class DAPOLoop(StreamingPhase):
             raise ValueError("overlap needs partial rollouts: on_filler_full='suspend' with max_staleness >= 1, "
                              "streaming, one data-parallel rank (the work left running is suspended at the refit)")
         self.partial_counters = dict.fromkeys(PARTIAL_COUNTERS, 0)
+        # Partial rollouts in prompt order generate in rounds of round_tokens tokens (loop_stream._stream_rounds).
+        self.round_tokens = None if round_tokens is None else int(round_tokens)
         if self._suspending() and settings.fill_order == "prompt":
-            raise ValueError("fill_order='prompt' cannot be combined with on_filler_full='suspend': how far a "
-                             "suspended sample got depends on the engine's timing; use abort or finish")
+            if self.round_tokens is None or self.round_tokens < 1:
+                raise ValueError("fill_order='prompt' with on_filler_full='suspend' generates in rounds: give "
+                                 f"round_tokens >= 1 (tokens per sample and round), got {round_tokens!r}")
+            if self.overlap:
+                raise ValueError("fill_order='prompt' cannot be combined with overlap: the work left running through "
+                                 "the update stops wherever the engine's timing leaves it")
         if self._partial_mode() and not callable(getattr(generator, "stream_requests", None)):
             raise ValueError(f"on_filler_full='suspend' needs a generator with stream_requests() (an engine server "
                              f"client); {type(generator).__name__} has none")
@@ -181,7 +188,9 @@ class DAPOLoop(StreamingPhase):
         lo = red.rank * n_prompts // red.world_size
         hi = (red.rank + 1) * n_prompts // red.world_size
         self.filler.begin_gen_batch()
-        if self._suspending():
+        if self._suspending() and s.fill_order == "prompt":
+            groups = self._stream_rounds(indices, uids, resumed, timers)
+        elif self._suspending():
             groups = self._stream_partial(indices, uids, resumed, timers)
         elif s.streaming and red.world_size == 1:
             groups = self._stream_and_score(indices, uids, timers)

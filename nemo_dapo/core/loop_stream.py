@@ -6,7 +6,9 @@ acts on ``on_filler_full`` the moment the filler is full: ``abort`` / ``finish``
 ``suspend`` it (partial rollouts, core/partial.py: the unfinished groups are kept, with the weight version that
 drew each token, and continued by the next generation batch unless more than ``max_staleness`` versions old).
 With ``overlap`` the suspension waits: the stream runs on through the update with the next batch's prompts added
-(``_draw_ahead``), and is parked just before the refit (``_park_live``).
+(``_draw_ahead``), and is parked just before the refit (``_park_live``). Partial rollouts in prompt order
+(``_stream_rounds``) generate in rounds of ``round_tokens`` tokens per sample instead, so that where a suspended
+sample stopped does not depend on the engine's timing.
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import time
 from dataclasses import dataclass
 
 from nemo_dapo.core.loop_data import mix_seed
-from nemo_dapo.core.partial import assemble, complete, continuation_requests, split_stale, stamp, suspend
+from nemo_dapo.core.partial import (SampleState, SuspendedGroup, assemble, complete, continuation_requests,
+                                    reopen_round_cuts, split_stale, stamp, suspend)
 
 
 @dataclass
@@ -140,6 +143,49 @@ class StreamingPhase:
         timers["gen"] += time.perf_counter() - t0 - t_scoring
         self.counters["generated_tokens"] += stream.generated_tokens
         return groups
+
+    def _stream_rounds(self, indices, uids, resumed, timers) -> list:
+        """Partial rollouts in prompt order (``fill_order`` "prompt"): the batch is generated in rounds of at most
+        ``round_tokens`` tokens per sample, every round run to its end. Between rounds the groups whose samples have
+        all finished are handed to the filler in prompt order (the continued groups first, then the new prompts;
+        a group waits for those before it); once the filler is full the rest are suspended as the rounds left them.
+        What trains and what is carried over therefore does not depend on the engine's timing; the cost is a
+        resubmission (prompt + tokens so far) per round and the wait for each round's last sample."""
+        s, g, v = self.settings, self.settings.group_size, self._version
+        prompt_ids, prompt_mask = self.prompts.collate([sg.index for sg in resumed] + list(indices))
+        prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]
+        base = self._seed()
+        todo = list(resumed) + [SuspendedGroup(index=i, uid=u, seed=mix_seed(base, k) % (2 ** 31),
+                                               samples=[SampleState([], [], []) for _ in range(g)])
+                                for k, (i, u) in enumerate(zip(indices, uids))]
+        groups, handed = [], 0
+        while True:
+            while handed < len(todo) and not todo[handed].unfinished():  # the head of the prompt order
+                k, handed = handed, handed + 1
+                out = assemble(todo[k], self.prompts.pad_id)
+                group = self._score([todo[k].index], [todo[k].uid], prompt_ids[k:k + 1], prompt_mask[k:k + 1], out,
+                                    timers)
+                groups.extend(group)
+                self.filler.add_groups(group)
+                if self.filler.full():
+                    timers["filled_at"] = time.perf_counter()
+                    self._suspended += todo[handed:]
+                    return groups
+            live = [k for k in range(handed, len(todo)) if todo[k].unfinished()]
+            if not live:
+                return groups
+            requests = [continuation_requests(todo[k], prompts[k], s.max_new_tokens, self.round_tokens) for k in live]
+            for k in live:
+                todo[k].resumes += 1
+            t0 = time.perf_counter()
+            stream = self.generator.stream_requests(requests, temperature=s.temperature, top_p=s.top_p)
+            outs = dict(stream)  # the whole round
+            timers["gen"] += time.perf_counter() - t0
+            self.counters["generated_tokens"] += stream.generated_tokens
+            for key, k in enumerate(live):
+                after = suspend(outs[key], v, index=todo[k].index, uid=todo[k].uid, seed=todo[k].seed, prior=todo[k],
+                                max_new_tokens=s.max_new_tokens)
+                todo[k] = reopen_round_cuts(todo[k], after, s.max_new_tokens)
 
     def _draw_ahead(self, live: "_Live", n_prompts: int) -> None:
         """Overlap: the next generation batch's prompts, drawn and added to the live stream now (weights of this

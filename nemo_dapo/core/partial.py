@@ -133,15 +133,29 @@ def assemble(done: SuspendedGroup, pad_id: int) -> Generation:
                       token_version=versions)
 
 
-def continuation_requests(group: SuspendedGroup, prompt: Sequence[int], max_new_tokens: int) -> list:
+def continuation_requests(group: SuspendedGroup, prompt: Sequence[int], max_new_tokens: int,
+                          round_tokens: Optional[int] = None) -> list:
     """One ``(prompt ids, n=1, max_new_tokens, seed)`` per unfinished sample: prompt + its tokens so far, the
-    remaining budget, and a seed of its own for this resubmission (a resumed run draws the same tokens)."""
+    remaining budget (at most ``round_tokens`` when given: one round of the prompt-order mode), and a seed of its
+    own for this resubmission (a resumed run draws the same tokens)."""
     out = []
     for j in group.unfinished():
         s = group.samples[j]
         seed = mix_seed(group.seed, group.resumes + 1, j) % (2 ** 31)
-        out.append((list(prompt) + list(s.tokens), 1, int(max_new_tokens) - len(s.tokens), seed))
+        budget = int(max_new_tokens) - len(s.tokens)
+        out.append((list(prompt) + list(s.tokens), 1, budget if round_tokens is None else min(budget, round_tokens),
+                    seed))
     return out
+
+
+def reopen_round_cuts(before: SuspendedGroup, after: SuspendedGroup, max_new_tokens: int) -> SuspendedGroup:
+    """``after`` one round (``before`` + what the round drew): a sample that the round's own cap stopped ("length",
+    below the generation cap, with tokens drawn in this round) is still to continue. One that drew nothing stays
+    finished (the engine had no room left), so rounds always end."""
+    samples = [SampleState(a.tokens, a.logprobs, a.versions, None)
+               if a.finish == "length" and len(a.tokens) < max_new_tokens and len(a.tokens) > len(b.tokens) else a
+               for b, a in zip(before.samples, after.samples)]
+    return SuspendedGroup(index=after.index, uid=after.uid, seed=after.seed, samples=samples, resumes=after.resumes)
 
 
 def split_stale(groups: Sequence[SuspendedGroup], version: int, max_staleness: int) -> tuple:

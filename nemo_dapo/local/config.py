@@ -147,6 +147,7 @@ class RolloutConfig:
     fill_order: str = MISSING
     max_staleness: int = MISSING
     overlap: bool = MISSING
+    round_tokens: int = MISSING
     server: EngineServerConfig = field(default_factory=EngineServerConfig)
 
 
@@ -312,7 +313,7 @@ def _check_numbers(cfg: Config) -> None:
         if _get(cfg, key) < 0:
             raise ConfigError(f"config key '{key}' must be >= 0, got {_get(cfg, key)}")
     for key in ("warmup.batch_size", "warmup.eval_every", "warmup.probe_size", "warmup.ramble_passes",
-                "data.max_prompt_tokens", "data.tokenizer_rows"):
+                "data.max_prompt_tokens", "data.tokenizer_rows", "rollout.round_tokens"):
         if _get(cfg, key) < 1:
             raise ConfigError(f"config key '{key}' must be >= 1, got {_get(cfg, key)}")
     if cfg.warmup.target_low > cfg.warmup.target_high:
@@ -445,10 +446,10 @@ def _check_partial_rollouts(cfg) -> None:
                           "rollout.max_staleness >= 1 and rollout.server.sleep_level=0")
     if r.on_filler_full != "suspend" or r.max_staleness == 0:
         return
-    if r.fill_order == "prompt":
-        raise ConfigError("config key 'rollout.fill_order' = prompt cannot be combined with rollout.on_filler_full="
-                          "suspend (how far a suspended sample got depends on the engine's timing): set "
-                          "rollout.fill_order=finish, or on_filler_full=abort / finish")
+    if r.fill_order == "prompt" and r.overlap:
+        raise ConfigError("config key 'rollout.fill_order' = prompt cannot be combined with rollout.overlap=true "
+                          "(what runs on through the update stops wherever the engine's timing leaves it): set "
+                          "rollout.overlap=false, or rollout.fill_order=finish")
     if not r.streaming:
         raise ConfigError("config key 'rollout.on_filler_full' = suspend needs streaming generation: set "
                           "rollout.streaming=true with rollout.engine=local or vllm")

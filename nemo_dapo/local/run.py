@@ -111,7 +111,8 @@ class LocalRun:
         self.loop = DAPOLoop(policy=self.policy, generator=self.sampler, reward_fn=self.reward, loss_fn=loss_fn,
                              prompts=self.train_set, filler=filler, settings=settings,
                              sampler=PromptSampler(len(self.train_set), seed=cfg.seed),
-                             max_staleness=cfg.rollout.max_staleness, overlap=cfg.rollout.overlap)
+                             max_staleness=cfg.rollout.max_staleness, overlap=cfg.rollout.overlap,
+                             round_tokens=cfg.rollout.round_tokens)
         # The divergence guard's state (so a resumed run judges as the uninterrupted one) and every divergence of
         # the run (check_diverged): saved with each checkpoint.
         self.health = {"streak": 0, "start_entropy": None, "diverged": []}

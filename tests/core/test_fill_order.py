@@ -52,6 +52,9 @@ class Reordering:
     def stream(self, *args, **kw):
         return Reordered(self.generator.stream(*args, **kw), self.rng)
 
+    def stream_requests(self, *args, **kw):
+        return Reordered(self.generator.stream_requests(*args, **kw), self.rng)
+
     def __getattr__(self, name):
         return getattr(self.generator, name)
 
@@ -106,22 +109,89 @@ def test_prompt_order_with_abort_trains_a_prefix_of_the_drawn_prompts_and_counts
     assert m["rollout/generated_tokens"] == m["response/tokens"] + m["rollout/aborted_tokens"]
 
 
-def test_prompt_order_is_refused_with_partial_rollouts():
+def rounds_loop(order_seed, round_tokens=4, seed=5):
+    """Partial rollouts in prompt order (rounds of ``round_tokens`` tokens), the engine's completions replayed in an
+    order drawn from ``order_seed``."""
+    from nemo_dapo.core.loop import DAPOLoop
     from nemo_dapo.core.loss import make_loss_fn
+
+    policy = PushingPolicy()
+    gen = Reordering(EngineGenerator(InProcessClient(VersionedToy()), eos_id=EOS, pad_id=0), order_seed)
+    base = make_loop(generator=gen, policy=policy, ds=True, groups=4, group_size=4, mini=8, max_new_tokens=MAX_NEW,
+                     streaming=True, on_filler_full="suspend", fill_order="prompt", seed=seed,
+                     loss=make_loss_fn(eps_low=0.2, eps_high=0.28, clip_c=10.0, tis_cap=2.0))
+    return DAPOLoop(policy=policy, generator=gen, reward_fn=base.reward_fn, loss_fn=base.loss_fn,
+                    prompts=base.prompts, filler=base.filler, settings=base.settings, max_staleness=1,
+                    round_tokens=round_tokens)
+
+
+def trained_rows(loop):
+    return [(mb.group_ids.tolist(), mb.response_ids.tolist(), mb.token_version.tolist()) for mb, _ in loop.policy.calls]
+
+
+def test_partial_rollouts_in_prompt_order_train_and_suspend_the_same_whatever_the_engine_timing():
+    runs = []
+    for order_seed in (1, 2):
+        # seed 9: prompts whose groups behind the one that fills the batch are still mid-generation (most draws
+        # of the toy's lengths finish them all while the head group runs: they are then carried over finished)
+        loop = rounds_loop(order_seed, seed=9)
+        metrics = [steady(loop.step()) for _ in range(3)]
+        runs.append((trained_rows(loop), metrics, [g.to_state() for g in loop._suspended], loop))
+    (ta, ma, sa, a), (tb, mb, sb, _) = runs
+    assert ta == tb and ma == mb and sa == sb  # the generated-token counts too: no timing-dependent number is left
+    assert sa and any(g["samples"][0]["tokens"] or g["samples"][1]["tokens"] for g in sa)  # partial work carried
+    spans = {tuple(sorted(set(v for v, m in zip(row, mask) if m)))
+             for mb_, _ in a.policy.calls for row, mask in zip(mb_.token_version.tolist(), mb_.response_mask.tolist())}
+    assert (0, 1) in spans and (1, 2) in spans  # responses begun by one weight version and finished by the next
+    assert ma[1]["partial/resumed_groups"] > 0 and ma[-1]["rollout/aborted_tokens"] == 0
+
+
+def test_rounds_hand_groups_over_in_prompt_order_and_suspend_only_at_round_ends():
+    loop = rounds_loop(order_seed=1, round_tokens=4)
+    m = loop.step()
+    trained = {int(u) for mb, _ in loop.policy.calls for u in mb.group_ids}
+    held = loop._suspended
+    assert trained and held
+    assert max(trained) < min(g.uid for g in held)  # handed over: a prefix of the draw order (uids grow with it)
+    for g in held:  # a held sample stopped at a round's end, or finished (waiting for a group before it)
+        assert all(smp.finish is not None or len(smp.tokens) % 4 == 0 for smp in g.samples), g
+    assert m["counters/generated_tokens"] == m["response/tokens"] + sum(g.num_tokens() for g in held)
+
+
+def test_a_resumed_prompt_order_run_reproduces_the_uninterrupted_one(tmp_path):
+    from nemo_dapo.core.checkpoint import load_checkpoint, save_checkpoint
+
+    a = rounds_loop(order_seed=1)
+    a.step()
+    b = rounds_loop(order_seed=7)  # the run that is killed, with other engine timing
+    b.step()
+    path = save_checkpoint(str(tmp_path), 1, {"loop": b.state_dict()})
+    c = rounds_loop(order_seed=3)  # the rerun, with a third
+    c.load_state_dict(load_checkpoint(path)["loop"])
+    ma, mc = steady(a.step()), steady(c.step())
+    assert ma == mc and ma["partial/resumed_groups"] > 0
+    assert trained_rows(a)[-len(c.policy.calls):] == trained_rows(c)
+
+
+def test_prompt_order_with_partial_rollouts_needs_rounds_and_no_overlap():
     from nemo_dapo.core.loop import DAPOLoop
 
-    base = make_loop(generator=EngineGenerator(InProcessClient(VersionedToy()), eos_id=EOS, pad_id=0), ds=True,
-                     streaming=True, on_filler_full="suspend", fill_order="prompt",
-                     loss=make_loss_fn(eps_low=0.2, eps_high=0.28, tis_cap=2.0))
-    with pytest.raises(ValueError, match="fill_order='prompt' cannot be combined with on_filler_full='suspend'"):
-        DAPOLoop(policy=base.policy, generator=base.generator, reward_fn=base.reward_fn, loss_fn=base.loss_fn,
-                 prompts=base.prompts, filler=base.filler, settings=base.settings, max_staleness=1)
+    base = rounds_loop(order_seed=1)
+    kw = dict(policy=base.policy, generator=base.generator, reward_fn=base.reward_fn, loss_fn=base.loss_fn,
+              prompts=base.prompts, filler=base.filler, settings=base.settings, max_staleness=1)
+    with pytest.raises(ValueError, match="give round_tokens >= 1"):
+        DAPOLoop(**kw)
+    with pytest.raises(ValueError, match="cannot be combined with overlap"):
+        DAPOLoop(**kw, round_tokens=4, overlap=True)
 
 
-def test_the_cpu_config_refuses_prompt_order_with_suspend_and_names_the_keys():
+def test_the_cpu_config_takes_prompt_order_with_suspend_and_refuses_it_with_overlap_by_name():
     from nemo_dapo.local.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match="rollout.fill_order"):
-        load_config("tiny_cpu", ["rollout.engine=local", "rollout.streaming=true", "rollout.on_filler_full=suspend",
-                                 "algorithm.tis_cap=2.0", "rollout.fill_order=prompt"])
-    assert load_config("tiny_cpu", ["rollout.fill_order=prompt"]).rollout.fill_order == "prompt"
+    keys = ["rollout.engine=local", "rollout.streaming=true", "rollout.on_filler_full=suspend", "algorithm.tis_cap=2.0",
+            "rollout.fill_order=prompt"]
+    assert load_config("tiny_cpu", keys + ["rollout.round_tokens=4"]).rollout.round_tokens == 4
+    with pytest.raises(ConfigError, match="rollout.fill_order.*rollout.overlap"):
+        load_config("tiny_cpu", keys + ["rollout.overlap=true", "rollout.server.sleep_level=0"])
+    with pytest.raises(ConfigError, match="rollout.round_tokens"):
+        load_config("tiny_cpu", keys + ["rollout.round_tokens=0"])
