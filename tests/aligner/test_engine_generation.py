@@ -122,6 +122,7 @@ def test_aligner_step_through_a_local_engine_server(tok_dir, tmp_path):
     assert r0["valid_vocab"] == r1["valid_vocab"] == r0["hf_vocab"] <= r0["padded_vocab"]
     step = next(r for r in r0["records"] if "train/batch_acc" in r or "actor/loss" in r)
     assert step["rollout/trained_tokens"] > 0 and step["actor/grad_norm"] > 0
+    assert 0.0 <= step["timing/engine_idle_s"] <= step["timing/step_s"]  # the owner logs its engine's idle time
     assert os.path.getsize(tmp_path / "engine.log") > 0
 
 

@@ -35,6 +35,9 @@ class Engine:
     def generate(self, prompt_ids, prompt_mask, **kw):
         return self.gen
 
+    def idle_seconds(self):  # EngineGenerator's (the generator exposes it on the owners)
+        return 0.0
+
 
 def main() -> None:
     dist.init_process_group("gloo")
