@@ -9,6 +9,7 @@ and streamed by ``refit_hf.hf_weight_buckets`` in bf16 buckets, exactly the trai
   * the installed tensorrt_llm matches the recorded release (nemo_dapo.engines.trtllm_check, as the image build does);
   * engine log-probs of the sampled tokens (temperature 1: processed == raw) match the torch HF model built from the
     perturbed Megatron weights (``convert.megatron_to_hf``): max |diff| < 0.05 nats (bf16 engine, fp32 reference);
+  * the same through the collective weight transport (gloo, received in the Ray workers by our extension);
   * in-flight throughput beats static waves (same requests; a wave waits for its longest member) by >= 1.2x.
 The refit check needs megatron-core in the container (``pip install --no-deps megatron-core==0.10.0``); without it
 it skips with that reason and the throughput check still runs.
@@ -49,6 +50,19 @@ def token_logprobs(model, prompt, tokens):
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1:-1].float()
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+def worst_gap(client, ref, reqs) -> float:
+    """Largest |engine - reference| log-prob of the tokens the engine samples for ``reqs``."""
+    client.submit(reqs)
+    worst = 0.0
+    for _ in reqs:
+        c = client.next_completion()
+        prompt = next(r.prompt_ids for r in reqs if r.id == c.id)
+        for s in c.samples:
+            gap = token_logprobs(ref, prompt, s.token_ids) - torch.tensor(s.logprobs)
+            worst = max(worst, float(gap.abs().max()))
+    return worst
 
 
 def test_the_installed_release_matches_the_record():
@@ -106,16 +120,34 @@ def test_refit_from_megatron_then_logprobs_match(served):
     hf_state = megatron_to_hf(single_rank_state_dict(mc), model.config)
     ref.load_state_dict({k: v.to(torch.bfloat16).float() for k, v in hf_state.items()}, strict=False)
     ref = ref.float().eval()
-    reqs = [Request(id=f"r{i}", prompt_ids=[5 + i, 9, 17], n=2, max_new_tokens=24, seed=i) for i in range(4)]
-    client.submit(reqs)
-    worst = 0.0
-    for _ in reqs:
-        c = client.next_completion()
-        prompt = next(r.prompt_ids for r in reqs if r.id == c.id)
-        for s in c.samples:
-            want = token_logprobs(ref, prompt, s.token_ids)
-            worst = max(worst, float((want - torch.tensor(s.logprobs)).abs().max()))
+    worst = worst_gap(client, ref, [Request(id=f"r{i}", prompt_ids=[5 + i, 9, 17], n=2, max_new_tokens=24, seed=i)
+                                    for i in range(4)])
     print(f"max |engine - megatron| log-prob after refit: {worst:.4f} nats (tolerance {TOL})")
+    assert worst < TOL
+
+
+def test_the_weight_group_loads_in_the_workers_what_the_reference_holds(served):
+    """The collective weight transport (gloo) into the Ray workers through our extension of the RL hook: the HF
+    model's weights, perturbed, in two buckets that cut the fused q/k/v; engine log-probs match a torch model
+    holding the same bf16 weights, as after the shared-memory refit above."""
+    from transformers import Qwen2ForCausalLM
+    from nemo_dapo.engines import weight_group as WG
+    model, client = served
+    assert client.info["weight_group_ranks"] == 1
+    torch.manual_seed(1)
+    state = {k: (v + 0.02 * torch.randn_like(v)).to(torch.bfloat16) for k, v in model.state_dict().items()}
+    names = sorted(state)
+    half = len(names) // 2
+    stats, group = WG.update_over_group([client], [[(n, state[n]) for n in names[:half]],
+                                                   [(n, state[n]) for n in names[half:]]], timeout_s=300)
+    assert client.health()["weight_group"] == "joined (in the engine's workers)" and stats["tensors"] == len(names)
+    ref = Qwen2ForCausalLM(model.config)
+    ref.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    ref = ref.float().eval()
+    worst = worst_gap(client, ref, [Request(id=f"g{i}", prompt_ids=[7 + i, 3, 11], n=2, max_new_tokens=24, seed=i)
+                                    for i in range(4)])
+    group.close()
+    print(f"max |engine - reference| log-prob after the group update: {worst:.4f} nats (tolerance {TOL})")
     assert worst < TOL
 
 
