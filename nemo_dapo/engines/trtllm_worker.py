@@ -51,7 +51,8 @@ def _receive(worker, specs: list, size: int, dtype: str, ready: list, skip: list
         named = worker.nemo_dapo_group.receive(specs, size)
     except GroupBroken as e:
         return ("broken", str(e))
-    named = [(n, t) for n, t in named if n not in set(skip)]
+    skip = set(skip)
+    named = [(n, t) for n, t in named if n not in skip]
     for name, t in named:
         try:
             check_finite(name, t, "trtllm")
@@ -70,7 +71,7 @@ def load(worker, weights: dict) -> None:
     """One bucket into the worker's model, the release's ``update_weights`` way (module docstring)."""
     model_engine = worker.engine.model_engine
     model = model_engine.model
-    if not hasattr(model, FIRST_FLAG) or not getattr(model, FIRST_FLAG):
+    if not getattr(model, FIRST_FLAG, False):  # the release removes the flag at the finalize (delattr)
         for module in model.modules():
             if hasattr(module, "pre_reload_weights") and not getattr(module, "_weights_removed", False):
                 module.pre_reload_weights()

@@ -1,8 +1,8 @@
 """Contract tests: the collective weight transport into TensorRT-LLM's Ray workers (engines/trtllm_worker.py, our
 extension of the release's RL hook) through the real engine server, client and gloo group, against the fake
 TensorRT-LLM (tests/engines/fake_trtllm.py), with two TP workers, each its own group rank. The fake mixes the
-extension into its workers as the release does (resolved by import path, a name the worker has refused). GPU-side
-proof needs the engine image: tests/gpu/ has none for TensorRT-LLM (the device image carries no engines)."""
+extension into its workers as the release does (resolved by import path, a name the worker has refused). The GPU
+test beside them needs the release container: tests/gpu/test_trtllm_engine.py (the same transport, real engine)."""
 import json
 
 import pytest
