@@ -12,6 +12,10 @@ NeMo-Aligner 0.7.0 quirks handled here:
     (``retrieve_custom_trainer_state_dict``). We store ours inside the checkpoint instead (``pack_state`` /
     ``unpack_state``): a uint8 tensor survives both PTL checkpoints and megatron dist-checkpointing's "common" state,
     which torch 2.6+ loads with ``weights_only=True``.
+  * NeMo 2.1's ``DistributedCheckpointIO`` saves through megatron-core 0.10's default ``torch_dist`` strategy, which
+    forks twice on every rank at every save, even a synchronous one, and spawns a Manager process on the first
+    (``nemo_dapo/megatron/dist_save.py`` says why both are unsafe or slow). ``write_checkpoints_in_process`` gives
+    that IO our in-process strategy (same files, same format).
 """
 from __future__ import annotations
 
@@ -91,3 +95,31 @@ def unpack_state(packed: torch.Tensor) -> dict:
 def device() -> torch.device:
     """Where megatron keeps its tensors: the current CUDA device (CPU when torch has no CUDA)."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def write_checkpoints_in_process(trainer) -> str:
+    """Make the PTL ``trainer``'s synchronous ``torch_dist`` checkpoint saves write in the calling process, keeping
+    NeMo's own choices (plan caching, the fully-parallel wrapper). Returns the save strategy's name, or why NeMo's
+    is kept: another format, or ``async_save`` (its writes run in forked processes by design)."""
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+    from nemo.utils.callbacks.dist_ckpt_io import DistributedCheckpointIO
+
+    from nemo_dapo.megatron.dist_save import InProcessTorchDistSave
+
+    strategy = getattr(trainer, "strategy", None)
+    if hasattr(strategy, "use_distributed_checkpointing"):
+        strategy.use_distributed_checkpointing  # NeMo's own choice of IO, made now rather than at the first save
+    io = getattr(strategy, "unwrapped_checkpoint_io", None)
+    if not isinstance(io, DistributedCheckpointIO):
+        return f"kept: checkpoint IO {type(io).__name__}"
+    if io.async_save or io.save_ckpt_format != "torch_dist":
+        return f"kept: async_save={io.async_save}, format {io.save_ckpt_format}"
+    outer = io.save_sharded_strategy  # NeMo's choice, built as it builds it
+    holder, attr = (outer, "base_strategy") if hasattr(outer, "base_strategy") else (io, "_save_sharded_strategy")
+    base = getattr(holder, attr)
+    if type(base) is not TorchDistSaveShardedStrategy:
+        return f"kept: save strategy {type(base).__name__}"
+    ours = InProcessTorchDistSave(thread_count=base.thread_count)
+    ours.use_cached_ckpt_structure = getattr(base, "use_cached_ckpt_structure", False)
+    setattr(holder, attr, ours)
+    return type(io.save_sharded_strategy).__name__ + ("" if holder is io else f"({type(ours).__name__})")

@@ -37,7 +37,7 @@ from omegaconf import DictConfig
 from nemo_aligner.utils.distributed import ScopedTimer
 from nemo_aligner.utils.train_utils import clip_gradients, set_eval, set_train
 from nemo_dapo.megatron.layout import blank_rows, pack_rollout, prompt_lengths_of, unpack_response
-from nemo_dapo.aligner.compat import pack_state, unpack_state
+from nemo_dapo.aligner.compat import pack_state, unpack_state, write_checkpoints_in_process
 from nemo_dapo.cluster.config_validate import ALGORITHM_BLOCK, ALGORITHM_KEYS, required
 from nemo_dapo.megatron.reduction import DPReducer
 from nemo_dapo.megatron.step import skip_update
@@ -271,6 +271,8 @@ class DAPOTrainer:
                                              required(cfg, "max_epochs", "trainer.dapo"),
                                              required(cfg, "max_steps", "trainer.dapo"))
         log.info("DAPO training for %d rollout steps: %s", self.max_steps, why)
+        self.checkpoint_writer = write_checkpoints_in_process(getattr(model, "_trainer", None))
+        log.info("checkpoint saves: %s", self.checkpoint_writer)
         self.history: list = []  # (step, metrics) of every rollout step and validation, for callers and tests
         if getattr(model, "trainer_state", None) is not None:
             self.load_state_dict(unpack_state(model.trainer_state))

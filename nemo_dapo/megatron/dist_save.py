@@ -9,15 +9,20 @@ It is intermittent and likelier on a loaded machine (one CI run of the Qwen3 con
 killed); a public report of the same failure cites Megatron-LM PR #3633 replacing these processes with threads
 (not read here: the pin is 0.10). Here the request megatron builds is run with its own
 ``AsyncRequest.execute_sync`` and the buckets go through the same ``write_preloaded_data`` (same files, same
-format, same results) one after another in this process: nothing forks.
+format, same results) one after another in this process: nothing forks. Nor does anything spawn: megatron's writer
+takes its results queue from a module cache that, when empty, starts a ``multiprocessing`` Manager, a spawned process
+that imports the launcher's main module (14 s of NeMo imports on a CPU) before the first save can finish; written in
+this process, a plain queue serves.
 """
 from __future__ import annotations
 
 import inspect
 import queue
+from contextlib import contextmanager
 
 import torch
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
@@ -51,12 +56,28 @@ class InProcessTorchDistSave(TorchDistSaveShardedStrategy):
     def save(self, sharded_state_dict, checkpoint_dir) -> None:
         self.async_save(sharded_state_dict, checkpoint_dir).execute_sync()  # write, barrier, finalise: no fork
 
+    def async_save(self, sharded_state_dict, checkpoint_dir) -> AsyncRequest:
+        with _results_queue_in_process():
+            return super().async_save(sharded_state_dict, checkpoint_dir)
+
     def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret) -> AsyncRequest:
         request = super()._get_save_and_finalize_callbacks(writer, save_state_dict_ret)
         if request.async_fn is None:  # nothing to write on this rank
             return request
         return AsyncRequest(write_buckets_in_process, (writer.write_buckets, writer.results_queue),
                             request.finalize_fns)
+
+
+@contextmanager
+def _results_queue_in_process():
+    """A plain queue where megatron's writer would fetch (or start) its Manager queue; the cache is put back after,
+    so a forking save elsewhere in the process still gets a queue its children can reach."""
+    cached = filesystem_async._results_queue
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = cached
 
 
 def save_sharded(sharded_state_dict: dict, checkpoint_dir: str) -> None:
@@ -87,6 +108,10 @@ def check_megatron_api() -> list:
         if got != params:
             problems.append(f"megatron-core {owner.__name__}.{name} takes {got}, nemo_dapo.megatron.dist_save calls "
                             f"it with {params}")
+    if not hasattr(filesystem_async, "_results_queue") or \
+            "_get_write_results_queue()" not in inspect.getsource(FileSystemWriterAsync.prepare_write_data):
+        problems.append("megatron-core's FileSystemWriterAsync no longer takes its results queue from "
+                        "filesystem_async._results_queue (_get_write_results_queue)")
     if list(AsyncRequest._fields[:3]) != ["async_fn", "async_fn_args", "finalize_fns"]:
         problems.append(f"megatron-core AsyncRequest fields are {AsyncRequest._fields}")
     return problems

@@ -61,6 +61,8 @@ def test_two_steps_save_resume_identical(full_run, tok_dir, tmp_path):
     for rank in (0, 1):
         a, b = full / f"full_rank{rank}.json", resumed / f"resume_rank{rank}.json"
         assert json.loads(a.read_text())["start_step"] == 0 and json.loads(b.read_text())["start_step"] == 1
+        # NeMo's checkpoint IO writes in the rank's process (the worker forbids os.fork during fit)
+        assert json.loads(a.read_text())["checkpoint_writer"] == "InProcessTorchDistSave"
         step2_full, step2_resumed = _records(a, 2), _records(b, 2)
         assert len(step2_full) == 2 and len(step2_resumed) == 2  # training + validation records
         for x, y in zip(step2_full, step2_resumed):

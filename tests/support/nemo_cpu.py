@@ -99,15 +99,7 @@ def _patch_nemo() -> None:
         clip_grads.amp_C = _AmpC
         clip_grads.multi_tensor_applier = lambda op, noop_flag, tensor_lists, *args: op(noop_flag, tensor_lists,
                                                                                           *args)
-    import megatron.core.dist_checkpointing.strategies.filesystem_async as fs_async
-    import torch.distributed.checkpoint.filesystem as torch_fs
-
-    if "transforms" in getattr(torch_fs._write_item, "__code__", None).co_varnames[:1]:  # patch 11
-        def _write_item(stream, data, write_item, storage_key):
-            return torch_fs._write_item(torch_fs._StorageWriterTransforms(), stream, data, write_item, storage_key,
-                                        torch_fs.SerializationFormat.TORCH_SAVE)
-
-        fs_async._write_item = _write_item
+    megatron_cpu_shim.adapt_checkpoint_writer()  # patch 11
 
     import nemo.core.optim.optimizers as nemo_optimizers
 

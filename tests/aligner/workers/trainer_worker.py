@@ -32,6 +32,7 @@ from nemo_dapo.aligner.dataset import DAPOPromptDataset  # noqa: E402
 from nemo_dapo.aligner.generation import MegatronSampler  # noqa: E402
 from nemo_dapo.aligner.reward_client import LocalRewardClient  # noqa: E402
 from nemo_dapo.aligner.trainer import DAPOTrainer  # noqa: E402
+from tests.support.dist import forbid_fork  # noqa: E402
 
 TP, PP = int(os.environ.get("TP", "1")), int(os.environ.get("PP", "1"))
 OUT, PHASE = os.environ["OUT_DIR"], os.environ.get("PHASE", "run")
@@ -180,10 +181,11 @@ def main() -> None:
                                LocalRewardClient(actor.tokenizer, num_workers=1), MegatronSampler(actor),
                                CustomLoggerWrapper([recorder]), ckpt_callback, timer)
     start = dapo_trainer.step
+    forbid_fork()  # every checkpoint save of fit() writes in this process (nemo_dapo/megatron/dist_save.py)
     dapo_trainer.fit()
     rank = torch.distributed.get_rank()
     with open(os.path.join(OUT, f"{PHASE}_rank{rank}.json"), "w") as f:
-        json.dump({"start_step": start, "records": recorder.records, "state": {
+        json.dump({"start_step": start, "checkpoint_writer": dapo_trainer.checkpoint_writer, "records": recorder.records, "state": {
             k: v for k, v in dapo_trainer.state_dict().items() if k != "loop"},
             "carried_groups": len(dapo_trainer.loop.filler.state_dict()["groups"]),
             "counters": dict(dapo_trainer.loop.counters)}, f, indent=1)
