@@ -143,9 +143,9 @@ def test_far_too_long_prompt_is_dropped_before_tokenizing():
     class Tok:
         bos_token_id, pad_token_id = 1, 0
 
-        def __call__(self, text, add_special_tokens=False):
-            seen.append(len(text))
-            return {"input_ids": [5] * len(text.split())}
+        def __call__(self, texts, add_special_tokens=False):
+            seen.extend(len(text) for text in texts)
+            return {"input_ids": [[5] * len(text.split()) for text in texts]}
 
     rows = [MathRow("a", "s", "p", "short prompt", "1"),
             MathRow("b", "s", "q", "x " * (16 * MAX_CHARS_PER_TOKEN), "2")]

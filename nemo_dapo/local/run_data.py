@@ -13,6 +13,7 @@ log = logging.getLogger("nemo_dapo")
 # The held-out problems do not depend on the run's seed, so runs with different seeds or recipes (DAPO vs. the
 # naive-GRPO baseline) are evaluated on the same problems.
 HELDOUT_SEED = 0
+ENCODE_CHUNK = 4096  # prompts per batched tokenizer call (bounds the memory of one call)
 
 
 def make_task(cfg: Config) -> ArithmeticTask:
@@ -24,17 +25,16 @@ def make_task(cfg: Config) -> ArithmeticTask:
 def encode(tokenizer, rows: list, *, max_prompt_tokens: int, what: str) -> PromptSet:
     """``MathRow`` list -> PromptSet ([BOS] + prompt tokens, as ``encode_prompts`` does); overlong prompts dropped."""
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    ids, truths, dropped = [], [], 0
-    for row in rows:
-        if prompt_far_too_long(row.prompt, max_prompt_tokens):  # never tokenize a megabyte line (memory)
-            dropped += 1
-            continue
-        seq = bos + tokenizer(row.prompt, add_special_tokens=False)["input_ids"]
-        if len(seq) > max_prompt_tokens:
-            dropped += 1
-            continue
-        ids.append(seq)
-        truths.append(row.ground_truth)
+    kept = [row for row in rows if not prompt_far_too_long(row.prompt, max_prompt_tokens)]  # never tokenize a MB line
+    ids, truths = [], []
+    for start in range(0, len(kept), ENCODE_CHUNK):  # one batched call per chunk: ~3x faster than row by row
+        chunk = kept[start:start + ENCODE_CHUNK]
+        encoded = tokenizer([row.prompt for row in chunk], add_special_tokens=False)["input_ids"]
+        for row, tokens in zip(chunk, encoded):
+            if len(bos) + len(tokens) <= max_prompt_tokens:
+                ids.append(bos + tokens)
+                truths.append(row.ground_truth)
+    dropped = len(rows) - len(ids)
     if dropped:
         log.warning("%s: dropped %d of %d prompts longer than data.max_prompt_tokens=%d", what, dropped, len(rows),
                     max_prompt_tokens)
