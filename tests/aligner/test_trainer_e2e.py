@@ -63,6 +63,10 @@ def test_two_steps_save_resume_identical(full_run, tok_dir, tmp_path):
         assert json.loads(a.read_text())["start_step"] == 0 and json.loads(b.read_text())["start_step"] == 1
         # NeMo's checkpoint IO writes in the rank's process (the worker forbids os.fork during fit)
         assert json.loads(a.read_text())["checkpoint_writer"] == "InProcessTorchDistSave"
+        assert json.loads(a.read_text())["writer_cases"] == {  # NeMo's other settings: kept, or wrapped as NeMo does
+            "async": "kept: async_save=True, format torch_dist", "zarr": "kept: async_save=False, format zarr",
+            "parallel": "FullyParallelSaveStrategyWrapper(InProcessTorchDistSave)", "parallel_threads": 3,
+            "torch": "kept: checkpoint IO NoneType"}
         step2_full, step2_resumed = _records(a, 2), _records(b, 2)
         assert len(step2_full) == 2 and len(step2_resumed) == 2  # training + validation records
         for x, y in zip(step2_full, step2_resumed):

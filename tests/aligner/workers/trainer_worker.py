@@ -181,15 +181,33 @@ def main() -> None:
                                LocalRewardClient(actor.tokenizer, num_workers=1), MegatronSampler(actor),
                                CustomLoggerWrapper([recorder]), ckpt_callback, timer)
     start = dapo_trainer.step
+    writer_cases = other_checkpoint_ios() if PHASE == "full" else {}
     forbid_fork()  # every checkpoint save of fit() writes in this process (nemo_dapo/megatron/dist_save.py)
     dapo_trainer.fit()
     rank = torch.distributed.get_rank()
     with open(os.path.join(OUT, f"{PHASE}_rank{rank}.json"), "w") as f:
-        json.dump({"start_step": start, "checkpoint_writer": dapo_trainer.checkpoint_writer, "records": recorder.records, "state": {
+        json.dump({"start_step": start, "checkpoint_writer": dapo_trainer.checkpoint_writer,
+                   "writer_cases": writer_cases, "records": recorder.records, "state": {
             k: v for k, v in dapo_trainer.state_dict().items() if k != "loop"},
             "carried_groups": len(dapo_trainer.loop.filler.state_dict()["groups"]),
             "counters": dict(dapo_trainer.loop.counters)}, f, indent=1)
     torch.distributed.barrier()
+
+
+def other_checkpoint_ios() -> dict:
+    """What write_checkpoints_in_process makes of NeMo's other checkpoint IO settings (real NeMo objects)."""
+    from types import SimpleNamespace
+
+    from nemo.utils.callbacks.dist_ckpt_io import DistributedCheckpointIO
+    from nemo_dapo.aligner.compat import write_checkpoints_in_process
+
+    def on(io):
+        return write_checkpoints_in_process(SimpleNamespace(strategy=SimpleNamespace(unwrapped_checkpoint_io=io)))
+
+    parallel = DistributedCheckpointIO("torch_dist", parallel_save=True, torch_dist_multiproc=3)
+    return {"async": on(DistributedCheckpointIO("torch_dist", async_save=True)),
+            "zarr": on(DistributedCheckpointIO("zarr")), "parallel": on(parallel),
+            "parallel_threads": parallel.save_sharded_strategy.base_strategy.thread_count, "torch": on(None)}
 
 
 if __name__ == "__main__":
