@@ -97,6 +97,13 @@ def load_tokenizer(directory):
     return tok
 
 
+def token_ids(tokenizer, texts) -> list:
+    """``[tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]`` in one batched call (the fast
+    tokenizer encodes a list ~3x faster than one text at a time)."""
+    texts = list(texts)
+    return tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+
+
 def encode_prompts(tokenizer, prompts, add_bos: bool = True):
     """Prompt texts -> (ids [B, P] long, mask [B, P] long), LEFT-padded with the pad token, BOS prepended.
 
@@ -107,7 +114,7 @@ def encode_prompts(tokenizer, prompts, add_bos: bool = True):
     if isinstance(prompts, str):
         raise TypeError("encode_prompts takes a list of prompt texts, not one string")
     bos = [tokenizer.bos_token_id] if add_bos and tokenizer.bos_token_id is not None else []
-    seqs = [bos + tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    seqs = [bos + ids for ids in token_ids(tokenizer, prompts)]
     width = max((len(s) for s in seqs), default=0)
     ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)

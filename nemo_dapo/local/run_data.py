@@ -7,6 +7,7 @@ from nemo_dapo.local.config import Config, ConfigError
 from nemo_dapo.core.loop_data import PromptSet
 from nemo_dapo.data.readers import from_verl_rows, prompt_far_too_long, read_dataset
 from nemo_dapo.data.task import ArithmeticTask
+from nemo_dapo.data.tokenizer import token_ids
 
 log = logging.getLogger("nemo_dapo")
 
@@ -27,9 +28,9 @@ def encode(tokenizer, rows: list, *, max_prompt_tokens: int, what: str) -> Promp
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     kept = [row for row in rows if not prompt_far_too_long(row.prompt, max_prompt_tokens)]  # never tokenize a MB line
     ids, truths = [], []
-    for start in range(0, len(kept), ENCODE_CHUNK):  # one batched call per chunk: ~3x faster than row by row
+    for start in range(0, len(kept), ENCODE_CHUNK):
         chunk = kept[start:start + ENCODE_CHUNK]
-        encoded = tokenizer([row.prompt for row in chunk], add_special_tokens=False)["input_ids"]
+        encoded = token_ids(tokenizer, [row.prompt for row in chunk])
         for row, tokens in zip(chunk, encoded):
             if len(bos) + len(tokens) <= max_prompt_tokens:
                 ids.append(bos + tokens)

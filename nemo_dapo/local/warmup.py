@@ -31,7 +31,7 @@ from nemo_dapo.core.reward import verify
 from nemo_dapo.core.types import RolloutBatch
 from nemo_dapo.data.task import ArithmeticTask, Sloppiness, sloppy_solution
 from nemo_dapo.data.template import apply_template
-from nemo_dapo.data.tokenizer import encode_prompts
+from nemo_dapo.data.tokenizer import encode_prompts, token_ids
 from nemo_dapo.local.policy import LocalPolicy
 from nemo_dapo.local.sampler import LocalSampler
 
@@ -82,7 +82,7 @@ def sft_loss(logp: torch.Tensor, entropy: torch.Tensor, microbatch: RolloutBatch
 def sft_batch(tokenizer, prompts: list, solutions: list) -> RolloutBatch:
     """Prompts (template applied) + worked solutions -> a RolloutBatch whose responses end with EOS."""
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts)
-    seqs = [tokenizer(s, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for s in solutions]
+    seqs = [ids + [tokenizer.eos_token_id] for ids in token_ids(tokenizer, solutions)]
     width = max(len(s) for s in seqs)
     response_ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)
     response_mask = torch.zeros(len(seqs), width)

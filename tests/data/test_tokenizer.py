@@ -3,7 +3,7 @@ import torch
 
 from nemo_dapo.data.task import ArithmeticTask
 from nemo_dapo.data.template import TEMPLATE_PREFIX, TEMPLATE_SUFFIX, apply_template
-from nemo_dapo.data.tokenizer import (BOS, EOS, PAD, build_task_tokenizer, encode_prompts, load_tokenizer,
+from nemo_dapo.data.tokenizer import (BOS, EOS, PAD, build_task_tokenizer, encode_prompts, load_tokenizer, token_ids,
                                       save_tokenizer, train_tokenizer)
 
 
@@ -76,3 +76,9 @@ def test_too_small_vocab_is_rejected():
 def test_encode_prompts_rejects_a_single_string(tok):
     with pytest.raises(TypeError, match="list"):
         encode_prompts(tok, "1+2")
+
+
+def test_token_ids_in_one_call_equal_one_text_at_a_time(tok):
+    texts = ["1+2", "12+7-5", "", "Question: 3*4?\nAnswer: 12", "99-100"]
+    assert token_ids(tok, texts) == [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    assert token_ids(tok, iter(texts[:2])) == token_ids(tok, texts[:2]) and token_ids(tok, []) == []
