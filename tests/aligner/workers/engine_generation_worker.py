@@ -51,6 +51,7 @@ def main() -> None:
         "explicit_log_dir": os.path.join(OUT, "run"), "exp_dir": None, "name": "dapo",
         "create_tensorboard_logger": False, "create_wandb_logger": False, "resume_if_exists": False,
         "create_checkpoint_callback": True,
+        "seconds_to_sleep": 0,  # NeMo sleeps ranks > 0 for 5 s so that rank 0 makes the log directory: one machine
         "checkpoint_callback_params": {"monitor": "step", "mode": "max", "save_top_k": -1, "save_last": False,
                                        "always_save_nemo": False, "save_nemo_on_train_end": False,
                                        "filename": "dapo-{step}", "model_parallel_size": TP}}))

@@ -135,6 +135,7 @@ def main() -> None:
         "explicit_log_dir": os.path.join(OUT, "run"), "exp_dir": None, "name": "dapo",
         "create_tensorboard_logger": False,
         "create_wandb_logger": False, "resume_if_exists": False, "resume_from_checkpoint": RESUME,
+        "seconds_to_sleep": 0,  # NeMo sleeps ranks > 0 for 5 s so that rank 0 makes the log directory: one machine
         "create_checkpoint_callback": True,
         "checkpoint_callback_params": {"monitor": "step", "mode": "max", "save_top_k": -1, "save_last": False,
                                        "always_save_nemo": False, "save_nemo_on_train_end": False,
