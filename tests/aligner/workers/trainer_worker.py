@@ -125,7 +125,7 @@ def warm_up(actor, steps: int = 60) -> None:
 
 
 def main() -> None:
-    """Spawned helper processes (megatron's checkpoint writer) re-import this file: everything runs under main()."""
+    """A spawned process (a verifier pool, say) re-imports this file: everything runs under main()."""
     max_steps = int(os.environ.get("MAX_STEPS", "2"))
     nemo_cpu.init_parallel(TP, PP)
     nemo_cpu.quiet_nemo()
