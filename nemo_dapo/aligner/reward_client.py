@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -115,6 +115,33 @@ class RewardFuture(FutureResult):
         return self.details()[0].view(-1, 1)
 
 
+NEMO_AUTO_TOKENIZER = "nemo.collections.common.tokenizers.huggingface.auto_tokenizer"
+
+
+def response_decoder(tokenizer) -> Callable[[torch.Tensor], str]:
+    """``decode(ids) -> str`` for one response's token ids (1-D int64 tensor), equal to
+    ``tokenizer.ids_to_text(ids.tolist())``.
+
+    NeMo 2.1's ``AutoTokenizer.ids_to_text`` filters special tokens against ``all_special_tokens``, a property the
+    Hugging Face tokenizer rebuilds on every read, once per token: about 13 us a token, 0.26 s for one 20k-token
+    response (``benchmarks/response_decode.py``), on the thread that scores while the rank trains. For that class
+    (its own three methods, not a subclass's) the same steps run here with the special tokens read once, when the
+    decoder is made; any other tokenizer keeps its own ``ids_to_text``.
+    """
+    hf = getattr(tokenizer, "tokenizer", None)
+    methods = ("ids_to_text", "ids_to_tokens", "tokens_to_text")
+    if hf is None or any(getattr(getattr(type(tokenizer), m, None), "__module__", None) != NEMO_AUTO_TOKENIZER
+                         for m in methods):
+        return lambda ids: tokenizer.ids_to_text(ids.tolist())
+    special = frozenset(hf.all_special_tokens)
+
+    def decode(ids: torch.Tensor) -> str:
+        tokens = hf.convert_ids_to_tokens(ids.tolist())
+        return hf.convert_tokens_to_string([t for t in tokens if t not in special])
+
+    return decode
+
+
 class LocalRewardClient:
     """``infer_rm(rollout_batch) -> RewardFuture`` with DAPO's rule-based verifier (``core.reward``).
 
@@ -131,7 +158,7 @@ class LocalRewardClient:
             log.info("reward verifier pool: %d processes per scoring rank (%d ranks on this node)", num_workers,
                      ranks_per_node(os.environ))
         self.num_workers = int(num_workers)
-        self.reward = RuleReward(tokenizer.ids_to_text, mode=mode, num_workers=self.num_workers, eos_text=eos_text)
+        self.reward = RuleReward(response_decoder(tokenizer), mode=mode, num_workers=self.num_workers, eos_text=eos_text)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nemo_dapo_reward")
 
     def score(self, response_ids: torch.Tensor, response_mask: torch.Tensor, answers: Sequence[str]) -> tuple:
@@ -171,3 +198,42 @@ class ClientReward:
             return score.float(), acc.float(), list(preds)
         score = future.result().view(-1).float().cpu()
         return score, (score > 0).float(), [""] * len(score)
+
+
+def check_response_decoder(tokenizer, responses: int = 32, length: int = 200, seed: int = 0) -> list:
+    """The differences (empty: none) between :func:`response_decoder` and ``tokenizer.ids_to_text`` on random
+    responses that mix special tokens in, and whether a NeMo ``AutoTokenizer`` got the fast path."""
+    decode = response_decoder(tokenizer)
+    problems = []
+    if type(tokenizer).__module__ == NEMO_AUTO_TOKENIZER and decode.__name__ != "decode":
+        problems.append("NeMo's AutoTokenizer no longer has the ids_to_text / ids_to_tokens / tokens_to_text that "
+                        "response_decoder re-implements: responses are decoded by its slow ids_to_text")
+    g = torch.Generator().manual_seed(seed)
+    for row in torch.randint(0, int(tokenizer.vocab_size), (responses, length), generator=g):
+        fast, slow = decode(row), tokenizer.ids_to_text(row.tolist())
+        if fast != slow:
+            problems.append(f"response_decoder gives {fast[:60]!r}..., ids_to_text {slow[:60]!r}... for ids "
+                            f"{row[:12].tolist()}...")
+            break
+    return problems
+
+
+def check_installed_nemo() -> list:
+    """:func:`check_response_decoder` on NeMo's installed ``AutoTokenizer`` over a tokenizer trained here."""
+    import tempfile
+
+    from nemo.collections.common.tokenizers.huggingface.auto_tokenizer import AutoTokenizer
+
+    from nemo_dapo.data.tokenizer import save_tokenizer, train_tokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        texts = [f"Question: what is {a} + {b}? Answer: {a + b}\n" for a in range(30) for b in range(0, 30, 7)]
+        return check_response_decoder(AutoTokenizer(save_tokenizer(train_tokenizer(texts, vocab_size=300), tmp)))
+
+
+if __name__ == "__main__":  # run by the trainer image's build (containers/Dockerfile)
+    import sys
+
+    found = check_installed_nemo()
+    print("\n".join(found) or "nemo_dapo.aligner.reward_client: NeMo's AutoTokenizer matches response_decoder")
+    sys.exit(1 if found else 0)

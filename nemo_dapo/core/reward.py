@@ -185,8 +185,11 @@ def verify_batch(responses: Sequence[str], ground_truths: Sequence[str], *, mode
 class RuleReward:
     """``RewardFn`` (see ``types.py``): decodes each response's valid tokens and verifies it.
 
-    ``decode(list[int]) -> str`` should skip special tokens, as the reference does; ``eos_text``, when given, is
-    stripped from the end of the decoded text (the reference strips a trailing EOS string).
+    ``decode(ids) -> str`` gets one response's kept token ids as a 1-D int64 tensor and should skip special
+    tokens, as the reference does; ``eos_text``, when given, is stripped from the end of the decoded text (the
+    reference strips a trailing EOS string). A tensor rather than a list: a Hugging Face tokenizer's ``decode``
+    turns a tensor into a list in one call but checks a list element by element, 30x slower on long responses
+    (``benchmarks/response_decode.py``).
     """
 
     def __init__(self, decode: Callable[[list], str], *, mode: str = "dapo", num_workers: Optional[int] = None,
@@ -200,7 +203,7 @@ class RuleReward:
             raise ValueError(f"response_ids {tuple(response_ids.shape)} and response_mask "
                              f"{tuple(response_mask.shape)} must both be [B, R]")
         keep = response_mask.bool()
-        texts = [self.decode(response_ids[b][keep[b]].tolist()) for b in range(response_ids.shape[0])]
+        texts = [self.decode(response_ids[b][keep[b]]) for b in range(response_ids.shape[0])]
         if self.eos_text:
             texts = [t[:-len(self.eos_text)] if t.endswith(self.eos_text) else t for t in texts]
         return texts

@@ -103,7 +103,7 @@ def sample_accuracy(model, tokenizer, rows: list, *, temperature: float, max_new
     ids, mask = encode_prompts(tokenizer, prompts)
     sampler = LocalSampler(model, eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
     gen = sampler.generate(ids, mask, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-    texts = [tokenizer.decode(r[m > 0].tolist(), skip_special_tokens=True)
+    texts = [tokenizer.decode(r[m > 0], skip_special_tokens=True)
              for r, m in zip(gen.response_ids, gen.response_mask)]
     return sum(bool(score(t, g)) for t, g in zip(texts, truths)) / max(len(texts), 1)
 

@@ -1,7 +1,10 @@
 """LocalRewardClient keeps NeMo-Aligner's ``infer_rm(batch) -> future`` contract with the rule-based verifier."""
+from pathlib import Path
+
 import pytest
 import torch
 
+from nemo_dapo.aligner import reward_client as rc
 from nemo_dapo.aligner.reward_client import ClientReward, LocalRewardClient, response_of
 from nemo_dapo.core.reward import verify
 from tests.aligner._fakes import CharTokenizer
@@ -111,3 +114,30 @@ def test_client_sizes_its_pool_from_the_environment(monkeypatch):
     finally:
         client.close()
     assert LocalRewardClient(TOK, num_workers=3).num_workers == 3
+
+
+def test_another_tokenizer_decodes_with_its_own_ids_to_text():
+    """The fast decoder is NeMo's AutoTokenizer's only (checked on the real class in the NeMo trainer test,
+    tests/aligner/test_trainer_e2e.py, and by the image build); any other tokenizer gets a list of ints."""
+    seen = []
+
+    class Recording(type(TOK)):
+        def ids_to_text(self, ids):
+            seen.append(ids)
+            return super().ids_to_text(ids)
+
+    decode = rc.response_decoder(Recording())
+    assert decode(torch.tensor(TOK.text_to_ids("Answer: 7") + [TOK.eos_id])) == "Answer: 7"
+    assert seen == [TOK.text_to_ids("Answer: 7") + [TOK.eos_id]] and type(seen[0][0]) is int
+    assert rc.check_response_decoder(TOK) == []
+
+
+def test_the_check_names_a_decoder_that_differs(monkeypatch):
+    monkeypatch.setattr(rc, "response_decoder", lambda tok: lambda ids: TOK.ids_to_text(ids.tolist()[1:]))
+    problems = rc.check_response_decoder(TOK)
+    assert len(problems) == 1 and problems[0].startswith("response_decoder gives")
+
+
+def test_the_trainer_image_runs_the_decoder_check():
+    dockerfile = Path(__file__).resolve().parents[2] / "containers" / "Dockerfile"
+    assert "python -m nemo_dapo.aligner.reward_client" in dockerfile.read_text()

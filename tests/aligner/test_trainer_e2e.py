@@ -67,6 +67,7 @@ def test_two_steps_save_resume_identical(full_run, tok_dir, tmp_path):
             "async": "kept: async_save=True, format torch_dist", "zarr": "kept: async_save=False, format zarr",
             "parallel": "FullyParallelSaveStrategyWrapper(InProcessTorchDistSave)", "parallel_threads": 3,
             "torch": "kept: checkpoint IO NoneType"}
+        assert json.loads(a.read_text())["decoder_problems"] == []  # NeMo's AutoTokenizer: fast path, same texts
         step2_full, step2_resumed = _records(a, 2), _records(b, 2)
         assert len(step2_full) == 2 and len(step2_resumed) == 2  # training + validation records
         for x, y in zip(step2_full, step2_resumed):

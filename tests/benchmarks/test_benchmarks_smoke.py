@@ -47,6 +47,13 @@ def test_verifier_throughput_quick():
         assert float(r[f"{key}_vs_dapo"]) > 0 and float(r[f"{key}_cpu_vs_dapo"]) > 0
 
 
+def test_response_decode_quick():
+    # the script exits non-zero when a way of decoding gives other texts than its baseline; NeMo's rows are checked
+    # on the real AutoTokenizer in tests/aligner/test_trainer_e2e.py (one NeMo import less here)
+    r = run_quick("response_decode.py", "--no-nemo")
+    assert r["nemo"] == "no" and float(r["hf_tensor_vs_base_L128"]) > 0 and float(r["hf_list_vs_base_L2048"]) == 1.0
+
+
 @pytest.mark.parametrize("fresh_rss", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_fused_logprobs_quick(fresh_rss):
     # The fresh-interpreter RSS measurement starts two more interpreters (the slow variant covers it).

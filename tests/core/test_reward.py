@@ -239,7 +239,8 @@ def test_verify_batch_pool_equals_verify_and_keeps_order():
 
 
 def _char_decode(ids):
-    return "".join(chr(i) for i in ids)
+    assert isinstance(ids, torch.Tensor) and ids.dim() == 1  # one response's kept ids, in one object
+    return "".join(chr(i) for i in ids.tolist())
 
 
 def test_rule_reward_decodes_only_masked_tokens():

@@ -30,7 +30,8 @@ from nemo_aligner.utils.train_script_utils import (  # noqa: E402
 )
 from nemo_dapo.aligner.dataset import DAPOPromptDataset  # noqa: E402
 from nemo_dapo.aligner.generation import MegatronSampler  # noqa: E402
-from nemo_dapo.aligner.reward_client import LocalRewardClient  # noqa: E402
+from nemo_dapo.aligner.reward_client import (LocalRewardClient, check_installed_nemo,  # noqa: E402
+                                              check_response_decoder)
 from nemo_dapo.aligner.trainer import DAPOTrainer  # noqa: E402
 from tests.support.dist import forbid_fork  # noqa: E402
 
@@ -183,12 +184,15 @@ def main() -> None:
                                CustomLoggerWrapper([recorder]), ckpt_callback, timer)
     start = dapo_trainer.step
     writer_cases = other_checkpoint_ios() if PHASE == "full" else {}
+    # the fast path of the rewards' decoder against NeMo's own ids_to_text (this tokenizer and the image build's)
+    decoder_problems = check_response_decoder(actor.tokenizer) + check_installed_nemo() if PHASE == "full" else []
     forbid_fork()  # every checkpoint save of fit() writes in this process (nemo_dapo/megatron/dist_save.py)
     dapo_trainer.fit()
     rank = torch.distributed.get_rank()
     with open(os.path.join(OUT, f"{PHASE}_rank{rank}.json"), "w") as f:
         json.dump({"start_step": start, "checkpoint_writer": dapo_trainer.checkpoint_writer,
-                   "writer_cases": writer_cases, "records": recorder.records, "state": {
+                   "writer_cases": writer_cases, "decoder_problems": decoder_problems,
+                   "records": recorder.records, "state": {
             k: v for k, v in dapo_trainer.state_dict().items() if k != "loop"},
             "carried_groups": len(dapo_trainer.loop.filler.state_dict()["groups"]),
             "counters": dict(dapo_trainer.loop.counters)}, f, indent=1)
