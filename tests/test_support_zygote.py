@@ -1,7 +1,6 @@
 """tests.support.zygote: which workers it forks, and that a forked rank is what torchrun would have started."""
 import json
 import os
-import textwrap
 import time
 
 import pytest
@@ -90,7 +89,7 @@ def test_a_failed_rank_stops_the_others_and_names_its_output(tmp_path):
 def test_the_switch_sends_launches_to_torchrun(tmp_path, monkeypatch):
     monkeypatch.setenv("NEMO_DAPO_TEST_ZYGOTE", "0")
     script = tmp_path / "rank_worker.py"
-    script.write_text(textwrap.dedent(WORKER))
+    script.write_text(WORKER)
     run_torchrun(script, nproc=2, out_dir=tmp_path)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert all(r["total"] == 3.0 for r in ranks)

@@ -192,7 +192,7 @@ class RuleReward:
     (``benchmarks/response_decode.py``).
     """
 
-    def __init__(self, decode: Callable[[list], str], *, mode: str = "dapo", num_workers: Optional[int] = None,
+    def __init__(self, decode: Callable[[torch.Tensor], str], *, mode: str = "dapo", num_workers: Optional[int] = None,
                  eos_text: Optional[str] = None):
         _check_mode(mode)
         self.decode, self.mode, self.num_workers, self.eos_text = decode, mode, num_workers, eos_text

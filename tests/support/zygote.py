@@ -14,7 +14,8 @@ back to ``torchrun``), and only workers whose first non-standard-library stateme
 Like ``torchrun``, a rank that fails makes the others stop (after a 5 s grace), and a timeout stops them all.
 
 Protocol: one JSON line per request on the zygote's stdin ({script, args, env, nproc, timeout, log_dir}), one JSON
-line per reply on its original stdout ({returncodes, first_failure, timed_out}); the ranks write ``rank<r>.log`` in ``log_dir``.
+line per reply on its original stdout ({returncodes, first_failure, timed_out}); the ranks write ``rank<r>.log`` in
+``log_dir``.
 """
 from __future__ import annotations
 
