@@ -4,6 +4,7 @@
     python benchmarks/response_decode.py --quick    # 64 x 128 and 2 x 2,048 tokens, 2 repeats
     python benchmarks/response_decode.py --tokenizer DIR    # a Hugging Face tokenizer directory (e.g. Qwen2.5's)
     python benchmarks/response_decode.py --no-nemo  # the Hugging Face rows only (no 10 s NeMo import)
+    python benchmarks/response_decode.py --extra-special 19  # 22 special tokens, as many as Qwen2.5's tokenizer
 
 Responses are random token ids (special tokens included) of a fixed length; the default tokenizer is the CPU job's
 kind (byte-level BPE, 512 tokens, 3 special tokens), trained here in a second. Rows, each timed over the whole set
@@ -33,15 +34,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 
-def tokenizers(directory: str | None, nemo: bool = True):
-    """(Hugging Face tokenizer, NeMo AutoTokenizer over it or None, its directory's TemporaryDirectory or None)."""
+def tokenizers(directory: str | None, nemo: bool = True, extra_special: int = 0):
+    """(Hugging Face tokenizer, NeMo AutoTokenizer over it or None, its directory's TemporaryDirectory or None).
+    ``extra_special`` more special tokens are added to a trained tokenizer (NeMo's cost grows with their number)."""
     from nemo_dapo.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 
     tmp = None
     if directory is None:
         tmp = tempfile.TemporaryDirectory()
         texts = [f"Question: what is {a} + {b}? Answer: {a + b}\n" for a in range(100) for b in range(0, 100, 3)]
-        directory = save_tokenizer(train_tokenizer(texts, vocab_size=512), tmp.name)
+        tok = train_tokenizer(texts, vocab_size=512)
+        tok.add_special_tokens({"additional_special_tokens": [f"<|extra_{i}|>" for i in range(extra_special)]})
+        directory = save_tokenizer(tok, tmp.name)
     hf = load_tokenizer(directory)
     if not nemo:
         return hf, None, tmp
@@ -71,11 +75,12 @@ def main() -> int:
     p.add_argument("--tokenizer", default=None, help="a Hugging Face tokenizer directory")
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--no-nemo", action="store_true", help="skip the NeMo rows")
+    p.add_argument("--extra-special", type=int, default=0, help="special tokens added to the trained tokenizer")
     args = p.parse_args()
     torch.set_num_threads(1)
     shapes = [(64, 128), (2, 2048)] if args.quick else [(256, 512), (8, 20480)]
     repeats = args.repeats or (2 if args.quick else 5)
-    hf, nemo, _tmp = tokenizers(args.tokenizer, nemo=not args.no_nemo)
+    hf, nemo, _tmp = tokenizers(args.tokenizer, nemo=not args.no_nemo, extra_special=args.extra_special)
     decoders = variants(hf, nemo)
     result = {}
     print(f"{'responses':>9} {'tokens':>7} {'variant':10} {'cpu_s':>8} {'us/token':>9} {'vs baseline':>11}")
@@ -95,7 +100,8 @@ def main() -> int:
                 times[base])
             print(f"{n:>9} {length:>7} {name:10} {med:8.4f} {1e6 * med / (n * length):9.2f} {ratio:11.3f}")
             result[f"{name.replace(' ', '_')}_vs_base_L{length}"] = round(ratio, 4)
-    print("RESULT " + " ".join(f"{k}={v}" for k, v in result.items()) + f" nemo={'yes' if nemo else 'no'}")
+    print("RESULT " + " ".join(f"{k}={v}" for k, v in result.items()) + f" nemo={'yes' if nemo else 'no'} "
+          f"special_tokens={len(hf.all_special_tokens)}")
     return 0
 
 

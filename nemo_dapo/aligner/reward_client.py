@@ -123,8 +123,9 @@ def response_decoder(tokenizer) -> Callable[[torch.Tensor], str]:
     ``tokenizer.ids_to_text(ids.tolist())``.
 
     NeMo 2.1's ``AutoTokenizer.ids_to_text`` filters special tokens against ``all_special_tokens``, a property the
-    Hugging Face tokenizer rebuilds on every read, once per token: about 12-13 us a token, 0.25 s for one 20k-token
-    response (``benchmarks/response_decode.py``), on the thread that scores while the rank trains. For that class
+    Hugging Face tokenizer rebuilds on every read, once per token: 12-20 us a token (3 to 22 special tokens), up to
+    0.4 s for one 20k-token response (``benchmarks/response_decode.py``), on the thread that scores while the rank
+    trains. For that class
     (its own three methods, not a subclass's) the same steps run here with the special tokens read once, when the
     decoder is made; any other tokenizer keeps its own ``ids_to_text``.
     """
