@@ -118,6 +118,15 @@ class RewardFuture(FutureResult):
 NEMO_AUTO_TOKENIZER = "nemo.collections.common.tokenizers.huggingface.auto_tokenizer"
 
 
+def nemo_auto_tokenizer_inner(tokenizer):
+    """The Hugging Face tokenizer inside NeMo's ``AutoTokenizer`` when ``ids_to_text``, ``ids_to_tokens`` and
+    ``tokens_to_text`` are that class's own (not a subclass's), else None."""
+    methods = ("ids_to_text", "ids_to_tokens", "tokens_to_text")
+    if any(getattr(getattr(type(tokenizer), m, None), "__module__", None) != NEMO_AUTO_TOKENIZER for m in methods):
+        return None
+    return getattr(tokenizer, "tokenizer", None)
+
+
 def response_decoder(tokenizer) -> Callable[[torch.Tensor], str]:
     """``decode(ids) -> str`` for one response's token ids (1-D int64 tensor), equal to
     ``tokenizer.ids_to_text(ids.tolist())``.
@@ -125,14 +134,11 @@ def response_decoder(tokenizer) -> Callable[[torch.Tensor], str]:
     NeMo 2.1's ``AutoTokenizer.ids_to_text`` filters special tokens against ``all_special_tokens``, a property the
     Hugging Face tokenizer rebuilds on every read, once per token: 12-20 us a token (3 to 22 special tokens), up to
     0.4 s for one 20k-token response (``benchmarks/response_decode.py``), on the thread that scores while the rank
-    trains. For that class
-    (its own three methods, not a subclass's) the same steps run here with the special tokens read once, when the
-    decoder is made; any other tokenizer keeps its own ``ids_to_text``.
+    trains. For that class (:func:`nemo_auto_tokenizer_inner`) the same steps run here with the special tokens read
+    once, when the decoder is made; any other tokenizer keeps its own ``ids_to_text``.
     """
-    hf = getattr(tokenizer, "tokenizer", None)
-    methods = ("ids_to_text", "ids_to_tokens", "tokens_to_text")
-    if hf is None or any(getattr(getattr(type(tokenizer), m, None), "__module__", None) != NEMO_AUTO_TOKENIZER
-                         for m in methods):
+    hf = nemo_auto_tokenizer_inner(tokenizer)
+    if hf is None:
         return lambda ids: tokenizer.ids_to_text(ids.tolist())
     special = frozenset(hf.all_special_tokens)
 
@@ -207,7 +213,7 @@ def check_response_decoder(tokenizer, responses: int = 32, length: int = 200, se
     responses that mix special tokens in, and whether a NeMo ``AutoTokenizer`` got the fast path."""
     decode = response_decoder(tokenizer)
     problems = []
-    if type(tokenizer).__module__ == NEMO_AUTO_TOKENIZER and decode.__name__ != "decode":
+    if type(tokenizer).__module__ == NEMO_AUTO_TOKENIZER and nemo_auto_tokenizer_inner(tokenizer) is None:
         problems.append("NeMo's AutoTokenizer no longer has the ids_to_text / ids_to_tokens / tokens_to_text that "
                         "response_decoder re-implements: responses are decoded by its slow ids_to_text")
     g = torch.Generator().manual_seed(seed)
