@@ -17,7 +17,10 @@ Generation. The ranks of one model-parallel (TP x PP) group hold the same prompt
 owners inside the group split its rows in order (owner j of k takes rows [j B / k, (j + 1) B / k)), and each owner
 in turn broadcasts its part to the group (tensors of a broadcast size, :func:`broadcast_generation`), so every rank
 returns the same ``Generation``. Every group needs at least one owner (engine GPUs <= TP, or a layout where each
-TP x PP group contains an engine's first GPU); the builder checks it.
+TP x PP group contains an engine's first GPU); the builder checks it. Partial rollouts
+(``trainer.dapo.rollout.on_filler_full: suspend``) go through ``stream_requests`` the same way: the owners split a
+round's groups in order, and each round runs to its end (the loop hands finished groups over between rounds, in
+prompt order, core/loop_stream.py), so every rank of every data-parallel replica follows the same rounds.
 
 Weights. Every rank runs the HF-named gather (``megatron.refit_hf.hf_weight_buckets``: TP all-gathers, expert
 broadcasts, PP broadcasts) to the end; only owners send the buckets. A failure on any owner is finished in step
@@ -123,28 +126,31 @@ def split_rows(b: int, k: int) -> list:
 def broadcast_generation(part: Optional[Generation], src: int, group) -> Generation:
     """``part`` of global rank ``src`` (None on the other ranks) on every rank of ``group``.
 
-    Three broadcasts from ``src``: a header [rows, width, has_logprobs] (int64), ids [rows, width + 1] (int64, the
-    last column ``truncated``) and [1 or 2, rows, width] float32 (the mask, the log-probs). The transient device
-    memory is one part, ``rows x (8 (width + 1) + 4 width (1 + has_logprobs))`` bytes, where an
-    ``all_gather_object`` held world x the largest pickled part."""
+    Three broadcasts from ``src``: a header [rows, width, has_logprobs, has_finished] (int64), ids
+    [rows, width + 1 + has_finished] (int64, the last columns ``truncated`` and ``finished``) and
+    [1 or 2, rows, width] float32 (the mask, the log-probs). The transient device memory is one part,
+    ``rows x (8 (width + 2) + 4 width (1 + has_logprobs))`` bytes at most, where an ``all_gather_object`` held
+    world x the largest pickled part."""
     device = collective_device(group)
-    header = torch.zeros(3, dtype=torch.long)
+    header = torch.zeros(4, dtype=torch.long)
     if part is not None:
-        header = torch.tensor([part.response_ids.shape[0], part.response_ids.shape[1], part.logprobs is not None],
-                              dtype=torch.long)
+        header = torch.tensor([part.response_ids.shape[0], part.response_ids.shape[1], part.logprobs is not None,
+                               part.finished is not None], dtype=torch.long)
     header = header.to(device)
     dist.broadcast(header, src, group=group)
-    rows, width, has_lp = (int(x) for x in header.tolist())
+    rows, width, has_lp, has_fin = (int(x) for x in header.tolist())
     if rows == 0 or width == 0:  # nothing to send (the header says so on every rank)
         return part if part is not None else Generation(
             response_ids=torch.zeros(rows, width, dtype=torch.long), response_mask=torch.zeros(rows, width),
-            truncated=torch.zeros(rows, dtype=torch.bool), logprobs=torch.zeros(rows, width) if has_lp else None)
+            truncated=torch.zeros(rows, dtype=torch.bool), logprobs=torch.zeros(rows, width) if has_lp else None,
+            finished=torch.ones(rows, dtype=torch.bool) if has_fin else None)
     if part is not None:
-        ids = torch.cat([part.response_ids.long(), part.truncated.long().reshape(-1, 1)], dim=1).to(device)
+        flags = [part.truncated] + ([part.finished] if has_fin else [])
+        ids = torch.cat([part.response_ids.long()] + [f.long().reshape(-1, 1) for f in flags], dim=1).to(device)
         floats = [part.response_mask.float()] + ([part.logprobs.float()] if has_lp else [])
         floats = torch.stack(floats).to(device)
     else:
-        ids = torch.empty(rows, width + 1, dtype=torch.long, device=device)
+        ids = torch.empty(rows, width + 1 + has_fin, dtype=torch.long, device=device)
         floats = torch.empty(1 + has_lp, rows, width, dtype=torch.float32, device=device)
     dist.broadcast(ids, src, group=group)
     dist.broadcast(floats, src, group=group)
@@ -152,7 +158,7 @@ def broadcast_generation(part: Optional[Generation], src: int, group) -> Generat
         return part
     ids, floats = ids.cpu(), floats.cpu()
     return Generation(response_ids=ids[:, :width], response_mask=floats[0], truncated=ids[:, width].bool(),
-                      logprobs=floats[1] if has_lp else None)
+                      logprobs=floats[1] if has_lp else None, finished=ids[:, width + 1].bool() if has_fin else None)
 
 
 def release_training_memory() -> None:
@@ -218,12 +224,12 @@ class _ActorWeights:
 
 
 class _DrainedStream:
-    """``stream()``'s result for a model-parallel group: the groups of one generate, yielded in prompt order.
-    Under data parallelism the loop drains streams anyway (core/loop.py), so nothing is lost by not aborting."""
+    """``stream()`` / ``stream_requests()``'s result for a model-parallel group: ``parts`` [(key, Generation)] run to
+    their end, yielded in key order. The loop drains a stream under data parallelism and generates partial rollouts
+    in rounds, each run to its end (core/loop_stream.py), so nothing is lost by not aborting."""
 
-    def __init__(self, gen: Generation, n: int, num_prompts: int, pad_id: int):
-        self._parts = [(k, _rows(gen, k * n, (k + 1) * n)) for k in range(num_prompts)]
-        self.generated_tokens = int(gen.response_mask.sum()) if len(gen) else 0
+    def __init__(self, parts: list, generated_tokens: int):
+        self._parts, self.generated_tokens = parts, int(generated_tokens)
         self.aborted_tokens = self.aborted_requests = 0
         self.done = True
 
@@ -237,7 +243,12 @@ class _DrainedStream:
 def _rows(gen: Generation, lo: int, hi: int) -> Generation:
     return Generation(response_ids=gen.response_ids[lo:hi], response_mask=gen.response_mask[lo:hi],
                       truncated=gen.truncated[lo:hi],
-                      logprobs=None if gen.logprobs is None else gen.logprobs[lo:hi])
+                      logprobs=None if gen.logprobs is None else gen.logprobs[lo:hi],
+                      finished=None if gen.finished is None else gen.finished[lo:hi])
+
+
+_EMPTY = Generation(response_ids=torch.zeros(0, 0, dtype=torch.long), response_mask=torch.zeros(0, 0),
+                    truncated=torch.zeros(0, dtype=torch.bool))
 
 
 class AlignerEngineGenerator:
@@ -294,7 +305,54 @@ class AlignerEngineGenerator:
         rep = lambda x: x.repeat_interleave(n, dim=0)  # noqa: E731
         gen = self.generate(rep(prompt_ids), rep(prompt_mask), max_new_tokens=max_new_tokens,
                             temperature=temperature, top_p=top_p, seed=seed)
-        return _DrainedStream(gen, n, prompt_ids.shape[0], self.pad_id)
+        parts = [(k, _rows(gen, k * n, (k + 1) * n)) for k in range(prompt_ids.shape[0])]
+        return _DrainedStream(parts, int(gen.response_mask.sum()))
+
+    def stream_requests(self, groups: list, *, temperature: float = 1.0, top_p: float = 1.0, into=None,
+                        first_key: int = 0) -> _DrainedStream:
+        """Explicit requests (``engines.generator.EngineGenerator.stream_requests``: ``groups[k]`` a list of
+        ``(prompt token ids, n, max_new_tokens, seed)``), run to their end: the owners of the model-parallel group
+        split the groups in order, and every rank returns every group's samples (``finished`` included) and the
+        tokens generated. A stream left running through the update (``into``, overlap) is not built here."""
+        if into is not None:
+            raise NotImplementedError("overlap (a stream left running through the update) runs on the CPU path only; "
+                                      "the NeMo-Aligner path generates partial rollouts in rounds")
+        mine = None
+        if self.engine is not None:
+            lo, hi = split_rows(len(groups), len(self.owners))[self.owners.index(self.rank)]
+            stream = self.engine.stream_requests(groups[lo:hi], temperature=temperature, top_p=top_p)
+            outs = dict(stream)
+            mine = ([outs.get(k) for k in range(hi - lo)], stream.generated_tokens)
+        parts, generated = [], 0
+        for j, (lo, hi) in enumerate(split_rows(len(groups), len(self.owners))):
+            got, tokens = self._exchange_groups(mine if self.owners[j] == self.rank else None, self.owners[j], hi - lo)
+            parts += [(first_key + lo + k, gen) for k, gen in enumerate(got) if gen is not None]
+            generated += tokens
+        return _DrainedStream(parts, generated)
+
+    def _exchange_groups(self, mine, owner: int, n: int) -> tuple:
+        """Owner ``owner``'s ``(n Generations or None, generated tokens)`` on every rank of the model-parallel group:
+        its row counts (0 for a group without requests) and tokens in one broadcast, the rows in one Generation."""
+        size = dist.get_world_size(self.mp_group) if self.mp_group is not None else 1
+        if size == 1:
+            return mine
+        counts = torch.zeros(n + 1, dtype=torch.long)
+        if mine is not None:
+            rows_of = [0 if g is None else g.response_ids.shape[0] for g in mine[0]]
+            counts = torch.tensor(rows_of + [mine[1]], dtype=torch.long)
+        counts = counts.to(collective_device(self.mp_group))
+        dist.broadcast(counts, owner, group=self.mp_group)
+        counts = counts.cpu().tolist()
+        rows = None
+        if mine is not None:
+            present = [g for g in mine[0] if g is not None]
+            rows = Generation.cat(present, self.pad_id) if present else _rows(_EMPTY, 0, 0)
+        rows = broadcast_generation(rows, owner, self.mp_group)
+        got, at = [], 0
+        for c in counts[:n]:
+            got.append(_rows(rows, at, at + c) if c else None)
+            at += c
+        return got, counts[n]
 
     # ---- weights and memory ----------------------------------------------------------------------------------------
     def update_weights(self, policy=None) -> None:

@@ -38,7 +38,7 @@ from nemo_aligner.utils.distributed import ScopedTimer
 from nemo_aligner.utils.train_utils import clip_gradients, set_eval, set_train
 from nemo_dapo.megatron.layout import blank_rows, pack_rollout, prompt_lengths_of, unpack_response
 from nemo_dapo.aligner.compat import pack_state, unpack_state, write_checkpoints_in_process
-from nemo_dapo.cluster.config_validate import ALGORITHM_BLOCK, ALGORITHM_KEYS, required
+from nemo_dapo.cluster.config_validate import ALGORITHM_BLOCK, ALGORITHM_KEYS, ROLLOUT_MODES, required
 from nemo_dapo.megatron.reduction import DPReducer
 from nemo_dapo.megatron.step import skip_update
 from nemo_dapo.aligner.reward_client import ClientReward
@@ -151,10 +151,26 @@ def aligner_loop_parts(cfg: DictConfig, model_cfg: DictConfig) -> tuple:
         shuffle_minibatches=bool(required(cfg, "shuffle_minibatches", "trainer.dapo")), max_new_tokens=max_new,
         temperature=0.0 if greedy else float(required(sp, "temperature", "model.dapo.sampling_params")),
         top_p=float(required(sp, "top_p", "model.dapo.sampling_params")),
-        seed=int(required(cfg, "seed", "trainer.dapo")),
-        # the aligner path generates one blocking batch at a time (no streaming dynamic sampling yet), which fills in
-        # prompt order whatever fill_order says (the CPU default is given)
-        streaming=False, on_filler_full="abort", fill_order="finish")
+        seed=int(required(cfg, "seed", "trainer.dapo")), **rollout_mode(cfg))
+
+
+def rollout_mode(cfg: DictConfig) -> dict:
+    """LoopSettings' streaming / on_filler_full / fill_order from ``trainer.dapo.rollout.on_filler_full``
+    (``cfg``: trainer.dapo). abort: one blocking generate per generation batch (it fills in prompt order; the
+    groups past the full batch are discarded). suspend: partial rollouts in prompt order, generated in rounds
+    (core/loop_stream.py), the only streamed mode that every data-parallel rank can follow in step."""
+    mode = required(cfg, "rollout.on_filler_full", "trainer.dapo")
+    if mode not in ROLLOUT_MODES:
+        raise ValueError(f"trainer.dapo.rollout.on_filler_full={mode!r} must be one of {ROLLOUT_MODES}")
+    if mode == "suspend":
+        return dict(streaming=True, on_filler_full="suspend", fill_order="prompt")
+    return dict(streaming=False, on_filler_full="abort", fill_order="finish")
+
+
+def partial_rollout_args(cfg: DictConfig) -> dict:
+    """DAPOLoop's ``max_staleness`` / ``round_tokens`` from ``trainer.dapo.rollout`` (``cfg``: trainer.dapo)."""
+    return dict(max_staleness=int(required(cfg, "rollout.max_staleness", "trainer.dapo")),
+                round_tokens=int(required(cfg, "rollout.round_tokens", "trainer.dapo")))
 
 
 def training_steps(num_prompts: int, prompts_per_step: int, max_epochs, max_steps) -> tuple:
@@ -265,7 +281,7 @@ class DAPOTrainer:
         self.loop = DAPOLoop(policy=self.policy, generator=generator, reward_fn=self.reward_fn,
                              loss_fn=loss_fn, prompts=prompts, filler=filler,
                              settings=self.settings, sampler=PromptSampler(len(prompts), seed=self.settings.seed),
-                             reducer=self.reducer)
+                             reducer=self.reducer, **partial_rollout_args(cfg))
         self.timer = ScopedTimer(reduction="mean", sync_cuda=True, buffer_size=1)
         self.max_steps, why = training_steps(len(prompts), filler.num_groups,
                                              required(cfg, "max_epochs", "trainer.dapo"),

@@ -26,6 +26,7 @@ VERIFIERS = ("dapo", "tolerant", "math_verify")  # the CPU path's reward.verifie
 DATA_FORMATS = ("dapo_math", "verl", "aime2024", "aime2025", "math500", "gsm8k")  # nemo_dapo.data.readers.READERS
 DISTRIBUTED_OPTIMIZERS = ("distributed_fused_adam", "mcore_distributed_optim")
 ENGINE_SLEEP_LEVELS = (0, 1, 2)  # trainer.dapo.engine_server.sleep_level
+ROLLOUT_MODES = ("abort", "suspend")  # trainer.dapo.rollout.on_filler_full (aligner/trainer.rollout_mode)
 OFFLOAD_TRAINING_STATE = "model.dapo.offload_training_state"  # read by the trainer AND by `nemo-dapo plan`
 # The planner's former own key for the same quantity: refused, so that a plan never assumes what the run does not do
 GENERATE_OFFLOAD_GONE = (f"plan.generate_offload is not read any more: the planner plans what the trainer does, "
@@ -394,6 +395,29 @@ def _rollout_engine(cfg: dict, s: dict):
         yield f"trainer.dapo.rollout_engine={engine!r} must be one of {engine_registry.rollout_engines()}"
 
 
+def _rollout(cfg: dict, s: dict):
+    """trainer.dapo.rollout: partial rollouts need an engine server and truncated importance weights."""
+    key = "trainer.dapo.rollout"
+    mode, stale, rounds = (select(cfg, f"{key}.{k}") for k in ("on_filler_full", "max_staleness", "round_tokens"))
+    if mode not in ROLLOUT_MODES:
+        yield f"{key}.on_filler_full={mode!r} must be one of {ROLLOUT_MODES}"
+    if not isinstance(stale, int) or isinstance(stale, bool) or stale < 0:
+        yield f"{key}.max_staleness={stale!r} must be an integer >= 0 (weight versions; 0 = abort)"
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
+        yield f"{key}.round_tokens={rounds!r} must be an integer >= 1 (tokens per sample and round)"
+    if mode != "suspend" or stale == 0:
+        return
+    engine = select(cfg, "trainer.dapo.rollout_engine")
+    if not engine_registry.is_served(engine):
+        served = [e for e in engine_registry.rollout_engines() if engine_registry.is_served(e)]
+        yield (f"{key}.on_filler_full=suspend continues suspended samples through an engine server: set "
+               f"trainer.dapo.rollout_engine to one of {served} (it is {engine!r})")
+    if select(cfg, ALGORITHM_KEYS["tis_cap"]) is None:
+        yield (f"{key}.on_filler_full=suspend trains tokens sampled by older weights: set "
+               f"{ALGORITHM_KEYS['tis_cap']} (e.g. 2.0) for their truncated importance weights, or "
+               f"{key}.max_staleness=0")
+
+
 def _algorithm(cfg: dict, s: dict):
     """The algorithm block (nemo_dapo.core.settings.problems, the CLI validator's rules); a missing key is named."""
     values = {}
@@ -532,8 +556,8 @@ def _engine_server(cfg: dict, s: dict):
                f"max_seq_len ({max_seq}): raise max_seq_len to {max_in + gen}")
 
 
-RULES = (_moved, _layout, _experts, _optimizer, _training_offload, _batches, _rollout_engine, _algorithm, _lengths, _sampling,
-         _reward, _data, _arch_agrees, _engine_server)
+RULES = (_moved, _layout, _experts, _optimizer, _training_offload, _batches, _rollout_engine, _rollout, _algorithm,
+         _lengths, _sampling, _reward, _data, _arch_agrees, _engine_server)
 
 
 def check_config(cfg) -> list[str]:

@@ -152,6 +152,9 @@ class DAPOLoop(StreamingPhase):
             if self.overlap:
                 raise ValueError("fill_order='prompt' cannot be combined with overlap: the work left running through "
                                  "the update stops wherever the engine's timing leaves it")
+        if self._partial_mode() and settings.streaming and not self._suspending():
+            raise ValueError("partial rollouts under data parallelism run in rounds: set fill_order='prompt' with "
+                             "round_tokens (streamed in finishing order, each rank's share would stop elsewhere)")
         if self._partial_mode() and not callable(getattr(generator, "stream_requests", None)):
             raise ValueError(f"on_filler_full='suspend' needs a generator with stream_requests() (an engine server "
                              f"client); {type(generator).__name__} has none")
@@ -169,8 +172,10 @@ class DAPOLoop(StreamingPhase):
         return self.settings.on_filler_full == "suspend" and self.max_staleness > 0
 
     def _suspending(self) -> bool:
-        # Under data parallelism a streamed batch is drained (see _generate_groups): nothing is ever suspended.
-        return self._partial_mode() and self.settings.streaming and self.reducer.world_size == 1
+        # Under data parallelism only the rounds in prompt order suspend (between rounds every rank holds the state
+        # of every group); a batch streamed in finishing order is drained there (see _generate_groups).
+        s = self.settings
+        return self._partial_mode() and s.streaming and (self.reducer.world_size == 1 or s.fill_order == "prompt")
 
     def _generate_groups(self, n_prompts: int, timers: dict) -> list:
         """One generation batch: draw prompts, generate, score, hand the groups to the filler; returns them all.
@@ -185,8 +190,7 @@ class DAPOLoop(StreamingPhase):
         self.counters["consumed_prompts"] += n_prompts
         self.counters["consumed_samples"] += n_prompts * s.group_size
         # Each rank generates a contiguous slice of the prompts; all ranks drew the same prompts.
-        lo = red.rank * n_prompts // red.world_size
-        hi = (red.rank + 1) * n_prompts // red.world_size
+        lo, hi = self._share(n_prompts)
         self.filler.begin_gen_batch()
         if self._suspending() and s.fill_order == "prompt":
             groups = self._stream_rounds(indices, uids, resumed, timers)
@@ -210,8 +214,14 @@ class DAPOLoop(StreamingPhase):
                 self.sampler.history.record(index_of[group.uid], group.acc.tolist())
         return groups
 
-    def _seed(self) -> int:
-        return mix_seed(self.settings.seed, self.counters["gen_batches"], self.reducer.rank)
+    def _seed(self, rank: Optional[int] = None) -> int:
+        """The generation batch's sampling seed for ``rank`` (default: this one)."""
+        return mix_seed(self.settings.seed, self.counters["gen_batches"], self.reducer.rank if rank is None else rank)
+
+    def _share(self, n: int) -> tuple:
+        """This rank's contiguous slice ``(lo, hi)`` of ``n`` items split over the data-parallel ranks."""
+        red = self.reducer
+        return red.rank * n // red.world_size, (red.rank + 1) * n // red.world_size
 
     def _generate_and_score(self, indices, uids, timers) -> list:
         s, g = self.settings, self.settings.group_size

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 from nemo_dapo.core.loop_data import mix_seed
+from nemo_dapo.core.types import Generation
 from nemo_dapo.core.partial import (SampleState, SuspendedGroup, assemble, complete, continuation_requests,
                                     reopen_round_cuts, split_stale, stamp, suspend)
 
@@ -150,23 +151,24 @@ class StreamingPhase:
         all finished are handed to the filler in prompt order (the continued groups first, then the new prompts;
         a group waits for those before it); once the filler is full the rest are suspended as the rounds left them.
         What trains and what is carried over therefore does not depend on the engine's timing; the cost is a
-        resubmission (prompt + tokens so far) per round and the wait for each round's last sample."""
-        s, g, v = self.settings, self.settings.group_size, self._version
+        resubmission (prompt + tokens so far) per round and the wait for each round's last sample.
+
+        Under data parallelism every rank holds the state of every group (one seed for all: rank 0's); a round's
+        live groups and the scoring of the finished head are split into contiguous shares, and the ranks exchange
+        the results, so the batch is the one a single rank would build from the same engine outputs."""
+        s, g = self.settings, self.settings.group_size
         prompt_ids, prompt_mask = self.prompts.collate([sg.index for sg in resumed] + list(indices))
         prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]
-        base = self._seed()
+        base = self._seed(rank=0)
         todo = list(resumed) + [SuspendedGroup(index=i, uid=u, seed=mix_seed(base, k) % (2 ** 31),
                                                samples=[SampleState([], [], []) for _ in range(g)])
                                 for k, (i, u) in enumerate(zip(indices, uids))]
         groups, handed = [], 0
         while True:
-            while handed < len(todo) and not todo[handed].unfinished():  # the head of the prompt order
-                k, handed = handed, handed + 1
-                out = assemble(todo[k], self.prompts.pad_id)
-                group = self._score([todo[k].index], [todo[k].uid], prompt_ids[k:k + 1], prompt_mask[k:k + 1], out,
-                                    timers)
-                groups.extend(group)
-                self.filler.add_groups(group)
+            for group in self._score_head(todo, handed, prompt_ids, prompt_mask, timers):
+                handed += 1
+                groups.append(group)
+                self.filler.add_groups([group])
                 if self.filler.full():
                     timers["filled_at"] = time.perf_counter()
                     self._suspended += todo[handed:]
@@ -174,18 +176,45 @@ class StreamingPhase:
             live = [k for k in range(handed, len(todo)) if todo[k].unfinished()]
             if not live:
                 return groups
-            requests = [continuation_requests(todo[k], prompts[k], s.max_new_tokens, self.round_tokens) for k in live]
-            for k in live:
-                todo[k].resumes += 1
-            t0 = time.perf_counter()
-            stream = self.generator.stream_requests(requests, temperature=s.temperature, top_p=s.top_p)
-            outs = dict(stream)  # the whole round
-            timers["gen"] += time.perf_counter() - t0
-            self.counters["generated_tokens"] += stream.generated_tokens
-            for key, k in enumerate(live):
-                after = suspend(outs[key], v, index=todo[k].index, uid=todo[k].uid, seed=todo[k].seed, prior=todo[k],
-                                max_new_tokens=s.max_new_tokens)
+            for k, after in zip(live, self._round(todo, live, prompts, timers)):
                 todo[k] = reopen_round_cuts(todo[k], after, s.max_new_tokens)
+
+    def _score_head(self, todo: list, handed: int, prompt_ids, prompt_mask, timers) -> list:
+        """The scored groups of the head of the prompt order (``todo[handed:]`` up to the first unfinished one)."""
+        head = handed
+        while head < len(todo) and not todo[head].unfinished():
+            head += 1
+        lo, hi = self._share(head - handed)
+        mine, scored = list(range(handed + lo, handed + hi)), []
+        if mine:
+            out = Generation.cat([assemble(todo[k], self.prompts.pad_id) for k in mine], self.prompts.pad_id)
+            scored = self._score([todo[k].index for k in mine], [todo[k].uid for k in mine], prompt_ids[mine],
+                                 prompt_mask[mine], out, timers)
+        return self._exchange(scored)
+
+    def _round(self, todo: list, live: list, prompts: list, timers) -> list:
+        """One round of the groups ``live`` (indices into ``todo``): each continued by at most ``round_tokens``
+        tokens per sample; returns their states after it (``suspend``), in ``live``'s order."""
+        s, v = self.settings, self._version
+        lo, hi = self._share(len(live))
+        mine = live[lo:hi]
+        requests = [continuation_requests(todo[k], prompts[k], s.max_new_tokens, self.round_tokens) for k in mine]
+        for k in live:  # after the requests: a continuation's seeds follow the resumes before it
+            todo[k].resumes += 1
+        t0 = time.perf_counter()
+        stream = self.generator.stream_requests(requests, temperature=s.temperature, top_p=s.top_p)
+        outs = dict(stream)  # the whole round
+        timers["gen"] += time.perf_counter() - t0
+        after = [suspend(outs[key], v, index=todo[k].index, uid=todo[k].uid, seed=todo[k].seed, prior=todo[k],
+                         max_new_tokens=s.max_new_tokens) for key, k in enumerate(mine)]
+        self.counters["generated_tokens"] += sum(self.reducer.gather_objects(stream.generated_tokens))
+        return self._exchange(after)
+
+    def _exchange(self, mine: list) -> list:
+        """Every rank's share of a list, concatenated in rank order (the list itself on one rank)."""
+        if self.reducer.world_size == 1:
+            return mine
+        return [x for part in self.reducer.gather_objects(mine) for x in part]
 
     def _draw_ahead(self, live: "_Live", n_prompts: int) -> None:
         """Overlap: the next generation batch's prompts, drawn and added to the live stream now (weights of this

@@ -73,7 +73,8 @@ def test_split_rows_is_contiguous_and_complete():
 @needs_nemo
 @pytest.mark.nemo
 @pytest.mark.slow
-def test_aligner_step_through_a_local_engine_server(tok_dir, tmp_path):
+@pytest.mark.parametrize("mode, steps", [("abort", 1), ("suspend", 2)])
+def test_aligner_step_through_a_local_engine_server(tok_dir, tmp_path, mode, steps):
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     import subprocess
@@ -108,7 +109,7 @@ def test_aligner_step_through_a_local_engine_server(tok_dir, tmp_path):
         assert probe.returncode == 0 and json.loads(probe.stdout.splitlines()[-1])["weights_ok"], probe.stderr
         run_torchrun(ROOT / "tests/aligner/workers/engine_generation_worker.py", nproc=2, out_dir=tmp_path,
                      env={"TOK_DIR": tok_dir, "HF_DIR": str(hf_dir), "ENGINE_ADDRESS": address,
-                          "ENGINE_DUMP_DIR": str(dump), **key})
+                          "ENGINE_DUMP_DIR": str(dump), "ROLLOUT": mode, "STEPS": str(steps), **key})
     finally:
         proc.stop()
     r0 = json.loads((tmp_path / "engine_rank0.json").read_text())
@@ -117,12 +118,21 @@ def test_aligner_step_through_a_local_engine_server(tok_dir, tmp_path):
     for key in ("initial", "after_step"):
         assert r0[key]["names_equal"] and r0[key]["n"] == 2 + 2 * 9 + 1, r0[key]  # embed, 2 x 9, norm, lm_head
         assert r0[key]["max_abs_diff"] == 0.0, r0[key]
-    assert r0["updates"] == 2  # the initial push and the one after the step's optimizer updates
+    assert r0["updates"] == 1 + steps  # the initial push and one after each step's optimizer updates
     # the actor's log-probs leave Megatron's vocabulary padding out, as the HF-shaped engine does
     assert r0["valid_vocab"] == r1["valid_vocab"] == r0["hf_vocab"] <= r0["padded_vocab"]
     step = next(r for r in r0["records"] if "train/batch_acc" in r or "actor/loss" in r)
     assert step["rollout/trained_tokens"] > 0 and step["actor/grad_norm"] > 0
     assert 0.0 <= step["timing/engine_idle_s"] <= step["timing/step_s"]  # the owner logs its engine's idle time
+    if mode == "suspend":  # partial rollouts in rounds: the group left running at step 1 trains at step 2
+        steps_m = [r for r in r0["records"] if "counters/rollout_steps" in r]
+        assert [m["counters/rollout_steps"] for m in steps_m] == [1.0, 2.0]
+        assert steps_m[0]["partial/suspended_groups"] >= 1 and steps_m[1]["partial/resumed_groups"] >= 1
+        assert steps_m[1]["partial/trained_lag_max"] == 1.0  # tokens of the first weights trained after a refit
+        last = steps_m[-1]
+        assert last["counters/aborted_tokens"] == 0 and last["partial/stale_tokens"] == 0
+        # every generated token was trained or is held for the next step
+        assert last["counters/generated_tokens"] == last["counters/trained_tokens"] + last["partial/suspended_tokens"]
     assert os.path.getsize(tmp_path / "engine.log") > 0
 
 
@@ -156,6 +166,11 @@ def test_results_exchange_gives_every_rank_the_owners_parts_in_order(tmp_path):
     run_torchrun(ROOT / "tests/aligner/workers/results_exchange_worker.py", nproc=2, out_dir=tmp_path)
     for rank in (0, 1):
         out = json.loads((tmp_path / f"exchange_rank{rank}.json").read_text())
+        stream = out.pop("stream_requests")
+        # stream_requests: the owners' groups on both ranks, keyed in request order, cut-short samples marked
+        assert stream["got"] == stream["expected"] and stream["tokens"] == 100 + 101, rank
+        assert all(stream["padding_only"]) and len(stream["padding_only"]) == 4
+        assert sorted(stream["got"]) == ["10", "11", "12", "14"]  # group 13 had no requests: nothing came back
         assert sorted(out) == ["empty_part", "no_logprobs", "one_owner", "two_owners"]
         for name, case in out.items():
             assert case["got"] == case["expected"], (rank, name)

@@ -44,6 +44,21 @@ def test_greedy_sampling_maps_to_temperature_zero():
     assert aligner_loop_parts(trainer, model)[0].temperature == 0.0
 
 
+def test_rollout_mode_maps_abort_to_blocking_batches_and_suspend_to_rounds_in_prompt_order():
+    from nemo_dapo.aligner.trainer import aligner_loop_parts, partial_rollout_args
+
+    trainer, model = _cfgs()
+    s = aligner_loop_parts(trainer, model)[0]  # the YAML's default
+    assert (s.streaming, s.on_filler_full, s.fill_order) == (False, "abort", "finish")
+    trainer.rollout.on_filler_full, trainer.rollout.round_tokens = "suspend", 512
+    s = aligner_loop_parts(trainer, model)[0]
+    assert (s.streaming, s.on_filler_full, s.fill_order) == (True, "suspend", "prompt")
+    assert partial_rollout_args(trainer) == {"max_staleness": 1, "round_tokens": 512}
+    trainer.rollout.on_filler_full = "finish"
+    with pytest.raises(ValueError, match=r"trainer.dapo.rollout.on_filler_full='finish' must be one of"):
+        aligner_loop_parts(trainer, model)
+
+
 def test_batch_filler_takes_every_dynamic_sampling_key():
     from nemo_dapo.aligner.trainer import aligner_loop_parts
 
@@ -57,7 +72,8 @@ def test_batch_filler_takes_every_dynamic_sampling_key():
                                  "model.dapo.algorithm.overlong.l_cache", "model.dapo.algorithm.eps_high",
                                  "model.dapo.algorithm.tis_cap", "model.dapo.algorithm.group_size",
                                  "model.dapo.algorithm.dynamic_sampling.skip_history.max_skips",
-                                 "trainer.dapo.shuffle_minibatches", "trainer.dapo.seed"])
+                                 "trainer.dapo.shuffle_minibatches", "trainer.dapo.seed",
+                                 "trainer.dapo.rollout.on_filler_full"])
 def test_a_missing_key_is_an_error_naming_it(key):
     from nemo_dapo.cluster.config_validate import ConfigError
     from nemo_dapo.aligner.trainer import aligner_loop_parts

@@ -223,7 +223,20 @@ BAD = [
     (DENSE, ["trainer.dapo.ppo_epochs=0"], "trainer.dapo.ppo_epochs"),
     (DENSE, ["reward.verifier=llm_judge"], "reward.verifier"),
     (DENSE, ["+model.num_layers=48"], "plan.arch.num_layers"),
+    (DENSE, ["trainer.dapo.rollout.on_filler_full=finish"], "trainer.dapo.rollout.on_filler_full='finish' must be"),
+    (DENSE, ["trainer.dapo.rollout.round_tokens=0"], "trainer.dapo.rollout.round_tokens=0"),
+    (DENSE, ["trainer.dapo.rollout.max_staleness=-1"], "trainer.dapo.rollout.max_staleness=-1"),
+    (DENSE, ["trainer.dapo.rollout_engine=legacy", "trainer.dapo.rollout.on_filler_full=suspend",
+             "model.dapo.algorithm.tis_cap=2.0"], "suspend continues suspended samples through an engine server"),
+    (DENSE, ["trainer.dapo.rollout.on_filler_full=suspend"], "set model.dapo.algorithm.tis_cap"),
 ]
+
+
+def test_partial_rollouts_validate_on_a_recipe():
+    on = ["trainer.dapo.rollout.on_filler_full=suspend", "model.dapo.algorithm.tis_cap=2.0"]
+    assert cv.check_config(crafted(DENSE, on)) == []
+    # max_staleness 0 continues nothing: no importance weights needed
+    assert cv.check_config(crafted(DENSE, on[:1] + ["trainer.dapo.rollout.max_staleness=0"])) == []
 
 
 @functools.lru_cache(maxsize=None)

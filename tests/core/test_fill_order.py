@@ -3,6 +3,7 @@ trains does not depend on the order in which the engine finishes them; with "fin
 
 The engine is the toy adapter driven in this process; ``Reordering`` lets it finish every group and then hands them
 to the loop in a seeded random order, as an engine with other timing would."""
+import dataclasses
 import random
 
 import pytest
@@ -109,9 +110,9 @@ def test_prompt_order_with_abort_trains_a_prefix_of_the_drawn_prompts_and_counts
     assert m["rollout/generated_tokens"] == m["response/tokens"] + m["rollout/aborted_tokens"]
 
 
-def rounds_loop(order_seed, round_tokens=4, seed=5):
+def rounds_loop(order_seed, round_tokens=4, seed=5, reducer=None):
     """Partial rollouts in prompt order (rounds of ``round_tokens`` tokens), the engine's completions replayed in an
-    order drawn from ``order_seed``."""
+    order drawn from ``order_seed``; ``reducer``: this rank's data-parallel collectives (None: one rank)."""
     from nemo_dapo.core.loop import DAPOLoop
     from nemo_dapo.core.loss import make_loss_fn
 
@@ -122,7 +123,7 @@ def rounds_loop(order_seed, round_tokens=4, seed=5):
                      loss=make_loss_fn(eps_low=0.2, eps_high=0.28, clip_c=10.0, tis_cap=2.0))
     return DAPOLoop(policy=policy, generator=gen, reward_fn=base.reward_fn, loss_fn=base.loss_fn,
                     prompts=base.prompts, filler=base.filler, settings=base.settings, max_staleness=1,
-                    round_tokens=round_tokens)
+                    round_tokens=round_tokens, reducer=reducer)
 
 
 def trained_rows(loop):
@@ -144,6 +145,50 @@ def test_partial_rollouts_in_prompt_order_train_and_suspend_the_same_whatever_th
              for mb_, _ in a.policy.calls for row, mask in zip(mb_.token_version.tolist(), mb_.response_mask.tolist())}
     assert (0, 1) in spans and (1, 2) in spans  # responses begun by one weight version and finished by the next
     assert ma[1]["partial/resumed_groups"] > 0 and ma[-1]["rollout/aborted_tokens"] == 0
+
+
+def test_partial_rollouts_in_prompt_order_under_data_parallelism_build_the_single_ranks_batches():
+    """Two ranks (threads), each with its own engine and other engine timing, share every round's groups and the
+    scoring of the finished head: together they train the rows one rank trains, and both carry over its state."""
+    import threading
+
+    from tests.core.test_loop import ThreadReducer
+
+    steps = 3
+    single = rounds_loop(order_seed=1, seed=9)
+    expected = [steady(single.step()) for _ in range(steps)]
+    shared, barrier = [None, None], threading.Barrier(2)
+    ranks = [rounds_loop(order_seed=2 + r, seed=9, reducer=ThreadReducer(r, 2, shared, barrier)) for r in range(2)]
+    got, errors = {0: [], 1: []}, []
+
+    def run(r):
+        try:
+            got[r] = [steady(ranks[r].step()) for _ in range(steps)]
+        except Exception as e:  # noqa: BLE001 - surfaced below
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    batch_keys = [k for k in expected[0] if k.split("/")[0] in ("rollout", "partial", "counters", "filter")]
+    assert "partial/resumed_groups" in batch_keys and "counters/generated_tokens" in batch_keys
+    for r in range(2):
+        assert [{k: m[k] for k in batch_keys} for m in got[r]] == [{k: m[k] for k in batch_keys} for m in expected]
+        assert [g.to_state() for g in ranks[r]._suspended] == [g.to_state() for g in single._suspended]
+        assert same(ranks[r].filler.state_dict(), single.filler.state_dict())
+    assert expected[-1]["partial/resumed_groups"] > 0 and single._suspended
+    rows = lambda calls: sorted(  # noqa: E731 - every trained row (group, tokens, versions) of some mini-batches
+        (u, ids[:n], v[:n]) for mb, _ in calls for u, ids, v, n in zip(
+            mb.group_ids.tolist(), mb.response_ids.tolist(), mb.token_version.tolist(),
+            mb.response_mask.sum(-1).long().tolist()))
+    calls = [ranks[r].policy.calls for r in range(2)]
+    assert len(calls[0]) == len(calls[1]) == len(single.policy.calls) > 0
+    for i, (mb, _) in enumerate(single.policy.calls):  # each mini-batch split between the ranks, nothing doubled
+        assert rows([calls[0][i], calls[1][i]]) == rows([(mb, None)])
 
 
 def test_rounds_hand_groups_over_in_prompt_order_and_suspend_only_at_round_ends():
@@ -183,6 +228,14 @@ def test_prompt_order_with_partial_rollouts_needs_rounds_and_no_overlap():
         DAPOLoop(**kw)
     with pytest.raises(ValueError, match="cannot be combined with overlap"):
         DAPOLoop(**kw, round_tokens=4, overlap=True)
+
+    class TwoRanks:
+        rank, world_size = 0, 2
+    # under data parallelism, finishing order would stop each rank's share at another point
+    kw["settings"] = dataclasses.replace(base.settings, fill_order="finish")
+    with pytest.raises(ValueError, match="under data parallelism run in rounds: set fill_order='prompt'"):
+        DAPOLoop(**kw, reducer=TwoRanks())
+    assert DAPOLoop(**kw).max_staleness == 1  # one rank may suspend in finishing order
 
 
 def test_the_cpu_config_takes_prompt_order_with_suspend_and_refuses_it_with_overlap_by_name():

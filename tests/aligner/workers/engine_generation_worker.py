@@ -1,7 +1,8 @@
 """Worker: the DAPO trainer on CPU (real NeMo / NeMo-Aligner stack, TP=2 over gloo) generating through an engine
 server that the test started (``rollout_engine: local``), wired by ``generation.build_generator(actor, cfg=...)``.
 
-Env: TOK_DIR, OUT_DIR, HF_DIR (what the server loaded), ENGINE_ADDRESS, ENGINE_DUMP_DIR (the server's dumps).
+Env: TOK_DIR, OUT_DIR, HF_DIR (what the server loaded), ENGINE_ADDRESS, ENGINE_DUMP_DIR (the server's dumps),
+ROLLOUT (trainer.dapo.rollout.on_filler_full; suspend: partial rollouts in rounds of 2 tokens), STEPS.
 Writes ``engine_rank<r>.json``: the owners, rank 0's comparison of the engine's weights (after the initial push and
 after one trained rollout step) with the actor's HF-named gather, and the step's metrics.
 """
@@ -55,7 +56,8 @@ def main() -> None:
         "checkpoint_callback_params": {"monitor": "step", "mode": "max", "save_top_k": -1, "save_last": False,
                                        "always_save_nemo": False, "save_nemo_on_train_end": False,
                                        "filename": "dapo-{step}", "model_parallel_size": TP}}))
-    dapo = dict(nemo_cpu.DAPO_DEFAULTS, algorithm=dict(nemo_cpu.ALGORITHM_DEFAULTS, clip_c=3.0),
+    mode, steps = os.environ.get("ROLLOUT", "abort"), int(os.environ.get("STEPS", "1"))
+    dapo = dict(nemo_cpu.DAPO_DEFAULTS, algorithm=dict(nemo_cpu.ALGORITHM_DEFAULTS, clip_c=3.0, tis_cap=2.0),
                 length_params={"max_length": 6},
                 sampling_params={"use_greedy": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
                                  "repetition_penalty": 1.0, "end_strings": []})
@@ -85,8 +87,9 @@ def main() -> None:
               "initial": compare_with_engine(actor, hf_config, 1)}
     recorder = RecordingLogger()
     trainer_cfg = OmegaConf.create({
-        "max_epochs": 10, "max_steps": 1, "val_check_interval": 0, "save_interval": 0, "gradient_clip_val": 1.0,
-        "save_time_s": 600, "prompts_per_step": 2, "ppo_epochs": 1, "seed": 5, "shuffle_minibatches": True})
+        "max_epochs": 10, "max_steps": steps, "val_check_interval": 0, "save_interval": 0, "gradient_clip_val": 1.0,
+        "save_time_s": 600, "prompts_per_step": 2, "ppo_epochs": 1, "seed": 5, "shuffle_minibatches": True,
+        "rollout": {"on_filler_full": mode, "max_staleness": 1, "round_tokens": 2}})
     dapo_trainer = DAPOTrainer(trainer_cfg, actor, optimizer, scheduler, train_ds, None,
                                LocalRewardClient(actor.tokenizer, num_workers=1), generator,
                                CustomLoggerWrapper([recorder]), add_custom_checkpoint_callback(ptl_trainer, actor),
