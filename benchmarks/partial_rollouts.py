@@ -22,9 +22,10 @@ against the first's). ``--compare fill_order`` measures the cost of the reproduc
 ``rollout.fill_order`` = finish (the baseline) against prompt; ``--compare suspend_order`` the same with partial
 rollouts (prompt order then generates in rounds of ``rollout.round_tokens``). ``--compare overlap``: partial rollouts without
 (the baseline) and with ``rollout.overlap`` (the engine process generates while the trainer trains), each run's RL
-seconds per 1,000 trained responses, with each run's ``plots/time.png`` and ``plots/staleness.png``; run it as
-``taskset -c 0,1 ... trainer.threads=1 rollout.processes=1`` so that the trainer and the engine (one thread each)
-share the same two cores in both.
+seconds per 1,000 trained responses, with each run's ``plots/time.png`` and ``plots/staleness.png``; run it with
+``trainer.threads=1 rollout.processes=1 "trainer.cpus=[1]" "rollout.server.cpus=[0]"`` so that the trainer and the
+engine (one thread each) have one core each, the same in both (``taskset -c 0,1`` instead: the same two cores,
+shared).
 
     OMP_NUM_THREADS=1 nice -n 10 python benchmarks/partial_rollouts.py --base-model DIR [--seeds 3] [--engine local]
         [--config-name tiny_cpu_long]
@@ -100,7 +101,8 @@ def main() -> int:
     p.add_argument("--compare", default="on_filler_full", choices=sorted(COMPARISONS),
                    help="on_filler_full: abort vs suspend; fill_order: finish vs prompt (both abort); "
                    "suspend_order: finish vs prompt (both suspend); overlap: "
-                   "suspend without vs with rollout.overlap (run it under taskset -c 0,1)")
+                   "suspend without vs with rollout.overlap (pin the trainer and the engine: trainer.cpus, "
+                   "rollout.server.cpus)")
     p.add_argument("--out", default=None, help="default runs/partial_rollouts (runs/fill_order with --compare "
                    "fill_order)")
     p.add_argument("--seeds", type=int, default=3)

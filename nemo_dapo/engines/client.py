@@ -333,7 +333,7 @@ class EngineProcess:
 
     def __init__(self, *, engine: str, model_dir: str, address: str, python: Optional[str] = None,
                  options: Optional[dict] = None, log_path: Optional[str] = None, threads: Optional[int] = 1,
-                 env: Optional[dict] = None, authkey: Optional[bytes] = None):
+                 env: Optional[dict] = None, authkey: Optional[bytes] = None, cpus: Optional[list] = None):
         import json
 
         from nemo_dapo.core.engine_registry import install_hint
@@ -348,6 +348,8 @@ class EngineProcess:
                "--address", address, "--parent-pid", str(os.getpid())]
         if threads:
             cmd += ["--threads", str(threads)]
+        if cpus:
+            cmd += ["--cpus", ",".join(str(int(c)) for c in cpus)]
         for k, v in (options or {}).items():
             cmd += ["--option", f"{k}={json.dumps(v)}"]
         self.log_path = log_path or os.path.join(os.path.dirname(addr) if family == socket.AF_UNIX else ".",

@@ -1,8 +1,8 @@
 """The rollout-engine server: one engine adapter behind the protocol of ``protocol.py``, in its own process.
 
     python -m nemo_dapo.engines.server --engine local|vllm|trtllm --model HF_DIR --address unix:/tmp/engine.sock \
-        [--options-file FILE] [--option key=value ...] [--parent-pid PID] [--threads N] [--allow-remote-clients] \
-        [--handshake-timeout-s S] [--max-samples-in-flight N]
+        [--options-file FILE] [--option key=value ...] [--parent-pid PID] [--threads N] [--cpus 0,2-3] \
+        [--allow-remote-clients] [--handshake-timeout-s S] [--max-samples-in-flight N]
 
 One thread does everything: it reads a command when one is waiting, otherwise advances the engine (``adapter.step``)
 and streams each finished request back as a ``completion``. One client at a time (the trainer rank that owns this
@@ -36,6 +36,7 @@ import time
 from typing import Optional
 
 from nemo_dapo.core import engine_registry
+from nemo_dapo.core.affinity import cpu_set_problem, parse_cpu_list, pin_cpus
 from nemo_dapo.engines import protocol as P
 from nemo_dapo.engines import weight_group as WG
 from nemo_dapo.engines.base import WAKE_TAGS, EngineError, EngineWeightError, Request, check_finite, check_token_ids
@@ -419,6 +420,17 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def _cpu_list(text: str) -> list:
+    try:
+        cpus = parse_cpu_list(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    problem = cpu_set_problem(cpus)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"--cpus {problem}")
+    return cpus
+
+
 def _positive(kind):
     def parse(text):
         try:
@@ -443,6 +455,8 @@ def _parser() -> argparse.ArgumentParser:
                    "{engine, engine_gpus, options} file of nemo_dapo.cluster.engine_options)")
     p.add_argument("--parent-pid", type=_positive(int), default=None, help="exit when this process exits")
     p.add_argument("--threads", type=_positive(int), default=None, help="torch intra-op threads of the engine")
+    p.add_argument("--cpus", type=_cpu_list, default=None, help="run on these CPUs only, e.g. 0 or 2-3 (taskset's "
+                   "notation; default: the CPUs it was started with)")
     p.add_argument("--allow-remote-clients", action="store_true", help="allow a TCP address that is not loopback "
                    "(clients on other machines); a key is required then")
     p.add_argument("--handshake-timeout-s", type=_positive(float), default=P.HANDSHAKE_TIMEOUT_S,
@@ -471,6 +485,11 @@ def _run(args) -> int:
     key, protection = _listen_plan(args)
     if args.parent_pid:
         _watch_parent(args.parent_pid)
+    if args.cpus:  # before torch starts its thread pool: the threads inherit it
+        try:
+            pin_cpus(args.cpus)
+        except ValueError as e:
+            raise StartError(f"--cpus: {e}", 2) from None
     if args.threads:
         import torch
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, fields, is_dataclass, make_dataclass
 from typing import Any, Dict, List, Optional
 
 from nemo_dapo.core import engine_registry
+from nemo_dapo.core.affinity import cpu_set_problem
 from nemo_dapo.core import settings as algorithm_settings  # torch-free: the algorithm block's fields
 from nemo_dapo.core.settings import ConfigError  # the one config error of both paths
 
@@ -133,6 +134,7 @@ class EngineServerConfig:
     max_batch_size: int = MISSING
     sleep_level: int = MISSING
     threads: int = MISSING
+    cpus: Optional[List[int]] = MISSING
 
 
 @dataclass
@@ -177,6 +179,7 @@ class TrainerConfig:
     save_every: int = MISSING
     keep_last: int = MISSING
     threads: Optional[int] = MISSING
+    cpus: Optional[List[int]] = MISSING
     tensorboard: bool = MISSING
     plots: bool = MISSING
     max_skipped_updates: int = MISSING
@@ -416,6 +419,11 @@ def validate(cfg: Config) -> Config:
     for key in ("trainer.micro_batch_size", "trainer.threads", "trainer.val_problems", "trainer.max_samples"):
         if _get(cfg, key) is not None and _get(cfg, key) < 1:
             raise ConfigError(f"config key '{key}' must be >= 1 or null, got {_get(cfg, key)}")
+    for key in ("trainer.cpus", "rollout.server.cpus"):
+        cpus = _get(cfg, key)
+        problem = None if cpus is None else cpu_set_problem(list(cpus))
+        if problem is not None:
+            raise ConfigError(f"config key '{key}' {problem} (or null: the CPUs it was started with)")
     r = cfg.rollout
     if not 0 < r.top_p <= 1 or r.temperature < 0:
         raise ConfigError(f"config keys 'rollout.temperature'/'rollout.top_p' need temperature >= 0 and "

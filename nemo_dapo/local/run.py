@@ -33,9 +33,10 @@ from typing import Optional
 
 import torch
 
-from nemo_dapo.local.config import Config
+from nemo_dapo.local.config import Config, ConfigError
 from nemo_dapo.core.checkpoint import (atomic_directory, latest_checkpoint, list_checkpoints, rng_state,
                                        save_checkpoint, set_rng_state)
+from nemo_dapo.core.affinity import pin_cpus
 from nemo_dapo.core.health import DivergenceGuard, TrainingDiverged, diverged_message
 from nemo_dapo.core.loop import DAPOLoop
 from nemo_dapo.core.loop_data import PromptSampler
@@ -178,6 +179,12 @@ def train(cfg: Config, *, allow_config_change: bool = False, resume_diverged: bo
     t_start = time.time()
     setup_console_logging()
     threads = set_threads(cfg.trainer.threads)
+    if cfg.trainer.cpus is not None:  # before the engine server and generation workers start: they inherit it
+        try:
+            pin_cpus(list(cfg.trainer.cpus))
+        except ValueError as e:
+            raise ConfigError(f"config key 'trainer.cpus': {e}") from None
+        log.info("the trainer runs on CPUs %s (trainer.cpus)", sorted(os.sched_getaffinity(0)))
     try:
         os.makedirs(cfg.run_dir, exist_ok=True)
         with RunDirLock(cfg.run_dir), StopSignals() as stop:

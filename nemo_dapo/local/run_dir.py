@@ -51,10 +51,10 @@ RESUME_SAFE_KEYS = (
     "name", "run_dir", "resume",
     "trainer.max_steps", "trainer.max_samples", "trainer.max_time_s",  # budgets: resuming to train longer
     "trainer.val_every", "trainer.val_samples", "trainer.val_problems", "trainer.save_every", "trainer.keep_last",
-    "trainer.threads", "trainer.tensorboard", "trainer.plots", "reward.num_workers",
+    "trainer.threads", "trainer.cpus", "trainer.tensorboard", "trainer.plots", "reward.num_workers",
     "rollout.server.python", "rollout.server.address", "rollout.server.connect_timeout_s",
     "rollout.server.request_timeout_s", "rollout.server.bucket_mb", "rollout.server.sleep_level",
-    "rollout.server.threads", "rollout.server.weight_transport",
+    "rollout.server.threads", "rollout.server.cpus", "rollout.server.weight_transport",
     "eval.",  # the final evaluation only (a warning says that the stored base evaluation used the old keys)
 )
 BUDGET_KEYS = ("trainer.max_steps", "trainer.max_samples", "trainer.max_time_s")

@@ -63,6 +63,7 @@ class EngineRollouts:
             options["seed"] = cfg.seed
         self.proc = EngineProcess(engine=engine, model_dir=model_dir, address=address, python=srv.python,
                                   options=options, threads=srv.threads,
+                                  cpus=None if srv.cpus is None else list(srv.cpus),
                                   log_path=os.path.join(cfg.run_dir, f"engine-{engine}.log"))
         return address
 

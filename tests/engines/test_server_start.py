@@ -112,11 +112,28 @@ def test_a_trainer_started_server_gets_a_fresh_key_privately(tmp_path):
         assert key not in open(p.log_path, "rb").read()
 
 
+def test_a_server_given_cpus_runs_on_them(tmp_path):
+    cpu = max(os.sched_getaffinity(0))
+    d = private_dir(tmp_path)
+    proc = EngineProcess(engine=TOY, model_dir="-", address=f"unix:{d}/e.sock", log_path=str(d / "e.log"),
+                         env={"PYTHONPATH": ROOT}, cpus=[cpu])
+    try:
+        client = EngineClient(proc.address, process=proc, connect_timeout_s=120)
+        client.health()  # it is up: pinned before its engine was built
+        assert os.sched_getaffinity(proc.pid) == {cpu}
+        assert "--cpus" in open(f"/proc/{proc.pid}/cmdline", "rb").read().decode().split("\0")
+        proc.stop(client)
+    finally:
+        proc.stop()
+
+
 @pytest.mark.parametrize("args, message", [
     (["--engine", "local", "--model", "/nonexistent"], "--model '/nonexistent': not a Hugging Face checkpoint"),
     (["--engine", TOY, "--model", "-", "--option", "bogus=1"], "--option: engine .* does not take that option"),
     (["--engine", TOY, "--model", "-", "--option", "novalue"], "--option 'novalue': expected key=value"),
     (["--engine", TOY, "--model", "-", "--threads", "-2"], "--threads: expected a positive int, got '-2'"),
+    (["--engine", TOY, "--model", "-", "--cpus", "0-x"], "--cpus: expected CPU ids such as 0,2-3, got '0-x'"),
+    (["--engine", TOY, "--model", "-", "--cpus", "4096"], r"--cpus names CPUs \[4096\] that this machine does not"),
     (["--engine", "nosuch", "--model", "-"], "--engine 'nosuch': unknown"),
     (["--engine", "tests.engines.toy_engine:NoSuch", "--model", "-"], "has no attribute 'NoSuch'"),
 ])
