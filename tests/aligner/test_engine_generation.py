@@ -73,14 +73,16 @@ def test_split_rows_is_contiguous_and_complete():
 @needs_nemo
 @pytest.mark.nemo
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, steps", [("abort", 1), ("suspend", 2)])
-def test_aligner_step_through_a_local_engine_server(tok_dir, tmp_path, mode, steps):
+@pytest.mark.parametrize("layout, mode, steps", [("tp2", "abort", 1), ("tp2", "suspend", 2), ("dp2", "suspend", 2)])
+def test_aligner_step_through_a_local_engine_server(tok_dir, tmp_path, layout, mode, steps):
+    """tp2: one engine for a TP=2 group (rank 0 owns it); dp2: two data-parallel ranks, an engine each."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     import subprocess
     import sys
 
     from nemo_dapo.engines.client import EngineProcess
+    from nemo_dapo.engines.protocol import new_authkey
 
     # the tiny NeMo GPT of tests/support/nemo_cpu.py as a Hugging Face Llama, randomly initialised: the engine must
     # end up with the actor's weights only through the refit
@@ -92,33 +94,44 @@ def test_aligner_step_through_a_local_engine_server(tok_dir, tmp_path, mode, ste
     hf_dir = tmp_path / "hf"
     LlamaForCausalLM(hf).save_pretrained(hf_dir)
     tok.save_pretrained(hf_dir)
-    dump = tmp_path / "dump"
-    dump.mkdir()
     sock_dir = tmp_path / "s"
     sock_dir.mkdir(mode=0o700)  # a key-less engine socket must not be reachable by other users
-    address = f"unix:{sock_dir}/e.sock"
-    proc = EngineProcess(engine="tests.aligner.workers.engine_dump:DumpingEngine.from_path", model_dir=str(hf_dir),
-                         address=address, options={"max_batch_size": 16}, log_path=str(tmp_path / "engine.log"),
-                         env={"ENGINE_DUMP_DIR": str(dump), "PYTHONPATH": str(ROOT)})
-    key = {"NEMO_DAPO_ENGINE_AUTHKEY": os.fsdecode(proc.authkey)}  # the server's fresh key, as the launcher shares it
+    engines = 1 if layout == "tp2" else 2
+    authkey = new_authkey()  # one key for the job's servers, as the launcher shares it
+    procs = []
+    for i in range(engines):
+        (tmp_path / f"dump{i}").mkdir()
+        procs.append(EngineProcess(engine="tests.aligner.workers.engine_dump:DumpingEngine.from_path",
+                                   model_dir=str(hf_dir), address=f"unix:{sock_dir}/e{i}.sock",
+                                   options={"max_batch_size": 16}, log_path=str(tmp_path / f"engine{i}.log"),
+                                   env={"ENGINE_DUMP_DIR": str(tmp_path / f"dump{i}"), "PYTHONPATH": str(ROOT)},
+                                   authkey=authkey))
+    key = {"NEMO_DAPO_ENGINE_AUTHKEY": os.fsdecode(authkey)}
     try:
-        # the launcher's health wait (the probe hangs up, so the server accepts the trainer next)
-        probe = subprocess.run([sys.executable, "-m", "nemo_dapo.engines.health", "--timeout-s", "180",
-                                "--interval-s", "1", address], capture_output=True, text=True, timeout=240,
-                               env={**os.environ, **key})
-        assert probe.returncode == 0 and json.loads(probe.stdout.splitlines()[-1])["weights_ok"], probe.stderr
+        for proc in procs:  # the launcher's health wait (the probe hangs up, so the server accepts the trainer next)
+            probe = subprocess.run([sys.executable, "-m", "nemo_dapo.engines.health", "--timeout-s", "180",
+                                    "--interval-s", "1", proc.address], capture_output=True, text=True, timeout=240,
+                                   env={**os.environ, **key})
+            assert probe.returncode == 0 and json.loads(probe.stdout.splitlines()[-1])["weights_ok"], probe.stderr
         run_torchrun(ROOT / "tests/aligner/workers/engine_generation_worker.py", nproc=2, out_dir=tmp_path,
-                     env={"TOK_DIR": tok_dir, "HF_DIR": str(hf_dir), "ENGINE_ADDRESS": address,
-                          "ENGINE_DUMP_DIR": str(dump), "ROLLOUT": mode, "STEPS": str(steps), **key})
+                     env={"TOK_DIR": tok_dir, "HF_DIR": str(hf_dir),
+                          "ENGINE_ADDRESS": f"unix:{sock_dir}/e{{local}}.sock",
+                          "ENGINE_DUMP_DIR": str(tmp_path / "dump{rank}"), "ROLLOUT": mode, "STEPS": str(steps),
+                          "TP": "2" if layout == "tp2" else "1", **key})
     finally:
-        proc.stop()
+        for proc in procs:
+            proc.stop()
     r0 = json.loads((tmp_path / "engine_rank0.json").read_text())
     r1 = json.loads((tmp_path / "engine_rank1.json").read_text())
-    assert r0["owners"] == r1["owners"] == [0] and r0["owns"] and not r1["owns"]  # one engine, rank 0 sends
-    for key in ("initial", "after_step"):
-        assert r0[key]["names_equal"] and r0[key]["n"] == 2 + 2 * 9 + 1, r0[key]  # embed, 2 x 9, norm, lm_head
-        assert r0[key]["max_abs_diff"] == 0.0, r0[key]
-    assert r0["updates"] == 1 + steps  # the initial push and one after each step's optimizer updates
+    if layout == "tp2":
+        assert r0["owners"] == r1["owners"] == [0] and r0["owns"] and not r1["owns"]  # one engine, rank 0 sends
+    else:
+        assert (r0["owners"], r1["owners"]) == ([0], [1]) and r0["owns"] and r1["owns"]  # an engine per DP rank
+    for r in (r0, r1)[:engines]:
+        for key in ("initial", "after_step"):
+            assert r[key]["names_equal"] and r[key]["n"] == 2 + 2 * 9 + 1, r[key]  # embed, 2 x 9, norm, lm_head
+            assert r[key]["max_abs_diff"] == 0.0, r[key]
+        assert r["updates"] == 1 + steps  # the initial push and one after each step's optimizer updates
     # the actor's log-probs leave Megatron's vocabulary padding out, as the HF-shaped engine does
     assert r0["valid_vocab"] == r1["valid_vocab"] == r0["hf_vocab"] <= r0["padded_vocab"]
     step = next(r for r in r0["records"] if "train/batch_acc" in r or "actor/loss" in r)
@@ -133,7 +146,12 @@ def test_aligner_step_through_a_local_engine_server(tok_dir, tmp_path, mode, ste
         assert last["counters/aborted_tokens"] == 0 and last["partial/stale_tokens"] == 0
         # every generated token was trained or is held for the next step
         assert last["counters/generated_tokens"] == last["counters/trained_tokens"] + last["partial/suspended_tokens"]
-    assert os.path.getsize(tmp_path / "engine.log") > 0
+        if layout == "dp2":  # both data-parallel ranks hand their filler the same groups: the same counts
+            def batch(r):
+                return [{k: v for k, v in m.items() if k.split("/")[0] in ("counters", "partial", "filter")}
+                        for m in r["records"] if "counters/rollout_steps" in m]
+            assert batch(r0) == batch(r1)
+    assert all(os.path.getsize(tmp_path / f"engine{i}.log") > 0 for i in range(engines))
 
 
 def test_the_launcher_passes_the_config_to_build_generator():

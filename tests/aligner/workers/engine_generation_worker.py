@@ -2,9 +2,11 @@
 server that the test started (``rollout_engine: local``), wired by ``generation.build_generator(actor, cfg=...)``.
 
 Env: TOK_DIR, OUT_DIR, HF_DIR (what the server loaded), ENGINE_ADDRESS, ENGINE_DUMP_DIR (the server's dumps),
-ROLLOUT (trainer.dapo.rollout.on_filler_full; suspend: partial rollouts in rounds of 2 tokens), STEPS.
+ROLLOUT (trainer.dapo.rollout.on_filler_full; suspend: partial rollouts in rounds of 2 tokens), STEPS, TP (2: one
+engine that rank 0 owns; 1: data parallelism, an engine per rank, ENGINE_ADDRESS and ENGINE_DUMP_DIR templates with
+``{local}`` / ``{rank}``).
 Writes ``engine_rank<r>.json``: the owners, rank 0's comparison of the engine's weights (after the initial push and
-after one trained rollout step) with the actor's HF-named gather, and the step's metrics.
+after the trained rollout steps) with the actor's HF-named gather, and the steps' metrics.
 """
 import glob
 import json
@@ -28,18 +30,22 @@ from nemo_dapo.aligner.reward_client import LocalRewardClient  # noqa: E402
 from nemo_dapo.aligner.trainer import DAPOTrainer  # noqa: E402
 from tests.aligner.workers.trainer_worker import RecordingLogger, rows, warm_up  # noqa: E402
 
-TP = 2
+TP = int(os.environ.get("TP", "2"))
 OUT = os.environ["OUT_DIR"]
 
 
-def compare_with_engine(actor, hf_config, update: int) -> dict:
-    """Every rank gathers the actor's HF tensors; rank 0 compares them with the engine's dump ``update``."""
+def dump_dir() -> str:
+    return os.environ["ENGINE_DUMP_DIR"].format(rank=dist.get_rank())
+
+
+def compare_with_engine(actor, hf_config, update: int, owns: bool) -> dict:
+    """Every rank gathers the actor's HF tensors; an owner compares them with its engine's dump ``update``."""
     mine = {}
     for bucket in _ActorWeights(actor, hf_config, None).hf_weight_buckets(1 << 20):
         mine.update({n: t.detach().clone() for n, t in bucket})
-    if dist.get_rank() != 0:
+    if not owns:
         return {}
-    engine = torch.load(os.path.join(os.environ["ENGINE_DUMP_DIR"], f"update{update}.pt"))
+    engine = torch.load(os.path.join(dump_dir(), f"update{update}.pt"))
     return {"names_equal": sorted(mine) == sorted(engine), "n": len(mine),
             "max_abs_diff": max(float((mine[k].float() - engine[k].float()).abs().max()) for k in mine)}
 
@@ -72,7 +78,7 @@ def main() -> None:
     init_using_ptl(ptl_trainer, actor, torch.utils.data.DataLoader(train_ds, batch_size=2,
                                                                    collate_fn=lambda items: items), train_ds)
     optimizer, scheduler = extract_optimizer_scheduler_from_ptl_model(actor)
-    cfg = OmegaConf.create({"trainer": {"devices": TP, "dapo": {"rollout_engine": "local", "engine_server": {
+    cfg = OmegaConf.create({"trainer": {"devices": 2, "dapo": {"rollout_engine": "local", "engine_server": {
         "hf_model_dir": os.environ["HF_DIR"], "tensor_parallel_size": TP, "pipeline_parallel_size": 1,
         "address": os.environ["ENGINE_ADDRESS"], "address_env": "UNSET_IN_THIS_TEST", "base_port": 0,
         "authkey_env": "NEMO_DAPO_ENGINE_AUTHKEY", "connect_timeout_s": 120.0, "request_timeout_s": 300.0,
@@ -84,7 +90,7 @@ def main() -> None:
     hf_config = AutoConfig.from_pretrained(os.environ["HF_DIR"])
     result = {"owners": generator.owners, "owns": generator.engine is not None, "valid_vocab": actor.valid_vocab,
               "hf_vocab": hf_config.vocab_size, "padded_vocab": actor.padded_vocab_size,
-              "initial": compare_with_engine(actor, hf_config, 1)}
+              "initial": compare_with_engine(actor, hf_config, 1, generator.engine is not None)}
     recorder = RecordingLogger()
     trainer_cfg = OmegaConf.create({
         "max_epochs": 10, "max_steps": steps, "val_check_interval": 0, "save_interval": 0, "gradient_clip_val": 1.0,
@@ -95,9 +101,9 @@ def main() -> None:
                                CustomLoggerWrapper([recorder]), add_custom_checkpoint_callback(ptl_trainer, actor),
                                Timer(None))
     dapo_trainer.fit()
-    updates = len(glob.glob(os.path.join(os.environ["ENGINE_DUMP_DIR"], "update*.pt")))
+    updates = len(glob.glob(os.path.join(dump_dir(), "update*.pt")))
     result.update(records=recorder.records, updates=updates, last_update=generator.last_update,
-                  after_step=compare_with_engine(actor, hf_config, updates))
+                  after_step=compare_with_engine(actor, hf_config, updates, generator.engine is not None))
     generator.close()
     with open(os.path.join(OUT, f"engine_rank{dist.get_rank()}.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
