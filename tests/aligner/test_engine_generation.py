@@ -146,11 +146,16 @@ def test_aligner_step_through_a_local_engine_server(tok_dir, tmp_path, layout, m
         assert last["counters/aborted_tokens"] == 0 and last["partial/stale_tokens"] == 0
         # every generated token was trained or is held for the next step
         assert last["counters/generated_tokens"] == last["counters/trained_tokens"] + last["partial/suspended_tokens"]
+        # a checkpoint of the trainer carries the groups still suspended, on every rank
+        assert len(r0["saved_suspended"]) == last["partial/suspended_groups"] and r0["saved_suspended"] == \
+            r1["saved_suspended"]
         if layout == "dp2":  # both data-parallel ranks hand their filler the same groups: the same counts
             def batch(r):
                 return [{k: v for k, v in m.items() if k.split("/")[0] in ("counters", "partial", "filter")}
                         for m in r["records"] if "counters/rollout_steps" in m]
             assert batch(r0) == batch(r1)
+    else:
+        assert r0["saved_suspended"] is None  # abort keeps no partial state
     assert all(os.path.getsize(tmp_path / f"engine{i}.log") > 0 for i in range(engines))
 
 

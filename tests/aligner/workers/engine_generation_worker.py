@@ -23,6 +23,7 @@ from nemo_aligner.utils.distributed import Timer  # noqa: E402
 from nemo_aligner.utils.train_script_utils import (  # noqa: E402
     CustomLoggerWrapper, add_custom_checkpoint_callback, extract_optimizer_scheduler_from_ptl_model,
     init_distributed, init_using_ptl)
+from nemo_dapo.aligner.compat import pack_state, unpack_state  # noqa: E402
 from nemo_dapo.aligner.dataset import DAPOPromptDataset  # noqa: E402
 from nemo_dapo.aligner.engine_generation import AlignerEngineGenerator, _ActorWeights  # noqa: E402
 from nemo_dapo.aligner.generation import build_generator  # noqa: E402
@@ -101,6 +102,9 @@ def main() -> None:
                                CustomLoggerWrapper([recorder]), add_custom_checkpoint_callback(ptl_trainer, actor),
                                Timer(None))
     dapo_trainer.fit()
+    # what a checkpoint of the trainer holds (packed as the NeMo checkpoint stores it): the suspended groups
+    state = unpack_state(pack_state(dapo_trainer.state_dict()))["loop"]
+    result["saved_suspended"] = [g["uid"] for g in state["partial"]["suspended"]] if "partial" in state else None
     updates = len(glob.glob(os.path.join(dump_dir(), "update*.pt")))
     result.update(records=recorder.records, updates=updates, last_update=generator.last_update,
                   after_step=compare_with_engine(actor, hf_config, updates, generator.engine is not None))
