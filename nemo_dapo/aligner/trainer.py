@@ -18,8 +18,11 @@ too (the loop's ``should_stop`` hook, ``TimeBudget``), and the trainer saves bef
 be, and skips a validation that could not finish. ``progress`` replaces NeMo-Aligner's ``check_progress``, which
 forces saves onto validation steps.
 
-Resume: the whole trainer state (counters, the prompt sampler's position and the dynamic-sampling filler's carried
-groups) is packed into the model checkpoint by ``save`` (``MegatronGPTDAPOActorModel.on_save_checkpoint``) and read
+Partial rollouts (``trainer.dapo.rollout.on_filler_full: suspend``): the loop generates in prompt-order rounds that
+every data-parallel rank follows in step (``rollout_mode``; core/loop_stream.py).
+
+Resume: the whole trainer state (counters, the prompt sampler's position, the dynamic-sampling filler's carried
+groups and the suspended groups of partial rollouts) is packed into the model checkpoint by ``save`` (``MegatronGPTDAPOActorModel.on_save_checkpoint``) and read
 back from it on load (``on_load_checkpoint``), instead of being parsed from the checkpoint file name.
 """
 from __future__ import annotations
