@@ -346,7 +346,7 @@ class AlignerEngineGenerator:
         rows = None
         if mine is not None:
             present = [g for g in mine[0] if g is not None]
-            rows = Generation.cat(present, self.pad_id) if present else _rows(_EMPTY, 0, 0)
+            rows = Generation.cat(present, self.pad_id) if present else _EMPTY
         rows = broadcast_generation(rows, owner, self.mp_group)
         got, at = [], 0
         for c in counts[:n]:

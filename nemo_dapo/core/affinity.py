@@ -17,9 +17,10 @@ def cpu_set_problem(cpus) -> Optional[str]:
     if not isinstance(cpus, (list, tuple)) or not cpus or \
             not all(isinstance(c, int) and not isinstance(c, bool) for c in cpus):
         return f"must be a non-empty list of CPU ids, e.g. [0], got {cpus!r}"
-    outside = sorted(c for c in set(cpus) if not 0 <= c < (os.cpu_count() or 1))
+    n = os.cpu_count() or 1
+    outside = sorted(c for c in set(cpus) if not 0 <= c < n)
     if outside:
-        return f"names CPUs {outside} that this machine does not have (it has 0-{(os.cpu_count() or 1) - 1})"
+        return f"names CPUs {outside} that this machine does not have (it has 0-{n - 1})"
     return None
 
 

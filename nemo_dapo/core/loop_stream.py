@@ -180,7 +180,9 @@ class StreamingPhase:
                 todo[k] = reopen_round_cuts(todo[k], after, s.max_new_tokens)
 
     def _score_head(self, todo: list, handed: int, prompt_ids, prompt_mask, timers) -> list:
-        """The scored groups of the head of the prompt order (``todo[handed:]`` up to the first unfinished one)."""
+        """The scored groups of the head of the prompt order (``todo[handed:]`` up to the first unfinished one), scored
+        in one call per rank. Those behind the group that fills the batch are carried over unscored and scored
+        again when the next batch hands them over (the filler's need is known only group by group)."""
         head = handed
         while head < len(todo) and not todo[head].unfinished():
             head += 1
