@@ -18,9 +18,10 @@ from typing import Optional
 
 # nemo-dapo plan's generation models an engine can select (cluster/plan_generation.py MODEL_LABELS)
 PLAN_MODELS = ("static", "inflight")
-# How a trainer's weights reach its engine servers: shared memory, or a broadcast over a gloo process group
-# (engines/weight_group.py); the CPU config's choices and the generator's check both read this.
-WEIGHT_TRANSPORTS = ("shm", "gloo")
+# How a trainer's weights reach its engine servers: shared memory, or a broadcast over a gloo (CPU tensors) or NCCL
+# (GPU to GPU) process group (engines/weight_group.py); the generator's check reads this, the CPU config the first two.
+WEIGHT_TRANSPORTS = ("shm", "gloo", "nccl")
+CPU_WEIGHT_TRANSPORTS = WEIGHT_TRANSPORTS[:2]
 
 
 @dataclass(frozen=True)

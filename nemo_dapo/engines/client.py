@@ -183,6 +183,12 @@ class EngineClient:
         if self._dead is not None:
             raise EngineDied(self._dead)
 
+    def local_host(self) -> str:
+        """This end's IP address on the connection to the engine (127.0.0.1 over a unix socket): where the engine's
+        host reaches this process, e.g. a weight group's rendezvous (weight_group.py)."""
+        name = self._ch.sock.getsockname()
+        return name[0] if isinstance(name, tuple) else "127.0.0.1"
+
     def raise_if_dead(self) -> None:
         """EngineDied when the connection is gone (the server died, was killed, or this client was closed)."""
         self._check()

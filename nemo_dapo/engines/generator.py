@@ -159,8 +159,10 @@ class EngineGenerator:
     eos_id/pad_id: the tokenizer's; stop_token_ids: extra tokens that end a response (kept in it, as EOS is);
     top_k: 0 = off; bucket_bytes: weight-update bucket size; sleep_level: 0 keeps the engine awake while the trainer
     trains, 1 frees its KV cache, 2 its weights too (``sleep`` is called by the loop before the update);
-    weight_transport: ``shm`` (shared memory) or ``gloo`` (a broadcast over a process group: weight_group.py; the
-    group formed at the first update is kept, and formed again after a failed one)."""
+    weight_transport: ``shm`` (shared memory), or ``gloo`` / ``nccl``: a broadcast over a process group of the trainer
+    and the engine's workers (weight_group.py; nccl from the current CUDA device to the engine's GPUs), its rendezvous
+    at the trainer's address on its connection to the engine; the group formed at the first update is kept, and
+    formed again after a failed one."""
 
     def __init__(self, client: EngineClient, *, eos_id: int, pad_id: int, stop_token_ids=(), top_k: int = 0,
                  bucket_bytes: int = 64 << 20, sleep_level: int = 0, weight_transport: str = "shm"):
@@ -254,9 +256,11 @@ class EngineGenerator:
         t0 = time.perf_counter()
         try:
             buckets = weight_buckets(policy, self.bucket_bytes)
-            if self.weight_transport == "gloo":
+            if self.weight_transport != "shm":
                 group, self._group = self._group, None  # dropped unless the update succeeds
-                self.last_update, self._group = update_over_group([self.client], buckets, group=group)
+                self.last_update, self._group = update_over_group(
+                    [self.client], buckets, group=group, host=self.client.local_host(),
+                    backend=self.weight_transport)
             else:
                 self.last_update = self.client.update_weights(buckets)
         except EngineWeightError as e:

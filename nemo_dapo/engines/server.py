@@ -95,6 +95,8 @@ class EngineServer:
         self.name = name or getattr(adapter, "name", "engine")
         self.handshake_timeout_s, self.max_samples_in_flight = handshake_timeout_s, max_samples_in_flight
         self.vocab_size = adapter.info().get("vocab_size")
+        # the NCCL release of an engine whose GPU workers can join an nccl weight group (weight_group.py)
+        self.nccl = WG.nccl_version() if hasattr(adapter, "join_weight_group") else None
         self.inflight: dict = {}  # request id -> its sample count
         self.weights_ok = True
         self.sleeping = False
@@ -228,7 +230,10 @@ class EngineServer:
             raise _BadRequest(f"protocol version mismatch: client speaks {msg.get('version')}, engine server "
                               f"{self.name!r} speaks {P.PROTOCOL_VERSION}; install the same nemo_dapo version in "
                               "the trainer's and the engine's environments")
-        reply = {"version": P.PROTOCOL_VERSION, "engine": self.name, "info": self.adapter.info()}
+        info = self.adapter.info()
+        if self.nccl is not None:
+            info["nccl"] = self.nccl
+        reply = {"version": P.PROTOCOL_VERSION, "engine": self.name, "info": info}
         if msg.get("shm_token") is not None:
             reply["shm_token"] = P.read_token(msg["shm_token"])
         return reply, []

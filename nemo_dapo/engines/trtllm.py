@@ -328,10 +328,12 @@ class TRTLLMEngine:
         return list(self._pending.pop(group).items()) if need <= set(held) else []
 
     # ---- the collective weight transport, received in the Ray workers (trtllm_worker.py) ----------------------------
-    def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
-        """Every worker joins the trainer's weight group (weight_group.py), as ranks ``rank`` onwards."""
+    def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float,
+                          backend: str = "gloo") -> None:
+        """Every worker joins the trainer's weight group (weight_group.py), as ranks ``rank`` onwards; over nccl
+        each on its own GPU."""
         self._check_alive()
-        self._llm._collective_rpc("nemo_dapo_join", args=(host, port, rank, world_size, timeout_s))
+        self._llm._collective_rpc("nemo_dapo_join", args=(host, port, rank, world_size, timeout_s, backend))
 
     def check_weight_specs(self, specs: list) -> None:
         """Names, shapes and dtypes of a broadcast bucket, checked from its specs before the server agrees to receive

@@ -9,8 +9,8 @@ hence the ``nemo_dapo_`` prefix), so ``self`` is the worker: ``self.engine`` the
 its rank in the engine's own world, ``self.device_id`` its GPU. ``LLM._collective_rpc(name, args)`` calls a method
 by name on every worker and returns their answers in rank order.
 
-* ``nemo_dapo_join(host, port, first_rank, world_size, timeout_s)``: the worker joins the trainer's group as rank
-  ``first_rank + global_rank`` (a new group replaces the old one).
+* ``nemo_dapo_join(host, port, first_rank, world_size, timeout_s, backend)``: the worker joins the trainer's group
+  as rank ``first_rank + global_rank`` (a new group replaces the old one); over nccl a bucket lands on its GPU.
 * ``nemo_dapo_receive(specs, size, dtype, ready, skip)``: one broadcast bucket. Tensors named in ``skip`` are
   dropped (a tied ``lm_head``), the others cast to ``dtype`` on the worker's GPU and held; the held ones named in
   ``ready`` are loaded as the release's ``update_weights`` loads a bucket: every module's ``pre_reload_weights`` before
@@ -34,10 +34,13 @@ EXTENSION = "nemo_dapo.engines.trtllm_worker.GroupWorkerExtension"
 FIRST_FLAG = "first_pre_reload_weights"  # the release's marker of an update in progress (rlhf_utils.py)
 
 
-def _join(worker, host: str, port: int, first_rank: int, world_size: int, timeout_s: float) -> None:
+def _join(worker, host: str, port: int, first_rank: int, world_size: int, timeout_s: float,
+          backend: str = "gloo") -> None:
     from nemo_dapo.engines.weight_group import GroupMember
     worker.nemo_dapo_group = None  # a new group replaces the old one
-    worker.nemo_dapo_group = GroupMember(host, port, first_rank + int(worker.global_rank), world_size, timeout_s)
+    device = _device(worker) if backend == "nccl" else None
+    worker.nemo_dapo_group = GroupMember(host, port, first_rank + int(worker.global_rank), world_size, timeout_s,
+                                         backend, device)
 
 
 def _device(worker) -> torch.device:

@@ -63,9 +63,10 @@ def _rpc_group(worker, op: str, args):
     from nemo_dapo.engines.base import EngineWeightError, check_finite
     from nemo_dapo.engines.weight_group import GroupBroken, GroupMember
     if op == "join":
-        host, port, base, world, timeout_s = args
+        host, port, base, world, timeout_s, backend = args
         worker.nemo_dapo_weight_group = None  # a new group replaces the old one
-        worker.nemo_dapo_weight_group = GroupMember(host, port, base + worker.rank, world, timeout_s)
+        device = worker.device if backend == "nccl" else None  # vLLM's GPU worker: cuda:local_rank
+        worker.nemo_dapo_weight_group = GroupMember(host, port, base + worker.rank, world, timeout_s, backend, device)
         return None
     specs, size, dtype, tied = args
     try:
@@ -236,10 +237,12 @@ class VLLMEngine:
         self._reload("load", list(batch.items()))
         self._received.update(batch)
 
-    def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
-        """Every worker joins the trainer's weight group (weight_group.py), as ranks ``rank`` onwards."""
+    def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float,
+                          backend: str = "gloo") -> None:
+        """Every worker joins the trainer's weight group (weight_group.py), as ranks ``rank`` onwards; over nccl
+        each on its own GPU."""
         self._check_alive()
-        self._engine.collective_rpc(_rpc_group, args=("join", (host, port, rank, world_size, timeout_s)))
+        self._engine.collective_rpc(_rpc_group, args=("join", (host, port, rank, world_size, timeout_s, backend)))
 
     def check_weight_specs(self, specs: list) -> None:
         """Names, shapes and dtypes of a broadcast bucket, checked from its specs before the server agrees to receive

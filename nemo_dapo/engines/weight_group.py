@@ -8,7 +8,8 @@ each server where it is (``join_weights``). A bucket travels as one flat uint8 t
 
 Protocol (one reply per command, as every other op; the server blocks in the collective right after its reply):
 
-    join_weights   {address: "tcp://H:P", rank, world_size, group_timeout_s} -> {joining: true}; then it joins
+    join_weights   {address: "tcp://H:P", rank, world_size, group_timeout_s, backend} -> {joining: true}; then it
+                                                                           joins
     update_weights {via: "group", size, tensors: [WeightSpec]}          -> {receiving: n}; then it receives the
                                                                            bucket from rank 0 and loads it
 
@@ -18,10 +19,15 @@ server's next ``update_weights`` / ``update_weights_done`` (its weights are then
 When anything fails part-way the trainer drops the group: the servers still waiting in the broadcast see their peer
 close and fail at once, and the next update forms a new group.
 
-Backend: gloo (CPU tensors). vLLM's and TensorRT-LLM's workers receive the broadcast themselves (engines/vllm.py,
-engines/trtllm_worker.py) and copy it to their GPU; a GPU-to-GPU NCCL broadcast into those same worker methods is
-not built, and ``nccl`` is refused by name.
-``GLOO_SOCKET_IFNAME`` picks the network interface where the default (the host name's address) is the wrong one.
+Backends (``backend`` in ``join_weights``): ``gloo`` moves CPU tensors (the trainer copies each bucket to the CPU,
+the receivers copy it to their GPU); ``nccl`` moves GPU tensors, GPU to GPU, one GPU per rank: the trainer's current
+CUDA device, and each engine worker's own (vLLM's and TensorRT-LLM's workers receive the broadcast themselves:
+engines/vllm.py, engines/trtllm_worker.py; an engine that receives in its server process takes gloo only). Every rank
+must load the same NCCL release (the engine's ``info["nccl"]`` is compared before a group forms). A dead peer ends a
+gloo broadcast at once; an NCCL broadcast is polled, so the trainer names the engine that died instead of waiting out
+NCCL's time-out (the engine's workers of a trainer that died are ended by NCCL's own watchdog after
+``group_timeout_s``; a restarted run forms a new group).
+``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` pick the network interface where the default is the wrong one.
 """
 from __future__ import annotations
 
@@ -40,6 +46,8 @@ PREFIX = "nemo_dapo/weights"
 MAX_WORLD = 4096  # servers of one trainer, plus the trainer
 MAX_BUCKET_BYTES = 16 << 30  # one bucket of a group update (the recipes' buckets are 64-512 MiB)
 TRANSPORTS = engine_registry.WEIGHT_TRANSPORTS  # what a trainer may choose: "shm", or a group's backend
+BACKENDS = tuple(t for t in TRANSPORTS if t != "shm")  # gloo, nccl
+POLL_S = 0.01  # an NCCL broadcast's completion is polled this often, its peers' liveness every second
 
 
 class GroupBroken(EngineError):
@@ -47,13 +55,27 @@ class GroupBroken(EngineError):
 
 
 def check_transport(name: str) -> str:
-    """A weight transport of ``TRANSPORTS``; one that is not built is refused by name."""
-    if name == "nccl":
-        raise ValueError("weight transport 'nccl' is not built (the engines' workers receive the broadcast over "
-                         "gloo and copy it to their GPU); use 'gloo' or shared memory")
+    """A weight transport of ``TRANSPORTS`` (by name only: a cluster config is checked where it cannot run)."""
     if name not in TRANSPORTS:
         raise ValueError(f"weight_transport must be one of {list(TRANSPORTS)}, got {name!r:.40}")
     return name
+
+
+def nccl_problem() -> Optional[str]:
+    """Why this process cannot take part in an NCCL weight group (None: it can)."""
+    if not dist.is_nccl_available():
+        return f"this torch ({torch.__version__}) is built without NCCL"
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible"
+    return None
+
+
+def nccl_version() -> Optional[str]:
+    """This process's NCCL release ("2.21.5"), None without NCCL: every rank of a group must load the same one."""
+    if nccl_problem() is not None:
+        return None
+    v = torch.cuda.nccl.version()
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
 
 
 def _timeout(seconds: float) -> datetime.timedelta:
@@ -71,8 +93,11 @@ def parse_store(address) -> tuple:
 
 
 def check_join(msg: dict) -> tuple:
-    """(host, port, rank, world_size, timeout_s) of a ``join_weights`` message, each checked."""
+    """(host, port, rank, world_size, timeout_s, backend) of a ``join_weights`` message, each checked."""
     host, port = parse_store(msg.get("address"))
+    backend = msg.get("backend", "gloo")
+    if backend not in BACKENDS:
+        raise P.ProtocolError(f"join_weights: backend must be one of {list(BACKENDS)}, got {backend!r:.40}")
     rank, world, timeout_s = msg.get("rank"), msg.get("world_size"), msg.get("group_timeout_s", 300)
     if type(world) is not int or not 2 <= world <= MAX_WORLD:
         raise P.ProtocolError(f"join_weights: world_size must be an int in [2, {MAX_WORLD}], got {world!r:.40}")
@@ -80,7 +105,7 @@ def check_join(msg: dict) -> tuple:
         raise P.ProtocolError(f"join_weights: rank must be an int in [1, world_size), got {rank!r:.40}")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 3600:
         raise P.ProtocolError(f"join_weights: group_timeout_s must be a number in (0, 3600], got {timeout_s!r:.40}")
-    return host, port, rank, world, float(timeout_s)
+    return host, port, rank, world, float(timeout_s), backend
 
 
 def check_bucket(specs, size) -> int:
@@ -98,21 +123,82 @@ def check_bucket(specs, size) -> int:
 
 
 def _views(flat: torch.Tensor, specs: Sequence[dict]) -> list:
-    """[(name, view into ``flat``)]: the shared-memory block's views, over a uint8 tensor instead."""
-    buf = flat.numpy()
-    return [(spec["name"], P.spec_view(buf, spec)) for spec in specs]
+    """[(name, view into ``flat``)]: the shared-memory block's layout over a uint8 tensor, on its device (the
+    offsets are 64-byte aligned, so every view's start suits its dtype)."""
+    out = []
+    for spec in specs:
+        dtype, shape, start = P.dtype_of(spec["dtype"]), tuple(spec["shape"]), int(spec["offset"])
+        end = start + P.nbytes(dtype, shape)
+        out.append((spec["name"], flat[start:end].view(dtype).view(shape)))
+    return out
+
+
+def _process_group(backend: str, store, rank: int, world_size: int, timeout_s: float):
+    """The group's own process group (never the trainer's world). NCCL: every rank's current CUDA device."""
+    prefixed = dist.PrefixStore(PREFIX, store)
+    if backend == "nccl":
+        problem = nccl_problem()
+        if problem is not None:
+            raise RuntimeError(f"an nccl weight group needs CUDA and NCCL: {problem}; use gloo")
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size, _timeout(timeout_s))
+    return dist.ProcessGroupGloo(prefixed, rank, world_size, _timeout(timeout_s))
+
+
+def nccl_api_problems() -> list:
+    """What this torch lacks of the NCCL API the group calls (read from torch 2.4.0's and 2.9's bindings):
+    ``ProcessGroupNCCL(store, rank, size, timeout: timedelta)``, ``broadcast(tensor, root)`` and a non-blocking
+    ``Work.is_completed``. The images run it at build time (``python -m nemo_dapo.engines.weight_group``)."""
+    if not dist.is_nccl_available():
+        return [f"torch {torch.__version__} is built without NCCL"]
+    problems = []
+    doc = dist.ProcessGroupNCCL.__init__.__doc__ or ""
+    if "timeout: datetime.timedelta" not in doc:
+        problems.append("ProcessGroupNCCL has no (store, rank, size, timeout: timedelta) constructor")
+    if "tensor: torch.Tensor, root" not in (dist.ProcessGroupNCCL.broadcast.__doc__ or ""):
+        problems.append("ProcessGroupNCCL has no broadcast(tensor, root)")
+    if not hasattr(dist.Work, "is_completed"):
+        problems.append("torch.distributed.Work has no is_completed()")
+    return problems
+
+
+def _device(backend: str, device=None) -> torch.device:
+    if backend == "gloo":
+        return torch.device("cpu")
+    return torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def _await(work, backend: str, timeout_s: float, check=None) -> None:
+    """Wait for one broadcast. gloo returns or raises (a peer closed, the time-out); an NCCL wait would only order
+    the CUDA stream, so its completion is polled, ``check()`` (raises for a dead peer) every second, and the
+    time-out raised here rather than left to NCCL's watchdog."""
+    if backend == "gloo":
+        work.wait()
+        return
+    deadline, next_check = time.monotonic() + timeout_s, time.monotonic() + 1.0
+    while not work.is_completed():
+        now = time.monotonic()
+        if now > deadline:
+            raise RuntimeError(f"the nccl broadcast did not complete within {timeout_s:.0f} s")
+        if check is not None and now > next_check:
+            check()
+            next_check = now + 1.0
+        time.sleep(POLL_S)
+    work.wait()  # raises a failure NCCL recorded
 
 
 class WeightGroup:
     """Trainer side, rank 0: hosts the rendezvous at ``host`` (an address the engine nodes reach) on a free port.
 
     ``connect`` blocks until all ``receivers`` ranks (engine servers, or their workers) have joined (after their
-    ``join_weights``) or ``timeout_s``."""
+    ``join_weights``) or ``timeout_s``. ``backend``: gloo, or nccl from ``device`` (None: the current CUDA device)."""
 
-    def __init__(self, host: str, receivers: int, *, timeout_s: float = 300.0):
+    def __init__(self, host: str, receivers: int, *, timeout_s: float = 300.0, backend: str = "gloo", device=None):
         if not 1 <= receivers < MAX_WORLD:
             raise ValueError(f"a weight group has 1..{MAX_WORLD - 1} receiving ranks, got {receivers}")
-        self.world_size, self.timeout_s = receivers + 1, float(timeout_s)
+        if backend not in BACKENDS:
+            raise ValueError(f"a weight group's backend is one of {list(BACKENDS)}, got {backend!r:.40}")
+        self.world_size, self.timeout_s, self.backend = receivers + 1, float(timeout_s), backend
+        self.device = None if backend == "gloo" else device  # None: the current CUDA device at each broadcast
         self._store = dist.TCPStore(host, 0, self.world_size, True, timeout=_timeout(timeout_s),
                                     wait_for_workers=False)
         self.address = f"tcp://{host}:{self._store.port}"
@@ -120,18 +206,18 @@ class WeightGroup:
 
     def join_message(self, rank: int) -> dict:
         return {"address": self.address, "rank": rank, "world_size": self.world_size,
-                "group_timeout_s": self.timeout_s}
+                "group_timeout_s": self.timeout_s, "backend": self.backend}
 
     def connect(self) -> None:
-        self._pg = dist.ProcessGroupGloo(dist.PrefixStore(PREFIX, self._store), 0, self.world_size,
-                                         _timeout(self.timeout_s))
+        self._pg = _process_group(self.backend, self._store, 0, self.world_size, self.timeout_s)
 
-    def broadcast(self, bucket: list, specs: list, size: int) -> None:
-        """Send one bucket of (name, tensor) pairs, laid out by ``protocol.weight_layout``."""
-        flat = torch.empty(size, dtype=torch.uint8)
+    def broadcast(self, bucket: list, specs: list, size: int, check=None) -> None:
+        """Send one bucket of (name, tensor) pairs, laid out by ``protocol.weight_layout``. ``check()``: raises
+        when a receiver died (polled during an NCCL broadcast)."""
+        flat = torch.empty(size, dtype=torch.uint8, device=_device(self.backend, self.device))
         for (_, view), (_, t) in zip(_views(flat, specs), bucket):
-            view.copy_(t.detach().reshape(view.shape).to("cpu"))
-        self._pg.broadcast(flat, 0).wait()
+            view.copy_(t.detach().reshape(view.shape))
+        _await(self._pg.broadcast(flat, 0), self.backend, self.timeout_s, check)
 
     def close(self) -> None:
         """Drop the group and its rendezvous; a server still waiting in a broadcast fails as its peer closes."""
@@ -139,18 +225,23 @@ class WeightGroup:
 
 
 class GroupMember:
-    """Engine-server side, rank >= 1 of the trainer's group (blocks in the constructor until every rank joined)."""
+    """Engine side, rank >= 1 of the trainer's group (blocks in the constructor until every rank joined).
+    ``device``: where an nccl bucket lands (the worker's GPU; None: the current CUDA device)."""
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float):
+    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float, backend: str = "gloo",
+                 device=None):
+        self.backend, self.timeout_s, self.device = backend, float(timeout_s), _device(backend, device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # NCCL binds a rank to the current device
         store = dist.TCPStore(host, port, world_size, False, timeout=_timeout(timeout_s))
-        self._pg = dist.ProcessGroupGloo(dist.PrefixStore(PREFIX, store), rank, world_size, _timeout(timeout_s))
+        self._pg = _process_group(backend, store, rank, world_size, timeout_s)
 
     def receive(self, specs: list, size: int) -> list:
-        """[(name, tensor)] of one bucket broadcast by rank 0 (views of one fresh buffer); GroupBroken when the
-        broadcast fails (a peer closed, or the time-out)."""
-        flat = torch.empty(size, dtype=torch.uint8)
+        """[(name, tensor)] of one bucket broadcast by rank 0 (views of one fresh buffer on ``device``);
+        GroupBroken when the broadcast fails (a peer closed, or the time-out)."""
+        flat = torch.empty(size, dtype=torch.uint8, device=self.device)
         try:
-            self._pg.broadcast(flat, 0).wait()
+            _await(self._pg.broadcast(flat, 0), self.backend, self.timeout_s)
         except RuntimeError as e:
             raise GroupBroken(f"{type(e).__name__}: {e}") from None
         return _views(flat, specs)
@@ -165,9 +256,9 @@ class _AdapterMember:
     server process. The adapter checks a bucket from its specs before the server replies, and once it replies its
     workers always read the whole broadcast: a rank that skipped one would read the next bucket's bytes as this."""
 
-    def __init__(self, adapter, host: str, port: int, rank: int, world_size: int, timeout_s: float):
+    def __init__(self, adapter, host: str, port: int, rank: int, world_size: int, timeout_s: float, backend: str):
         self.adapter = adapter
-        adapter.join_weight_group(host, port, rank, world_size, timeout_s)
+        adapter.join_weight_group(host, port, rank, world_size, timeout_s, backend)
 
     def receive_and_load(self, specs: list, size: int, load) -> None:
         self.adapter.receive_weights(specs, size)
@@ -187,19 +278,22 @@ class ServerSide:
 
     def join_later(self, msg: dict):
         """Check a ``join_weights`` message; returns what joins, to be run after the reply."""
-        host, port, rank, world, timeout_s = check_join(msg)
+        host, port, rank, world, timeout_s, backend = check_join(msg)
+        in_workers = hasattr(self.adapter, "join_weight_group")
+        if backend == "nccl" and not in_workers:
+            raise P.ProtocolError("join_weights: this engine receives weights in its server process, on the CPU: "
+                                  "nccl needs an engine whose GPU workers receive (vllm, trtllm); use gloo")
         self.member, self.state = None, "joining"
         self.failed = None  # a new group starts a new update: the trainer knew of the old one's failure
-
-        in_workers = hasattr(self.adapter, "join_weight_group")
         if in_workers:  # an engine that cannot take weights says so now, not by a join the trainer waits out
             self.adapter.check_weight_specs([])
 
         def join():
             try:
-                self.member = (_AdapterMember(self.adapter, host, port, rank, world, timeout_s) if in_workers
+                self.member = (_AdapterMember(self.adapter, host, port, rank, world, timeout_s, backend) if in_workers
                                else GroupMember(host, port, rank, world, timeout_s))
-                self.state = "joined" + (" (in the engine's workers)" if in_workers else "")
+                self.state = "joined" + (" (in the engine's workers)" if in_workers else "") + (
+                    " over nccl" if backend == "nccl" else "")
             except Exception as e:  # noqa: BLE001 - reported through health and the next update
                 self.state = f"failed to join {msg['address']} as rank {rank}: {type(e).__name__}: {e}"
         return join
@@ -234,23 +328,28 @@ class ServerSide:
 
 # ---- trainer side: one update to many servers ---------------------------------------------------------------------
 def update_over_group(clients: Sequence, buckets, *, host: str = "127.0.0.1", timeout_s: float = 300.0,
-                      group: Optional[WeightGroup] = None) -> tuple:
+                      group: Optional[WeightGroup] = None, backend: str = "gloo") -> tuple:
     """Broadcast every (name, tensor) bucket to ``clients`` (EngineClient), then ``update_weights_done`` each.
 
-    ``group``: a joined group from an earlier update (None: form one). Returns (stats, the group to reuse). A server
-    that dies or refuses raises EngineError / EngineWeightError, after the group was dropped."""
+    ``group``: a joined group from an earlier update (None: form one over ``backend``, its rendezvous on ``host``).
+    Returns (stats, the group to reuse). A server that dies or refuses raises EngineError / EngineWeightError, after
+    the group was dropped."""
     stats = {"buckets": 0, "tensors": 0, "bytes": 0, "seconds": 0.0, "transport": "group"}
     t0 = time.perf_counter()
+
+    def alive():
+        for c in clients:
+            c.raise_if_dead()
     try:
         if group is None:
-            group = _form(clients, host, timeout_s)
+            group = _form(clients, host, timeout_s, backend)
         for bucket in buckets:
             bucket = list(bucket)
             specs, size = P.weight_layout(bucket)
             cmds = [c.send("update_weights", via="group", size=size, tensors=specs) for c in clients]
             for c, k in zip(clients, cmds):
                 c.reply(k, "update_weights")
-            _collective(clients, lambda: group.broadcast(bucket, specs, size))
+            _collective(clients, lambda: group.broadcast(bucket, specs, size, check=alive))
             stats["buckets"] += 1
             stats["tensors"] += len(specs)
             stats["bytes"] += size
@@ -264,11 +363,13 @@ def update_over_group(clients: Sequence, buckets, *, host: str = "127.0.0.1", ti
     return stats, group
 
 
-def _form(clients: Sequence, host: str, timeout_s: float) -> WeightGroup:
+def _form(clients: Sequence, host: str, timeout_s: float, backend: str = "gloo") -> WeightGroup:
     """A new group: server k gets ``info["weight_group_ranks"]`` ranks (one per engine worker that receives; 1 when
     the server receives itself) from the first rank after server k-1's."""
+    if backend == "nccl":
+        check_nccl_peers(clients)
     ranks = [int(c.info.get("weight_group_ranks", 1)) for c in clients]
-    group = WeightGroup(host, sum(ranks), timeout_s=timeout_s)
+    group = WeightGroup(host, sum(ranks), timeout_s=timeout_s, backend=backend)
     firsts = [1 + sum(ranks[:k]) for k in range(len(clients))]
     try:
         for k, c in [(c.send("join_weights", **group.join_message(r)), c) for r, c in zip(firsts, clients)]:
@@ -280,14 +381,34 @@ def _form(clients: Sequence, host: str, timeout_s: float) -> WeightGroup:
     return group
 
 
+def check_nccl_peers(clients: Sequence) -> None:
+    """Before an nccl group forms: this process can join one, and every engine reports this process's NCCL
+    release (``info["nccl"]``); otherwise an EngineError names the engine and what to change, before anyone blocks."""
+    problem, mine = nccl_problem(), nccl_version()
+    if problem is not None:
+        raise EngineError(f"weight_transport nccl: this trainer cannot join an NCCL group ({problem}); use gloo")
+    for c in clients:
+        theirs = c.info.get("nccl")
+        if theirs != mine:
+            raise EngineError(f"weight_transport nccl: engine {c.name!r} has NCCL {theirs or 'none'}, this trainer "
+                              f"{mine}: every rank of the group must load the same NCCL release (the engine image "
+                              "and the trainer's), or use gloo")
+
+
 def _collective(clients: Sequence, fn, joining: bool = False) -> None:
     """Run a collective; a failure is named after the engine that died, or after the servers' own account."""
     try:
         fn()
-    except RuntimeError as e:  # gloo: a peer that closed, or the time-out
+    except RuntimeError as e:  # a peer that closed (gloo), the time-out
         time.sleep(0.2)  # a dead server's socket closes a moment after its process ends
         for c in clients:
             c.raise_if_dead()
         states = "; ".join(f"{c.name}: {c.health().get('weight_group', '?')}" for c in clients)
         what = "forming the weight group" if joining else "the weight broadcast"
         raise EngineError(f"{what} failed ({e}); the engine servers say: {states}") from None
+
+
+if __name__ == "__main__":  # the images' build-time check of the NCCL API above
+    found = nccl_api_problems()
+    print("\n".join(found) or f"torch {torch.__version__}: the NCCL weight group's API is present")
+    raise SystemExit(1 if found else 0)

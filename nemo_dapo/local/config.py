@@ -220,7 +220,7 @@ CHOICES = {
     "rollout.on_filler_full": ("abort", "finish", "suspend"),
     "rollout.fill_order": ("finish", "prompt"),
     "rollout.server.sleep_level": (0, 1, 2),
-    "rollout.server.weight_transport": engine_registry.WEIGHT_TRANSPORTS,
+    "rollout.server.weight_transport": engine_registry.CPU_WEIGHT_TRANSPORTS,
 }
 
 

@@ -11,9 +11,10 @@ import torch
 from nemo_dapo.engines import protocol as P
 from nemo_dapo.engines import weight_group as WG
 from nemo_dapo.engines.base import EngineError, EngineWeightError, Request
-from nemo_dapo.engines.client import EngineDied
+from nemo_dapo.engines.client import EngineClient, EngineDied, EngineProcess
 from nemo_dapo.engines.generator import EngineGenerator
-from tests.engines.test_protocol import expected, start
+from tests.engines.test_protocol import ENV, TOY, expected, start
+from tests.support.dist import free_port
 
 
 @pytest.fixture
@@ -104,6 +105,9 @@ def test_a_server_killed_mid_transfer_raises_engine_died_and_the_other_stays_usa
     ({"address": "tcp://127.0.0.1:5", "rank": 1, "world_size": 10 ** 9}, "world_size must be"),
     ({"address": "tcp://127.0.0.1:5", "rank": 1, "world_size": 2, "group_timeout_s": "soon"},
      "group_timeout_s must be"),
+    ({"address": "tcp://127.0.0.1:5", "rank": 1, "world_size": 2, "backend": "mpi"}, "backend must be one of"),
+    # this engine receives in its server process, on the CPU
+    ({"address": "tcp://127.0.0.1:5", "rank": 1, "world_size": 2, "backend": "nccl"}, "nccl needs an engine whose"),
 ])
 def test_a_bad_join_is_refused_by_name_and_the_server_serves_on(two, fields, message):
     client = two[0][1]
@@ -135,8 +139,24 @@ def test_a_bucket_past_its_size_or_too_large_is_refused_before_anything_blocks(t
     assert stats["buckets"] == 1
 
 
-def test_nccl_is_refused_by_name_where_a_trainer_chooses_its_transport():
-    with pytest.raises(ValueError, match="'nccl' is not built"):
-        EngineGenerator(None, eos_id=2, pad_id=0, weight_transport="nccl")
+def test_a_trainer_chooses_a_transport_by_name():
+    assert EngineGenerator(None, eos_id=2, pad_id=0, weight_transport="nccl").weight_transport == "nccl"
     with pytest.raises(ValueError, match="must be one of"):
         EngineGenerator(None, eos_id=2, pad_id=0, weight_transport="pigeon")
+
+
+def test_the_rendezvous_is_the_trainers_end_of_its_engine_connection(two, tmp_path):
+    """The generator hosts the group at ``client.local_host()``: the address the engine's host reaches it at."""
+    assert two[0][1].local_host() == "127.0.0.1"  # a unix socket
+    proc = EngineProcess(engine=TOY, model_dir="-", address=f"tcp://127.0.0.1:{free_port()}",
+                         log_path=str(tmp_path / "tcp.log"), env=ENV)
+    client = EngineClient(proc.address, name="tcp", connect_timeout_s=60, request_timeout_s=20, process=proc)
+    try:
+        host = client.local_host()
+        assert host == client._ch.sock.getsockname()[0] == "127.0.0.1"
+        stats, group = WG.update_over_group([client], [[("w", torch.ones(4))]], host=host)
+        assert group.address.startswith(f"tcp://{host}:") and stats["buckets"] == 1
+        req = Request(id="t", prompt_ids=[5], max_new_tokens=4, seed=2)
+        assert first_tokens(client, req) == expected(req, 0, offset=4)
+    finally:
+        proc.stop(client if client.alive else None)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device checks for one CUDA GPU: core (fused log-probs, loss), megatron (vocab-parallel, conversion parity,
-# reduction, policy) and the local backend. From the repository root:
+# reduction, policy) and the local backend (with two GPUs also the NCCL weight group). From the repository root:
 #
 #     bash tests/gpu/run_device_checks.sh            # logs go to $OUT (default /tmp/gpu_checks)
 #
@@ -63,7 +63,7 @@ versions "$PINNED"
 
 # megatron last: its NCCL world and parallel state are process-wide, and a stuck NCCL start costs only its own checks
 PYTHONPATH=$PINNED timeout 300 python3 -m pytest tests/gpu/test_core_cuda.py tests/gpu/test_local_cuda.py \
-    tests/gpu/test_megatron_cuda.py -q -s -p no:cacheprovider 2>&1 | tee -a "$LOG"
+    tests/gpu/test_weight_group_nccl.py tests/gpu/test_megatron_cuda.py -q -s -p no:cacheprovider 2>&1 | tee -a "$LOG"
 rc=$?
 note "== pass 1 exit status $rc"
 

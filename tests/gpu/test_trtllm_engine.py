@@ -9,7 +9,8 @@ and streamed by ``refit_hf.hf_weight_buckets`` in bf16 buckets, exactly the trai
   * the installed tensorrt_llm matches the recorded release (nemo_dapo.engines.trtllm_check, as the image build does);
   * engine log-probs of the sampled tokens (temperature 1: processed == raw) match the torch HF model built from the
     perturbed Megatron weights (``convert.megatron_to_hf``): max |diff| < 0.05 nats (bf16 engine, fp32 reference);
-  * the same through the collective weight transport (gloo, received in the Ray workers by our extension);
+  * the same through the collective weight transport (gloo, received in the Ray workers by our extension; and nccl
+    from a second GPU, GPU to GPU, where the machine has two: NCCL refuses two ranks on one GPU);
   * in-flight throughput beats static waves (same requests; a wave waits for its longest member) by >= 1.2x.
 The refit check needs megatron-core in the container (``pip install --no-deps megatron-core==0.10.0``); without it
 it skips with that reason and the throughput check still runs.
@@ -126,21 +127,33 @@ def test_refit_from_megatron_then_logprobs_match(served):
     assert worst < TOL
 
 
-def test_the_weight_group_loads_in_the_workers_what_the_reference_holds(served):
-    """The collective weight transport (gloo) into the Ray workers through our extension of the RL hook: the HF
-    model's weights, perturbed, in two buckets that cut the fused q/k/v; engine log-probs match a torch model
-    holding the same bf16 weights, as after the shared-memory refit above."""
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_the_weight_group_loads_in_the_workers_what_the_reference_holds(served, backend):
+    """The collective weight transport into the Ray workers through our extension of the RL hook: the HF model's
+    weights, perturbed, in two buckets that cut the fused q/k/v; engine log-probs match a torch model holding the
+    same bf16 weights, as after the shared-memory refit above. nccl: sent from the last GPU (the engine is on 0)."""
     from transformers import Qwen2ForCausalLM
     from nemo_dapo.engines import weight_group as WG
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        pytest.skip("nccl needs a second GPU for the trainer's rank (NCCL refuses two ranks on one GPU)")
     model, client = served
     assert client.info["weight_group_ranks"] == 1
     torch.manual_seed(1)
     state = {k: (v + 0.02 * torch.randn_like(v)).to(torch.bfloat16) for k, v in model.state_dict().items()}
     names = sorted(state)
     half = len(names) // 2
-    stats, group = WG.update_over_group([client], [[(n, state[n]) for n in names[:half]],
-                                                   [(n, state[n]) for n in names[half:]]], timeout_s=300)
-    assert client.health()["weight_group"] == "joined (in the engine's workers)" and stats["tensors"] == len(names)
+    if backend == "nccl":
+        assert client.info["nccl"] == WG.nccl_version()
+        torch.cuda.set_device(torch.cuda.device_count() - 1)
+        sent = {k: v.cuda() for k, v in state.items()}
+    else:
+        sent = state
+    stats, group = WG.update_over_group([client], [[(n, sent[n]) for n in names[:half]],
+                                                   [(n, sent[n]) for n in names[half:]]], timeout_s=300,
+                                        backend=backend)
+    suffix = " over nccl" if backend == "nccl" else ""
+    assert client.health()["weight_group"] == "joined (in the engine's workers)" + suffix
+    assert stats["tensors"] == len(names)
     ref = Qwen2ForCausalLM(model.config)
     ref.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     ref = ref.float().eval()
