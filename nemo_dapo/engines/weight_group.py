@@ -119,6 +119,9 @@ def check_bucket(specs, size) -> int:
             raise P.ProtocolError(f"a weight spec must be an object with a string name, got {spec!r:.80}")
         if not P.spec_fits(spec, size):
             raise P.ProtocolError(f"weight {spec['name']!r} ends past the {size}-byte bucket")
+        if spec["offset"] % P.nbytes(P.dtype_of(spec["dtype"]), []):  # a view of the bucket starts on an element
+            raise P.ProtocolError(f"weight {spec['name']!r}: offset {spec['offset']} is not aligned to its "
+                                  f"{spec['dtype']} elements (protocol.weight_layout aligns every offset to 64 bytes)")
     return size
 
 

@@ -132,7 +132,8 @@ def test_a_bucket_past_its_size_or_too_large_is_refused_before_anything_blocks(t
     client = clients[0]
     spec = {"name": "w", "dtype": "float32", "shape": [4], "offset": 0}
     for size, tensors, message in ((8, [spec], "ends past"), (WG.MAX_BUCKET_BYTES + 1, [spec], "size must be"),
-                                   (16, [{**spec, "shape": ["4"]}], "shape must be"), (16, "w", "a list")):
+                                   (16, [{**spec, "shape": ["4"]}], "shape must be"), (16, "w", "a list"),
+                                   (24, [{**spec, "offset": 2}], "not aligned")):
         with pytest.raises(EngineError, match=message):
             client.call("update_weights", via="group", size=size, tensors=tensors)
     stats, _ = WG.update_over_group(clients, [[("w", torch.zeros(4))]], group=group)  # still joined, still serving
