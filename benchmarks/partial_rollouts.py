@@ -7,7 +7,8 @@ run's counters it takes
 
   discarded fraction       tokens generated and thrown away (abort: the aborted requests; suspend: partial work
                            dropped past max_staleness, plus what is still suspended when the run ends) / generated
-  tokens per trained resp. generated tokens / trained responses
+  tokens per trained resp. generated tokens / trained responses, and where they went: trained, discarded, and the
+                           rest (groups dynamic sampling filtered out, the surplus left when the run ends)
   never trained            1 - trained tokens / generated tokens (also the groups dynamic sampling filters out and
                            the surplus left when the run ends: the same for both policies up to the surplus)
   held-out accuracy        summary.json's final_accuracy (eval.n_samples samples per problem)
@@ -80,12 +81,15 @@ def run_once(out: str, policy: str, seed: int, args) -> dict:
     discarded = last["counters/aborted_tokens"] + last.get("partial/stale_tokens", 0.0) + \
         last.get("partial/suspended_tokens", 0.0)
     steps = [r for r in rows if "timing/step_s" in r]
+    trained_tokens = last["counters/trained_tokens"]
     return dict(policy=policy, seed=seed, generated_tokens=generated, trained_responses=trained,
+                trained_tokens_per_trained=trained_tokens / trained, discarded_per_trained=discarded / trained,
+                filtered_per_trained=(generated - trained_tokens - discarded) / trained,
                 rl_seconds=sum(r["timing/step_s"] for r in steps),
                 s_per_1k_trained=1000 * sum(r["timing/step_s"] for r in steps) / trained,
                 to_filled_s=statistics.median(r["timing/to_last_needed_s"] for r in steps),
                 discarded_frac=discarded / generated, tokens_per_trained=generated / trained,
-                untrained_frac=1.0 - last["counters/trained_tokens"] / generated,
+                untrained_frac=1.0 - trained_tokens / generated,
                 engine_idle_frac=sum(r.get("timing/engine_idle_s", 0.0) for r in steps) / sum(
                     r["timing/step_s"] for r in steps),
                 trained_lag_mean=statistics.mean(r.get("partial/trained_lag_mean", 0.0) for r in steps),
@@ -134,17 +138,24 @@ def main() -> int:
                   flush=True)
     med = {pol: {k: statistics.median(r[k] for r in results if r["policy"] == pol)
                  for k in ("discarded_frac", "tokens_per_trained", "accuracy", "rl_seconds", "to_filled_s",
-                           "s_per_1k_trained", "engine_idle_frac", "trained_lag_mean")}
+                           "s_per_1k_trained", "engine_idle_frac", "trained_lag_mean", "trained_tokens_per_trained",
+                           "discarded_per_trained", "filtered_per_trained")}
            for pol in policies}
     acc = {pol: [r["accuracy"] for r in results if r["policy"] == pol] for pol in policies}
     for pol, m in med.items():
         spread = (max(acc[pol]) - min(acc[pol])) if acc[pol] else 0.0
         print(f"median {pol:8s}: discarded {m['discarded_frac']:.3f} | tokens/trained response "
-              f"{m['tokens_per_trained']:.2f} | held-out {m['accuracy']:.3f} (seed range {spread:.3f})")
+              f"{m['tokens_per_trained']:.2f} (trained {m['trained_tokens_per_trained']:.2f}, discarded "
+              f"{m['discarded_per_trained']:.2f}, filtered or left {m['filtered_per_trained']:.2f}) | held-out "
+              f"{m['accuracy']:.3f} (seed range {spread:.3f})")
     (name_a, a), (name_b, b) = med.items()
+    # the same seed starts both policies from the same state: the per-seed ratio pairs them
+    by_seed = {(r["policy"], r["seed"]): r["tokens_per_trained"] for r in results}
+    paired = statistics.median(by_seed[name_b, s] / by_seed[name_a, s] for s in range(1, args.seeds + 1))
     print(f"RESULT compare={args.compare} seeds={args.seeds} responses={args.max_samples} engine={args.engine} "
           f"discarded_{name_a}={a['discarded_frac']:.3f} discarded_{name_b}={b['discarded_frac']:.3f} "
           f"tokens_per_trained_ratio={b['tokens_per_trained'] / a['tokens_per_trained']:.3f} "
+          f"tokens_per_trained_ratio_paired={paired:.3f} "
           f"rl_time_ratio={b['rl_seconds'] / a['rl_seconds']:.3f} "
           f"s_per_1k_trained_{name_a}={a['s_per_1k_trained']:.1f} "
           f"s_per_1k_trained_{name_b}={b['s_per_1k_trained']:.1f} "
