@@ -13,6 +13,13 @@ a time) and sends it the weights. Its address is ``engine_server.address`` (or `
 ``node``, ``local`` (= i), ``port`` (= base_port + i) and ``rank`` (the owner's global rank); the launcher starts the
 servers with the same template. Weights travel through node-local shared memory, so owner and server share a node.
 
+``engine_server.placement: separate`` puts the engines on GPUs of their own instead (``containers/dapo.sbatch``
+``ENGINE_NODES``): one engine per data-parallel replica, owned by the replica's first rank (the lowest global rank
+of its model-parallel group), at entry ``d`` of a comma-separated ``address`` list or the template formatted with
+``engine`` (= d, the replica's data-parallel rank), ``port`` (= base_port + d) and ``rank``. Weights then travel by
+``engine_server.weight_transport`` gloo or nccl (engines/weight_group.py), from the owner to the engine's workers;
+the engines never share a GPU with training, so they need not sleep (``sleep_level`` 0).
+
 Generation. The ranks of one model-parallel (TP x PP) group hold the same prompts (one data-parallel replica). The
 owners inside the group split its rows in order (owner j of k takes rows [j B / k, (j + 1) B / k)), and each owner
 in turn broadcasts its part to the group (tensors of a broadcast size, :func:`broadcast_generation`), so every rank
@@ -438,7 +445,24 @@ class _Counting:
 # the keys of trainer.dapo.engine_server this module reads (the engine options are the servers')
 SERVER_KEYS = ("hf_model_dir", "tensor_parallel_size", "pipeline_parallel_size", "address", "address_env",
                "base_port", "authkey_env", "connect_timeout_s", "request_timeout_s", "bucket_mb", "dtype",
-               "sleep_level")
+               "sleep_level", "placement", "weight_transport")
+
+
+def separate_address(template: str, engine: int, engines: int, base_port: int, owner: int) -> str:
+    """The address of engine ``engine`` (of ``engines``, one per data-parallel replica) in the separate placement:
+    entry ``engine`` of a comma-separated list of ``engines`` addresses, or ``template`` formatted with ``engine``,
+    ``port`` (= base_port + engine) and ``rank`` (the owner's global rank)."""
+    if "," in template:
+        listed = [a.strip() for a in template.split(",")]
+        if len(listed) != engines:
+            raise ValueError(f"engine_server.address lists {len(listed)} engine servers, but the separate placement "
+                             f"has one per data-parallel replica: {engines}; list {engines} addresses")
+        return listed[engine]
+    try:
+        return template.format(engine=engine, port=base_port + engine, rank=owner)
+    except (KeyError, IndexError) as e:
+        raise ValueError(f"engine_server.address {template!r}: unknown field {e} for placement separate; use "
+                         "{engine}, {port}, {rank}, or list one address per engine, comma-separated") from None
 
 
 def server_settings(cfg) -> dict:
@@ -465,7 +489,11 @@ def build_engine_generator(actor, cfg, *, hf_config=None, world: Optional[int] =
     layout = EngineLayout(world=world, gpus_per_node=srv["gpus_per_node"],
                           engine_gpus=int(srv["tensor_parallel_size"]) * int(srv["pipeline_parallel_size"]))
     mp_group = mcore_ps.get_model_parallel_group()
-    owners = owners_in_group(layout, dist.get_process_group_ranks(mp_group))
+    separate = srv["placement"] == "separate"
+    if separate:  # one engine per data-parallel replica, on GPUs of its own; the replica's first rank owns it
+        owners = [min(dist.get_process_group_ranks(mp_group))]
+    else:
+        owners = owners_in_group(layout, dist.get_process_group_ranks(mp_group))
     missing = torch.tensor([0.0 if owners else 1.0], device=collective_device())
     dist.all_reduce(missing, op=dist.ReduceOp.MAX)  # every rank stops, not only those of the unserved group
     if float(missing.item()) > 0:
@@ -483,9 +511,14 @@ def build_engine_generator(actor, cfg, *, hf_config=None, world: Optional[int] =
         hf_config = AutoConfig.from_pretrained(srv["hf_model_dir"])
     actor.valid_vocab = int(hf_config.vocab_size)  # the HF-shaped engine has no vocabulary-padding rows
     engine = None
-    if layout.is_owner(rank):
+    owns = rank in owners if separate else layout.is_owner(rank)
+    if owns:
         template = os.environ.get(srv["address_env"]) or srv["address"]
-        address = layout.address(rank, template, int(srv["base_port"]))
+        if separate:
+            address = separate_address(template, mcore_ps.get_data_parallel_rank(),
+                                       mcore_ps.get_data_parallel_world_size(), int(srv["base_port"]), rank)
+        else:
+            address = layout.address(rank, template, int(srv["base_port"]))
         authkey = os.environ.get(srv["authkey_env"], "").encode() or None
         client = EngineClient(address, authkey=authkey, name=f"{engine_name}@{address}",
                               connect_timeout_s=float(srv["connect_timeout_s"]),
@@ -494,7 +527,8 @@ def build_engine_generator(actor, cfg, *, hf_config=None, world: Optional[int] =
         tok = actor.tokenizer
         top_k = int(required(actor.cfg, "dapo.sampling_params.top_k", "model"))
         engine = EngineGenerator(client, eos_id=tok.eos_id, pad_id=tok.eos_id, top_k=top_k,
-                                 bucket_bytes=int(srv["bucket_mb"]) << 20, sleep_level=int(srv["sleep_level"]))
+                                 bucket_bytes=int(srv["bucket_mb"]) << 20, sleep_level=int(srv["sleep_level"]),
+                                 weight_transport=srv["weight_transport"])
     dtype = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[srv["dtype"]]
     offload = training_state_offload(actor) if offload_enabled(actor.cfg) else None
     gen = AlignerEngineGenerator(actor, engine, owners=owners, mp_group=mp_group, hf_config=hf_config, dtype=dtype,

@@ -10,6 +10,7 @@ from ``plan.arch.*`` (what the recipe declares for ``nemo-dapo plan``).
 from __future__ import annotations
 
 import functools
+import string
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
@@ -26,6 +27,7 @@ VERIFIERS = ("dapo", "tolerant", "math_verify")  # the CPU path's reward.verifie
 DATA_FORMATS = ("dapo_math", "verl", "aime2024", "aime2025", "math500", "gsm8k")  # nemo_dapo.data.readers.READERS
 DISTRIBUTED_OPTIMIZERS = ("distributed_fused_adam", "mcore_distributed_optim")
 ENGINE_SLEEP_LEVELS = (0, 1, 2)  # trainer.dapo.engine_server.sleep_level
+ENGINE_PLACEMENTS = ("colocated", "separate")  # trainer.dapo.engine_server.placement
 ROLLOUT_MODES = ("abort", "suspend")  # trainer.dapo.rollout.on_filler_full (aligner/trainer.rollout_mode)
 OFFLOAD_TRAINING_STATE = "model.dapo.offload_training_state"  # read by the trainer AND by `nemo-dapo plan`
 # The planner's former own key for the same quantity: refused, so that a plan never assumes what the run does not do
@@ -536,6 +538,7 @@ def _engine_server(cfg: dict, s: dict):
     addr = srv.get("address")
     if not isinstance(addr, str) or not addr.startswith(("unix:", "tcp://")):
         yield f"{key}.address={addr!r} must be a unix:/path or tcp://HOST:PORT template ({{node}} {{local}} {{port}})"
+    yield from _engine_placement(key, srv)
     tp, pp = srv.get("tensor_parallel_size", 1) or 1, srv.get("pipeline_parallel_size", 1) or 1
     ep = srv.get("expert_parallel_size", 1) or 1
     devices = select(cfg, "trainer.devices")
@@ -554,6 +557,32 @@ def _engine_server(cfg: dict, s: dict):
     if isinstance(max_seq, int) and isinstance(gen, int) and isinstance(max_in, int) and max_in + gen > max_seq:
         yield (f"{key}.max_input_len ({max_in}) + model.dapo.length_params.max_length ({gen}) exceeds "
                f"max_seq_len ({max_seq}): raise max_seq_len to {max_in + gen}")
+
+
+def _engine_placement(key: str, srv: dict):
+    """placement and weight_transport: what reaches an engine on the training GPUs, or on GPUs of its own."""
+    placement, transport = srv.get("placement", "colocated"), srv.get("weight_transport", "shm")
+    if placement not in ENGINE_PLACEMENTS:
+        yield f"{key}.placement={placement!r} must be one of {list(ENGINE_PLACEMENTS)}"
+    if transport not in engine_registry.WEIGHT_TRANSPORTS:
+        yield f"{key}.weight_transport={transport!r} must be one of {list(engine_registry.WEIGHT_TRANSPORTS)}"
+    if placement == "colocated" and transport == "nccl":
+        yield (f"{key}.weight_transport=nccl with placement colocated: an owner's GPU is its engine's first, and NCCL "
+               "refuses two ranks of one group on one GPU; use shm, or placement separate")
+    if placement != "separate":
+        return
+    if transport == "shm":
+        yield (f"{key}.weight_transport=shm with placement separate: the engines run on GPUs of their own, on other "
+               "nodes; use gloo (across images) or nccl (GPU to GPU, the same NCCL release on both sides)")
+    if srv.get("sleep_level") != 0:
+        yield (f"{key}.sleep_level={srv.get('sleep_level')!r} with placement separate: the engines share no GPU with "
+               "training, so sleeping frees nothing and costs a wake every step; set sleep_level=0")
+    addr = srv.get("address")
+    if isinstance(addr, str) and "," not in addr:
+        fields = {f for _, f, _, _ in string.Formatter().parse(addr) if f is not None}
+        if fields - {"engine", "port", "rank"}:
+            yield (f"{key}.address={addr!r}: placement separate formats {{engine}} {{port}} {{rank}} (not "
+                   f"{sorted(fields - {'engine', 'port', 'rank'})}), or takes one address per engine, comma-separated")
 
 
 RULES = (_moved, _layout, _experts, _optimizer, _training_offload, _batches, _rollout_engine, _rollout, _algorithm,

@@ -45,6 +45,10 @@ def server_layout(cfg: dict, arch, world: int) -> dict:
     problems = list(_engine_server(cfg, sizes(cfg)))
     if problems:
         raise PlanError("; ".join(problems))
+    if select(cfg, f"{KEY}.placement", "colocated") == "separate":  # the phases below are those of shared GPUs
+        raise PlanError(f"{KEY}.placement=separate: this plan models engines on the training GPUs; plan the recipe "
+                        "as it is (placement colocated) to see the disaggregated layouts, trainer and engine nodes "
+                        "apart, printed beside it")
     try:
         srv = read_server(cfg)
     except EngineOptionsError as e:

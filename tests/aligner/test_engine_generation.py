@@ -12,7 +12,7 @@ import pytest
 
 from nemo_dapo.aligner.engine_generation import EngineLayout, owners_in_group, split_rows
 from tests.aligner.conftest import needs_nemo
-from tests.support.dist import ROOT, run_torchrun
+from tests.support.dist import ROOT, free_port, run_torchrun
 
 
 def test_rank_to_server_mapping_by_hand():
@@ -27,6 +27,19 @@ def test_rank_to_server_mapping_by_hand():
     assert lay.address(9, "unix:/s/n{node}-r{rank}.sock") == "unix:/s/n1-r8.sock"
     with pytest.raises(ValueError, match="unknown field"):
         lay.address(0, "unix:/tmp/{gpu}.sock")
+
+
+def test_separate_engines_are_addressed_by_data_parallel_replica():
+    from nemo_dapo.aligner.engine_generation import separate_address
+    assert separate_address("tcp://enode:{port}", 3, 4, 29600, owner=12) == "tcp://enode:29603"
+    assert separate_address("tcp://e{engine}:9/{rank}", 1, 2, 0, owner=8) == "tcp://e1:9/8"
+    listed = "tcp://h1:29600, tcp://h1:29601,tcp://h2:29600"
+    assert [separate_address(listed, d, 3, 0, owner=0) for d in range(3)] == [
+        "tcp://h1:29600", "tcp://h1:29601", "tcp://h2:29600"]
+    with pytest.raises(ValueError, match="lists 3 engine servers, but .* one per data-parallel replica: 4"):
+        separate_address(listed, 0, 4, 0, owner=0)
+    with pytest.raises(ValueError, match="unknown field 'local' for placement separate"):
+        separate_address("unix:/tmp/e-{local}.sock", 0, 1, 0, owner=0)
 
 
 def test_engines_that_span_nodes_are_refused():
@@ -73,9 +86,12 @@ def test_split_rows_is_contiguous_and_complete():
 @needs_nemo
 @pytest.mark.nemo
 @pytest.mark.slow
-@pytest.mark.parametrize("layout, mode, steps", [("tp2", "abort", 1), ("tp2", "suspend", 2), ("dp2", "suspend", 2)])
+@pytest.mark.parametrize("layout, mode, steps", [("tp2", "abort", 1), ("tp2", "suspend", 2), ("dp2", "suspend", 2),
+                                                 ("dp2_separate", "abort", 1)])
 def test_aligner_step_through_a_local_engine_server(tok_dir, tmp_path, layout, mode, steps):
-    """tp2: one engine for a TP=2 group (rank 0 owns it); dp2: two data-parallel ranks, an engine each."""
+    """tp2: one engine for a TP=2 group (rank 0 owns it); dp2: two data-parallel ranks, an engine each;
+    dp2_separate: the same with ``placement: separate``: the engines on TCP addresses (a comma-separated list, one
+    per replica) and every refit a gloo broadcast (weight_transport gloo), as on engine nodes of their own."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     import subprocess
@@ -97,12 +113,15 @@ def test_aligner_step_through_a_local_engine_server(tok_dir, tmp_path, layout, m
     sock_dir = tmp_path / "s"
     sock_dir.mkdir(mode=0o700)  # a key-less engine socket must not be reachable by other users
     engines = 1 if layout == "tp2" else 2
+    separate = layout == "dp2_separate"
+    addresses = [f"tcp://127.0.0.1:{free_port()}" if separate else f"unix:{sock_dir}/e{i}.sock"
+                 for i in range(engines)]
     authkey = new_authkey()  # one key for the job's servers, as the launcher shares it
     procs = []
     for i in range(engines):
         (tmp_path / f"dump{i}").mkdir()
         procs.append(EngineProcess(engine="tests.aligner.workers.engine_dump:DumpingEngine.from_path",
-                                   model_dir=str(hf_dir), address=f"unix:{sock_dir}/e{i}.sock",
+                                   model_dir=str(hf_dir), address=addresses[i],
                                    options={"max_batch_size": 16}, log_path=str(tmp_path / f"engine{i}.log"),
                                    env={"ENGINE_DUMP_DIR": str(tmp_path / f"dump{i}"), "PYTHONPATH": str(ROOT)},
                                    authkey=authkey))
@@ -115,9 +134,10 @@ def test_aligner_step_through_a_local_engine_server(tok_dir, tmp_path, layout, m
             assert probe.returncode == 0 and json.loads(probe.stdout.splitlines()[-1])["weights_ok"], probe.stderr
         run_torchrun(ROOT / "tests/aligner/workers/engine_generation_worker.py", nproc=2, out_dir=tmp_path,
                      env={"TOK_DIR": tok_dir, "HF_DIR": str(hf_dir),
-                          "ENGINE_ADDRESS": f"unix:{sock_dir}/e{{local}}.sock",
+                          "ENGINE_ADDRESS": ",".join(addresses) if separate else f"unix:{sock_dir}/e{{local}}.sock",
                           "ENGINE_DUMP_DIR": str(tmp_path / "dump{rank}"), "ROLLOUT": mode, "STEPS": str(steps),
-                          "TP": "2" if layout == "tp2" else "1", **key})
+                          "TP": "2" if layout == "tp2" else "1", "PLACEMENT": "separate" if separate else "colocated",
+                          **key})
     finally:
         for proc in procs:
             proc.stop()
@@ -132,6 +152,7 @@ def test_aligner_step_through_a_local_engine_server(tok_dir, tmp_path, layout, m
             assert r[key]["names_equal"] and r[key]["n"] == 2 + 2 * 9 + 1, r[key]  # embed, 2 x 9, norm, lm_head
             assert r[key]["max_abs_diff"] == 0.0, r[key]
         assert r["updates"] == 1 + steps  # the initial push and one after each step's optimizer updates
+        assert (r["last_update"].get("transport") == "group") == separate  # separate: a gloo broadcast, over TCP
     # the actor's log-probs leave Megatron's vocabulary padding out, as the HF-shaped engine does
     assert r0["valid_vocab"] == r1["valid_vocab"] == r0["hf_vocab"] <= r0["padded_vocab"]
     step = next(r for r in r0["records"] if "train/batch_acc" in r or "actor/loss" in r)

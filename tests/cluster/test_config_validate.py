@@ -181,6 +181,10 @@ def test_unknown_recipe_lists_the_known_ones():
 
 
 # (recipe, overrides, a key the message must name)
+# an engine per data-parallel replica on GPUs of its own, as containers/dapo.sbatch ENGINE_NODES runs it, but with
+# the colocated address template left in (the last entry)
+SEPARATE = ["trainer.dapo.engine_server.placement=separate", "trainer.dapo.engine_server.weight_transport=gloo",
+            "trainer.dapo.engine_server.sleep_level=0"]
 BAD = [
     (DENSE, ["trainer.num_nodes=1", "trainer.devices=12"], "trainer.num_nodes x trainer.devices"),
     (DENSE, ["model.context_parallel_size=2"], "model.context_parallel_size"),
@@ -229,7 +233,23 @@ BAD = [
     (DENSE, ["trainer.dapo.rollout_engine=legacy", "trainer.dapo.rollout.on_filler_full=suspend",
              "model.dapo.algorithm.tis_cap=2.0"], "suspend continues suspended samples through an engine server"),
     (DENSE, ["trainer.dapo.rollout.on_filler_full=suspend"], "set model.dapo.algorithm.tis_cap"),
+    (DENSE, ["trainer.dapo.engine_server.placement=remote"], "engine_server.placement='remote' must be one of"),
+    (DENSE, ["trainer.dapo.engine_server.weight_transport=pigeon"], "engine_server.weight_transport='pigeon'"),
+    (DENSE, ["trainer.dapo.engine_server.weight_transport=nccl"], "NCCL refuses two ranks of one group on one GPU"),
+    (DENSE, SEPARATE[:1] + SEPARATE[2:], "weight_transport=shm with placement separate"),
+    (DENSE, SEPARATE[:2] + ["trainer.dapo.engine_server.address=tcp://e:{port}"],
+     "with placement separate: the engines share no GPU"),
+    (DENSE, SEPARATE, "placement separate formats {engine} {port} {rank} (not ['local'])"),
 ]
+
+
+def test_engines_on_gpus_of_their_own_validate_on_a_recipe():
+    for address in ("tcp://engine-{engine}:{port}", "tcp://h1:29600,tcp://h2:29600", "tcp://h:{port}/{rank}"):
+        cfg = crafted(DENSE, SEPARATE + [f"trainer.dapo.engine_server.address={address}"])
+        assert cv.check_config(cfg) == []
+    nccl = [*SEPARATE, "trainer.dapo.engine_server.weight_transport=nccl",
+            "trainer.dapo.engine_server.address=tcp://e:{engine}"]
+    assert cv.check_config(crafted(DENSE, nccl)) == []
 
 
 def test_partial_rollouts_validate_on_a_recipe():

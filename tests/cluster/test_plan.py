@@ -386,6 +386,13 @@ def test_awake_engine_during_training_is_refused_naming_the_sleep_level():
     assert two["time"]["overhead"]["sleep_wake"] > one["time"]["overhead"]["sleep_wake"]
 
 
+def test_engines_on_gpus_of_their_own_are_not_planned_as_colocated():
+    separate = [f"{ES}.placement=separate", f"{ES}.weight_transport=gloo", f"{ES}.sleep_level=0",
+                f"{ES}.address=tcp://e:{{port}}"]
+    with pytest.raises(P.PlanError, match=f"{ES}.placement=separate: this plan models engines on the training GPUs"):
+        plan_of("qwen2.5-32b_h100", *separate)
+
+
 def test_server_memory_of_the_generating_phase_by_hand():
     plan = plan_of("qwen2.5-32b_h100")
     gen, a = plan["phases"]["generate"], plan["assume"]
