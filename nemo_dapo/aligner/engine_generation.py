@@ -13,8 +13,8 @@ a time) and sends it the weights. Its address is ``engine_server.address`` (or `
 ``node``, ``local`` (= i), ``port`` (= base_port + i) and ``rank`` (the owner's global rank); the launcher starts the
 servers with the same template. Weights travel through node-local shared memory, so owner and server share a node.
 
-``engine_server.placement: separate`` puts the engines on GPUs of their own instead (``containers/dapo.sbatch``
-``ENGINE_NODES``): one engine per data-parallel replica, owned by the replica's first rank (the lowest global rank
+``engine_server.placement: separate`` connects to engines on GPUs of their own instead (started by the user on
+nodes of their own; ``containers/dapo.sbatch`` does not start them so yet): one engine per data-parallel replica, owned by the replica's first rank (the lowest global rank
 of its model-parallel group), at entry ``d`` of a comma-separated ``address`` list or the template formatted with
 ``engine`` (= d, the replica's data-parallel rank), ``port`` (= base_port + d) and ``rank``. Weights then travel by
 ``engine_server.weight_transport`` gloo or nccl (engines/weight_group.py), from the owner to the engine's workers;

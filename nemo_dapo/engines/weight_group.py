@@ -8,8 +8,8 @@ each server where it is (``join_weights``). A bucket travels as one flat uint8 t
 
 Protocol (one reply per command, as every other op; the server blocks in the collective right after its reply):
 
-    join_weights   {address: "tcp://H:P", rank, world_size, group_timeout_s, backend} -> {joining: true}; then it
-                                                                           joins
+    join_weights   {address: "tcp://H:P", rank, world_size, group_timeout_s, backend: gloo | nccl}
+                                                                        -> {joining: true}; then it joins
     update_weights {via: "group", size, tensors: [WeightSpec]}          -> {receiving: n}; then it receives the
                                                                            bucket from rank 0 and loads it
 

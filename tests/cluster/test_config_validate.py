@@ -181,8 +181,8 @@ def test_unknown_recipe_lists_the_known_ones():
 
 
 # (recipe, overrides, a key the message must name)
-# an engine per data-parallel replica on GPUs of its own, as containers/dapo.sbatch ENGINE_NODES runs it, but with
-# the colocated address template left in (the last entry)
+# an engine per data-parallel replica on GPUs of its own (placement separate), with the recipe's colocated address
+# template left in (the last BAD entry)
 SEPARATE = ["trainer.dapo.engine_server.placement=separate", "trainer.dapo.engine_server.weight_transport=gloo",
             "trainer.dapo.engine_server.sleep_level=0"]
 BAD = [
