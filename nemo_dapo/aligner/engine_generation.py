@@ -13,12 +13,13 @@ a time) and sends it the weights. Its address is ``engine_server.address`` (or `
 ``node``, ``local`` (= i), ``port`` (= base_port + i) and ``rank`` (the owner's global rank); the launcher starts the
 servers with the same template. Weights travel through node-local shared memory, so owner and server share a node.
 
-``engine_server.placement: separate`` connects to engines on GPUs of their own instead (started by the user on
-nodes of their own; ``containers/dapo.sbatch`` does not start them so yet): one engine per data-parallel replica, owned by the replica's first rank (the lowest global rank
-of its model-parallel group), at entry ``d`` of a comma-separated ``address`` list or the template formatted with
-``engine`` (= d, the replica's data-parallel rank), ``port`` (= base_port + d) and ``rank``. Weights then travel by
-``engine_server.weight_transport`` gloo or nccl (engines/weight_group.py), from the owner to the engine's workers;
-the engines never share a GPU with training, so they need not sleep (``sleep_level`` 0).
+``engine_server.placement: separate`` connects to engines on GPUs of their own instead (``containers/dapo.sbatch``
+``ENGINE_NODES``: servers on the last nodes of the job, on TCP): one engine per data-parallel replica, owned by the
+replica's first rank (the lowest global rank of its model-parallel group), at entry ``d`` (the replica's
+data-parallel rank) of a comma-separated ``address`` list, or the template formatted for engine d of the engine
+nodes as above (``node`` = d // engines per node, ``local``, ``port``, ``rank``; also ``engine`` = d). Weights then
+travel by ``engine_server.weight_transport`` gloo or nccl (engines/weight_group.py), from the owner to the engine's
+workers; the engines never share a GPU with training, so they need not sleep (``sleep_level`` 0).
 
 Generation. The ranks of one model-parallel (TP x PP) group hold the same prompts (one data-parallel replica). The
 owners inside the group split its rows in order (owner j of k takes rows [j B / k, (j + 1) B / k)), and each owner
@@ -382,7 +383,10 @@ class AlignerEngineGenerator:
             try:
                 if failure is None:
                     self.engine.update_weights(counted, wake=self.last_refit_wake == ALL_WOKEN)
-                    self.last_update = dict(self.engine.last_update)
+                    self.last_update = u = dict(self.engine.last_update)
+                    log.info("refit of engine %s: %s buckets, %.1f MB over %s in %.2f s", self.engine.client.name,
+                             u.get("buckets"), u.get("bytes", 0) / 2 ** 20, u.get("transport", "?"),
+                             u.get("seconds", 0.0))
             except Exception as e:  # noqa: BLE001 - finished in step below, then raised on every rank
                 failure = e
             for _ in counted.rest():  # the other ranks are still in the gather's collectives
@@ -448,10 +452,12 @@ SERVER_KEYS = ("hf_model_dir", "tensor_parallel_size", "pipeline_parallel_size",
                "sleep_level", "placement", "weight_transport")
 
 
-def separate_address(template: str, engine: int, engines: int, base_port: int, owner: int) -> str:
+def separate_address(template: str, engine: int, engines: int, per_node: int, base_port: int, owner: int) -> str:
     """The address of engine ``engine`` (of ``engines``, one per data-parallel replica) in the separate placement:
-    entry ``engine`` of a comma-separated list of ``engines`` addresses, or ``template`` formatted with ``engine``,
-    ``port`` (= base_port + engine) and ``rank`` (the owner's global rank)."""
+    entry ``engine`` of a comma-separated list of ``engines`` addresses, or ``template`` formatted as the colocated
+    one is, over the engine nodes (``per_node`` engines each): ``node`` (= engine // per_node, counted from the first
+    engine node), ``local`` (= engine % per_node), ``port`` (= base_port + local), ``rank`` (the owner's global
+    rank), and ``engine``."""
     if "," in template:
         listed = [a.strip() for a in template.split(",")]
         if len(listed) != engines:
@@ -459,10 +465,11 @@ def separate_address(template: str, engine: int, engines: int, base_port: int, o
                              f"has one per data-parallel replica: {engines}; list {engines} addresses")
         return listed[engine]
     try:
-        return template.format(engine=engine, port=base_port + engine, rank=owner)
+        node, local = divmod(engine, per_node)
+        return template.format(engine=engine, node=node, local=local, port=base_port + local, rank=owner)
     except (KeyError, IndexError) as e:
-        raise ValueError(f"engine_server.address {template!r}: unknown field {e} for placement separate; use "
-                         "{engine}, {port}, {rank}, or list one address per engine, comma-separated") from None
+        raise ValueError(f"engine_server.address {template!r}: unknown field {e}; use {{node}}, {{local}}, "
+                         "{port}, {rank}, {engine}, or list one address per engine, comma-separated") from None
 
 
 def server_settings(cfg) -> dict:
@@ -516,7 +523,8 @@ def build_engine_generator(actor, cfg, *, hf_config=None, world: Optional[int] =
         template = os.environ.get(srv["address_env"]) or srv["address"]
         if separate:
             address = separate_address(template, mcore_ps.get_data_parallel_rank(),
-                                       mcore_ps.get_data_parallel_world_size(), int(srv["base_port"]), rank)
+                                       mcore_ps.get_data_parallel_world_size(), layout.engines_per_node,
+                                       int(srv["base_port"]), rank)
         else:
             address = layout.address(rank, template, int(srv["base_port"]))
         authkey = os.environ.get(srv["authkey_env"], "").encode() or None

@@ -10,7 +10,6 @@ from ``plan.arch.*`` (what the recipe declares for ``nemo-dapo plan``).
 from __future__ import annotations
 
 import functools
-import string
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
@@ -577,12 +576,6 @@ def _engine_placement(key: str, srv: dict):
     if srv.get("sleep_level") != 0:
         yield (f"{key}.sleep_level={srv.get('sleep_level')!r} with placement separate: the engines share no GPU with "
                "training, so sleeping frees nothing and costs a wake every step; set sleep_level=0")
-    addr = srv.get("address")
-    if isinstance(addr, str) and "," not in addr:
-        fields = {f for _, f, _, _ in string.Formatter().parse(addr) if f is not None}
-        if fields - {"engine", "port", "rank"}:
-            yield (f"{key}.address={addr!r}: placement separate formats {{engine}} {{port}} {{rank}} (not "
-                   f"{sorted(fields - {'engine', 'port', 'rank'})}), or takes one address per engine, comma-separated")
 
 
 RULES = (_moved, _layout, _experts, _optimizer, _training_offload, _batches, _rollout_engine, _rollout, _algorithm,

@@ -275,7 +275,7 @@ class EngineClient:
         name) before it is filled, so a trainer killed mid-update leaves nothing in /dev/shm. A failure part-way
         raises; the engine then refuses to generate until a whole update succeeds."""
         buffer = P.WeightBuffer()
-        stats = {"buckets": 0, "tensors": 0, "bytes": 0, "seconds": 0.0}
+        stats = {"buckets": 0, "tensors": 0, "bytes": 0, "seconds": 0.0, "transport": "shm"}
         t0 = time.perf_counter()
         try:
             for bucket in buckets:

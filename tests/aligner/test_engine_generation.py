@@ -31,15 +31,16 @@ def test_rank_to_server_mapping_by_hand():
 
 def test_separate_engines_are_addressed_by_data_parallel_replica():
     from nemo_dapo.aligner.engine_generation import separate_address
-    assert separate_address("tcp://enode:{port}", 3, 4, 29600, owner=12) == "tcp://enode:29603"
-    assert separate_address("tcp://e{engine}:9/{rank}", 1, 2, 0, owner=8) == "tcp://e1:9/8"
+    # engine 3 of 4, two per engine node: the second node's second engine
+    assert separate_address("tcp://enode{node}:{port}", 3, 4, 2, 29600, owner=12) == "tcp://enode1:29601"
+    assert separate_address("tcp://e{engine}:9/{rank}-{local}", 1, 2, 1, 0, owner=8) == "tcp://e1:9/8-0"
     listed = "tcp://h1:29600, tcp://h1:29601,tcp://h2:29600"
-    assert [separate_address(listed, d, 3, 0, owner=0) for d in range(3)] == [
+    assert [separate_address(listed, d, 3, 2, 0, owner=0) for d in range(3)] == [
         "tcp://h1:29600", "tcp://h1:29601", "tcp://h2:29600"]
     with pytest.raises(ValueError, match="lists 3 engine servers, but .* one per data-parallel replica: 4"):
-        separate_address(listed, 0, 4, 0, owner=0)
-    with pytest.raises(ValueError, match="unknown field 'local' for placement separate"):
-        separate_address("unix:/tmp/e-{local}.sock", 0, 1, 0, owner=0)
+        separate_address(listed, 0, 4, 2, 0, owner=0)
+    with pytest.raises(ValueError, match="unknown field 'gpu'"):
+        separate_address("unix:/tmp/e-{gpu}.sock", 0, 1, 1, 0, owner=0)
 
 
 def test_engines_that_span_nodes_are_refused():

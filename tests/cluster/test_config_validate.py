@@ -181,8 +181,7 @@ def test_unknown_recipe_lists_the_known_ones():
 
 
 # (recipe, overrides, a key the message must name)
-# an engine per data-parallel replica on GPUs of its own (placement separate), with the recipe's colocated address
-# template left in (the last BAD entry)
+# an engine per data-parallel replica on GPUs of its own (placement separate)
 SEPARATE = ["trainer.dapo.engine_server.placement=separate", "trainer.dapo.engine_server.weight_transport=gloo",
             "trainer.dapo.engine_server.sleep_level=0"]
 BAD = [
@@ -239,12 +238,11 @@ BAD = [
     (DENSE, SEPARATE[:1] + SEPARATE[2:], "weight_transport=shm with placement separate"),
     (DENSE, SEPARATE[:2] + ["trainer.dapo.engine_server.address=tcp://e:{port}"],
      "with placement separate: the engines share no GPU"),
-    (DENSE, SEPARATE, "placement separate formats {engine} {port} {rank} (not ['local'])"),
 ]
 
 
 def test_engines_on_gpus_of_their_own_validate_on_a_recipe():
-    for address in ("tcp://engine-{engine}:{port}", "tcp://h1:29600,tcp://h2:29600", "tcp://h:{port}/{rank}"):
+    for address in ("tcp://engine-{engine}:{port}", "tcp://h1:29600,tcp://h2:29600", "unix:/e/{node}-{local}.sock"):
         cfg = crafted(DENSE, SEPARATE + [f"trainer.dapo.engine_server.address={address}"])
         assert cv.check_config(cfg) == []
     nccl = [*SEPARATE, "trainer.dapo.engine_server.weight_transport=nccl",

@@ -10,7 +10,8 @@ options, pid).
 Semantics kept from srun: ``-o`` / ``-e`` patterns (``%j`` job id, ``%t`` task id, ``%s`` step id, ``%N`` node);
 the step's exit code is the first failing task's (128 + signal for a killed one); ``--kill-on-bad-exit=1`` stops
 the other tasks as soon as one exits non-zero; SIGTERM / SIGINT are forwarded to every task, which get 5 s before
-SIGKILL. Only one node exists: ``--nodes`` above 1 or ``--relative`` other than 0 is an error.
+SIGKILL. A step runs on one node: ``--nodes`` above 1 is an error; ``--relative=R`` names which node of the job it is
+(``SLURM_NODEID``; every node is this machine).
 """
 from __future__ import annotations
 
@@ -75,7 +76,8 @@ def expand(pattern: str, job: str, step: int, task: int) -> str:
 
 def task_env(opts: dict, task: int, ntasks: int, step: int) -> dict:
     env = dict(os.environ)
-    env.update(SLURM_PROCID=str(task), SLURM_LOCALID=str(task), SLURM_NODEID="0", SLURM_NTASKS=str(ntasks),
+    env.update(SLURM_PROCID=str(task), SLURM_LOCALID=str(task), SLURM_NODEID=str(opts.get("--relative", "0")),
+               SLURM_NTASKS=str(ntasks),
                SLURM_NPROCS=str(ntasks), SLURM_STEP_NUM_TASKS=str(ntasks), SLURM_NTASKS_PER_NODE=str(ntasks),
                SLURM_TASKS_PER_NODE=str(ntasks), SLURM_STEP_NUM_NODES="1", SLURM_NNODES="1",
                SLURM_STEP_NODELIST="localhost", SLURM_NODELIST=env.get("SLURM_NODELIST", "localhost"),
@@ -102,9 +104,10 @@ def task_argv(opts: dict, command: list, step: int, task: int) -> list:
 
 def main(argv: list) -> int:
     opts, command = parse(argv)
-    nodes = int(opts.get("--nodes", "1"))
-    if nodes != 1 or int(opts.get("--relative", "0")) != 0:
-        fail(f"this stand-in has one node; got --nodes={nodes} --relative={opts.get('--relative', 0)}")
+    nodes, node = int(opts.get("--nodes", "1")), int(opts.get("--relative", "0"))
+    if nodes != 1 or not 0 <= node < int(os.environ.get("SLURM_JOB_NUM_NODES", "1")):
+        fail(f"this stand-in runs a step on one node of the job's {os.environ.get('SLURM_JOB_NUM_NODES', '1')}; "
+             f"got --nodes={nodes} --relative={opts.get('--relative', 0)}")
     ntasks = int(opts.get("--ntasks", opts.get("--ntasks-per-node", "1")))
     records = Path(os.environ["STANDIN_RECORDS"])
     step = next_step_id(records)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,7 +29,7 @@ import torch
 
 from tests.aligner.conftest import needs_nemo
 from tests.containers import harness as h
-from tests.support.dist import ROOT
+from tests.support.dist import ROOT, free_port
 
 pytestmark = [needs_nemo, pytest.mark.nemo, pytest.mark.slow]
 # the job's overrides: the base config's optimizer keys (betas, bucket_cap_mb, ...) are apex Adam's; NeMo passes an
@@ -289,3 +290,40 @@ def test_health_wait_stops_at_once_when_a_server_dies(script, inputs, images, tm
     assert "engine server exited" in err and "engine_*.err" in err  # the message points at the engine logs
     pids = [s["pid"] for s in rec.steps] + [t["pid"] for k in ("server", "health") for t in rec.tasks(rec.step_of(k))]
     assert len(pids) == 6 and not [p for p in pids if h.alive(p)]  # the other server and the probe were stopped
+
+
+def test_engines_on_a_node_of_their_own(script, inputs, images, tmp_path):
+    """ENGINE_NODES=1 of 2 nodes: the servers run on node 1 on TCP ports, the trainer (node 0; TP=1, so two
+    data-parallel replicas, one engine each) gets their list and refits them over a gloo broadcast, with
+    placement separate and sleep_level 0 passed to the options step and the trainer alike."""
+    port = free_port()
+    rc, out, err, rec, _ = _run_job(script, inputs, images, tmp_path, h.new_job_id(), *OVERRIDES,
+                                    "model.tensor_model_parallel_size=1", "trainer.dapo.max_steps=1",
+                                    ENGINE_NODES="1", SLURM_JOB_NUM_NODES="2", SLURM_NNODES="2",
+                                    SLURM_JOB_NODELIST="127.0.0.1,127.0.0.1", ENGINE_BASE_PORT=str(port))
+    assert rc == 0, f"sbatch failed ({rc}):\n{err[-3000:]}\n{_logs(tmp_path / 'results')}"
+    servers = rec.python("nemo_dapo.engines.server")
+    assert [p["argv"][p["argv"].index("--address") + 1] for p in servers] == [f"tcp://0.0.0.0:{port + i}"
+                                                                              for i in (0, 1)]
+    assert {p["env"]["SLURM_NODEID"] for p in servers} == {"1"}
+    probe = rec.python("nemo_dapo.engines.health")[0]
+    assert probe["env"]["SLURM_NODEID"] == "1" and [a for a in probe["argv"] if a.startswith("tcp://")] == [
+        f"tcp://127.0.0.1:{port + i}" for i in (0, 1)]
+    ranks = rec.python("train_gpt_dapo.py")
+    assert len(ranks) == 2 and {p["env"]["SLURM_NODEID"] for p in ranks} == {"0"}
+    listed = {p["env"]["NEMO_DAPO_ENGINE_ADDRESS"] for p in ranks}
+    assert listed == {f"tcp://127.0.0.1:{port},tcp://127.0.0.1:{port + 1}"}
+    for p in ranks:
+        assert "trainer.dapo.engine_server.placement=separate" in " ".join(p["argv"])
+    options = json.loads(next((tmp_path / "results").rglob("engine_options.json")).read_text())
+    assert options["options"].get("enable_sleep", False) is False
+    job = servers[0]["env"]["SLURM_JOB_ID"]
+    for i in (0, 1):  # each replica's owner formed a weight group with its server and refit it over gloo
+        log = next((tmp_path / "results").rglob(f"engine_{job}_{i}.err")).read_text()
+        assert "ready on " + f"tcp://0.0.0.0:{port + i}" in log
+        trainer = next((tmp_path / "results").rglob(f"dapo_{job}_{i}.log")).read_text()
+        assert f"rank {i} owns engine local at tcp://127.0.0.1:{port + i}" in trainer
+        refits = re.findall(r"refit of engine \S+: \d+ buckets, [\d.]+ MB over (\w+)", trainer)
+        assert refits == ["group", "group"], refits  # the initial push and the one after step 1
+    ckpts = _checkpoints(tmp_path / "results")
+    assert sorted(ckpts) == [1] and ckpts[1]["loop"]["counters"]["rollout_steps"] == 1
