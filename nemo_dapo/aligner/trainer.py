@@ -22,8 +22,9 @@ Partial rollouts (``trainer.dapo.rollout.on_filler_full: suspend``): the loop ge
 every data-parallel rank follows in step (``rollout_mode``; core/loop_stream.py).
 
 Resume: the whole trainer state (counters, the prompt sampler's position, the dynamic-sampling filler's carried
-groups and the suspended groups of partial rollouts) is packed into the model checkpoint by ``save`` (``MegatronGPTDAPOActorModel.on_save_checkpoint``) and read
-back from it on load (``on_load_checkpoint``), instead of being parsed from the checkpoint file name.
+groups and the suspended groups of partial rollouts) is packed into the model checkpoint by ``save``
+(``MegatronGPTDAPOActorModel.on_save_checkpoint``) and read back from it on load (``on_load_checkpoint``), instead of
+being parsed from the checkpoint file name.
 """
 from __future__ import annotations
 

@@ -201,7 +201,7 @@ class WeightGroup:
         if backend not in BACKENDS:
             raise ValueError(f"a weight group's backend is one of {list(BACKENDS)}, got {backend!r:.40}")
         self.world_size, self.timeout_s, self.backend = receivers + 1, float(timeout_s), backend
-        self.device = None if backend == "gloo" else device  # None: the current CUDA device at each broadcast
+        self.device = device  # nccl: None is the current CUDA device at each broadcast (gloo: always the CPU)
         self._store = dist.TCPStore(host, 0, self.world_size, True, timeout=_timeout(timeout_s),
                                     wait_for_workers=False)
         self.address = f"tcp://{host}:{self._store.port}"
