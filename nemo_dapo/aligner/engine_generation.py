@@ -59,7 +59,7 @@ import gc
 import logging
 import os
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -234,14 +234,34 @@ class _ActorWeights:
 class _DrainedStream:
     """``stream()`` / ``stream_requests()``'s result for a model-parallel group: ``parts`` [(key, Generation)] run to
     their end, yielded in key order. The loop drains a stream under data parallelism and generates partial rollouts
-    in rounds, each run to its end (core/loop_stream.py), so nothing is lost by not aborting."""
+    in rounds, each run to its end (core/loop_stream.py), so nothing is lost by not aborting.
+
+    ``later``: the parts are collected (a collective of the model-parallel group) when first read, so the engines
+    run between the submission and the read (overlap: a round generated while the trainer trains)."""
 
     def __init__(self, parts: list, generated_tokens: int):
-        self._parts, self.generated_tokens = parts, int(generated_tokens)
+        self._parts, self._generated, self._collect = parts, int(generated_tokens), None
         self.aborted_tokens = self.aborted_requests = 0
         self.done = True
 
+    @classmethod
+    def later(cls, collect: Callable[[], tuple]) -> "_DrainedStream":
+        stream = cls([], 0)
+        stream._collect = collect
+        return stream
+
+    def _read(self) -> None:
+        if self._collect is not None:
+            collect, self._collect = self._collect, None
+            self._parts, self._generated = collect()
+
+    @property
+    def generated_tokens(self) -> int:
+        self._read()
+        return self._generated
+
     def __iter__(self):
+        self._read()
         yield from self._parts
 
     def abort(self) -> None:
@@ -320,23 +340,33 @@ class AlignerEngineGenerator:
                         first_key: int = 0) -> _DrainedStream:
         """Explicit requests (``engines.generator.EngineGenerator.stream_requests``: ``groups[k]`` a list of
         ``(prompt token ids, n, max_new_tokens, seed)``), run to their end: the owners of the model-parallel group
-        split the groups in order, and every rank returns every group's samples (``finished`` included) and the
-        tokens generated. A stream left running through the update (``into``, overlap) is not built here."""
+        split the groups in order and submit their share now; when the stream is first read, every rank gets every
+        group's samples (``finished`` included) and the tokens generated. A stream left running through the update
+        in finishing order (``into``) is not built here: the NeMo-Aligner path overlaps in rounds."""
         if into is not None:
-            raise NotImplementedError("overlap (a stream left running through the update) runs on the CPU path only; "
-                                      "the NeMo-Aligner path generates partial rollouts in rounds")
-        mine = None
+            raise NotImplementedError("overlap in finishing order (a stream left running through the update) runs "
+                                      "on the CPU path only; the NeMo-Aligner path overlaps one round in prompt order")
+        shares = split_rows(len(groups), len(self.owners))
+        stream = None
         if self.engine is not None:
-            lo, hi = split_rows(len(groups), len(self.owners))[self.owners.index(self.rank)]
+            lo, hi = shares[self.owners.index(self.rank)]
             stream = self.engine.stream_requests(groups[lo:hi], temperature=temperature, top_p=top_p)
-            outs = dict(stream)
-            mine = ([outs.get(k) for k in range(hi - lo)], stream.generated_tokens)
-        parts, generated = [], 0
-        for j, (lo, hi) in enumerate(split_rows(len(groups), len(self.owners))):
-            got, tokens = self._exchange_groups(mine if self.owners[j] == self.rank else None, self.owners[j], hi - lo)
-            parts += [(first_key + lo + k, gen) for k, gen in enumerate(got) if gen is not None]
-            generated += tokens
-        return _DrainedStream(parts, generated)
+
+        def collect() -> tuple:
+            mine = None
+            if stream is not None:
+                lo, hi = shares[self.owners.index(self.rank)]
+                outs = dict(stream)
+                mine = ([outs.get(k) for k in range(hi - lo)], stream.generated_tokens)
+            parts, generated = [], 0
+            for j, (lo, hi) in enumerate(shares):
+                got, tokens = self._exchange_groups(mine if self.owners[j] == self.rank else None, self.owners[j],
+                                                    hi - lo)
+                parts += [(first_key + lo + k, gen) for k, gen in enumerate(got) if gen is not None]
+                generated += tokens
+            return parts, generated
+
+        return _DrainedStream.later(collect)
 
     def _exchange_groups(self, mine, owner: int, n: int) -> tuple:
         """Owner ``owner``'s ``(n Generations or None, generated tokens)`` on every rank of the model-parallel group:

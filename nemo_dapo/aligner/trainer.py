@@ -19,7 +19,9 @@ be, and skips a validation that could not finish. ``progress`` replaces NeMo-Ali
 forces saves onto validation steps.
 
 Partial rollouts (``trainer.dapo.rollout.on_filler_full: suspend``): the loop generates in prompt-order rounds that
-every data-parallel rank follows in step (``rollout_mode``; core/loop_stream.py).
+every data-parallel rank follows in step (``rollout_mode``; core/loop_stream.py). With ``rollout.overlap`` the
+engines run one more round (the groups carried over and the next batch's first prompts) while the trainer trains,
+and the refit waits for its end: one-step-off, and still independent of the engines' timing.
 
 Resume: the whole trainer state (counters, the prompt sampler's position, the dynamic-sampling filler's carried
 groups and the suspended groups of partial rollouts) is packed into the model checkpoint by ``save``
@@ -172,9 +174,14 @@ def rollout_mode(cfg: DictConfig) -> dict:
 
 
 def partial_rollout_args(cfg: DictConfig) -> dict:
-    """DAPOLoop's ``max_staleness`` / ``round_tokens`` from ``trainer.dapo.rollout`` (``cfg``: trainer.dapo)."""
+    """DAPOLoop's ``max_staleness`` / ``round_tokens`` / ``overlap`` from ``trainer.dapo.rollout`` (``cfg``:
+    trainer.dapo). overlap needs partial rollouts (suspend, max_staleness >= 1) and an engine that stays awake
+    while the trainer trains (``engine_server.sleep_level`` 0); the loop refuses it otherwise."""
+    overlap = required(cfg, "rollout.overlap", "trainer.dapo")
+    if not isinstance(overlap, bool):
+        raise ValueError(f"trainer.dapo.rollout.overlap={overlap!r} must be true or false")
     return dict(max_staleness=int(required(cfg, "rollout.max_staleness", "trainer.dapo")),
-                round_tokens=int(required(cfg, "rollout.round_tokens", "trainer.dapo")))
+                round_tokens=int(required(cfg, "rollout.round_tokens", "trainer.dapo")), overlap=overlap)
 
 
 def training_steps(num_prompts: int, prompts_per_step: int, max_epochs, max_steps) -> tuple:
@@ -332,7 +339,9 @@ class DAPOTrainer:
         self._saved_at = self.loop.counters["gen_batches"]
         while self.step < self.max_steps:
             with self.timer("step_time"):
-                metrics = self.loop.step(should_stop=budget.should_stop)
+                # the last step draws nothing ahead (overlap): no prompt is started that no step trains
+                metrics = self.loop.step(should_stop=budget.should_stop,
+                                         sample_cap=0 if self.step + 1 >= self.max_steps else None)
             budget.end()
             if metrics is None:  # the time limit came inside the step: keep its generated groups
                 log.info("time limit of the run: rollout step %d stopped after %d generation batches, %.0f s left; "

@@ -406,6 +406,15 @@ def _rollout(cfg: dict, s: dict):
         yield f"{key}.max_staleness={stale!r} must be an integer >= 0 (weight versions; 0 = abort)"
     if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
         yield f"{key}.round_tokens={rounds!r} must be an integer >= 1 (tokens per sample and round)"
+    overlap = select(cfg, f"{key}.overlap")
+    if not isinstance(overlap, bool):
+        yield f"{key}.overlap={overlap!r} must be true or false"
+    elif overlap and (mode != "suspend" or stale == 0):
+        yield (f"{key}.overlap=true runs a round of partial rollouts while the trainer trains: it needs "
+               f"{key}.on_filler_full=suspend and {key}.max_staleness >= 1")
+    elif overlap and select(cfg, "trainer.dapo.engine_server.sleep_level") != 0:
+        yield (f"{key}.overlap=true keeps the engines generating while the trainer trains: set "
+               "trainer.dapo.engine_server.sleep_level=0 (with placement separate, engines on GPUs of their own)")
     if mode != "suspend" or stale == 0:
         return
     engine = select(cfg, "trainer.dapo.rollout_engine")

@@ -137,11 +137,13 @@ class DAPOLoop(StreamingPhase):
         self.max_staleness, self._version = max_staleness, 0
         self._suspended: list = []
         # overlap (one-step-off): once the filler is full the engine goes on generating (the rest of the batch and
-        # the next batch's prompts) while the trainer trains; parked before the refit (loop_stream._park_live).
-        self.overlap, self._live, self._sample_cap = bool(overlap), [], None
+        # the next batch's prompts) while the trainer trains; parked before the refit (loop_stream._park_live). In
+        # prompt order that work is one round, run to its end (loop_stream._round_ahead).
+        self.overlap, self._live, self._ahead, self._sample_cap = bool(overlap), [], None, None
         if self.overlap and not self._suspending():
             raise ValueError("overlap needs partial rollouts: on_filler_full='suspend' with max_staleness >= 1, "
-                             "streaming, one data-parallel rank (the work left running is suspended at the refit)")
+                             "streaming, and under data parallelism fill_order='prompt' (the work left running is "
+                             "suspended at the refit)")
         self.partial_counters = dict.fromkeys(PARTIAL_COUNTERS, 0)
         # Partial rollouts in prompt order generate in rounds of round_tokens tokens (loop_stream._stream_rounds).
         self.round_tokens = None if round_tokens is None else int(round_tokens)
@@ -149,9 +151,6 @@ class DAPOLoop(StreamingPhase):
             if self.round_tokens is None or self.round_tokens < 1:
                 raise ValueError("fill_order='prompt' with on_filler_full='suspend' generates in rounds: give "
                                  f"round_tokens >= 1 (tokens per sample and round), got {round_tokens!r}")
-            if self.overlap:
-                raise ValueError("fill_order='prompt' cannot be combined with overlap: the work left running through "
-                                 "the update stops wherever the engine's timing leaves it")
         if self._partial_mode() and settings.streaming and not self._suspending():
             raise ValueError("partial rollouts under data parallelism run in rounds: set fill_order='prompt' with "
                              "round_tokens (streamed in finishing order, each rank's share would stop elsewhere)")
@@ -396,11 +395,11 @@ class DAPOLoop(StreamingPhase):
             metrics.update(self._update(batch, timers))
             self.counters["trained_samples"] += len(batch)
             self.counters["trained_tokens"] += batch.num_tokens()
-            self._park_live()  # an engine takes weights only with nothing running
+            self._park_live(timers)  # an engine takes weights only with nothing running
             self.generator.update_weights(self.policy)
             self._version += 1
             metrics["rollout/trained_tokens"] = float(batch.num_tokens())
-        self._park_live()  # a step that trained nothing: nothing runs past the step (checkpoints see it all)
+        self._park_live(timers)  # a step that trained nothing: nothing runs past the step (checkpoints see it all)
         step_s = time.perf_counter() - t_start
         metrics.update(rollout_metrics(self.counters, tokens_before, timers, t_needed))
         metrics["rollout/skipped_prompts"] = float(self.counters["skipped_prompts"] - skipped_before)

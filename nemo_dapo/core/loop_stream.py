@@ -8,7 +8,8 @@ drew each token, and continued by the next generation batch unless more than ``m
 With ``overlap`` the suspension waits: the stream runs on through the update with the next batch's prompts added
 (``_draw_ahead``), and is parked just before the refit (``_park_live``). Partial rollouts in prompt order
 (``_stream_rounds``) generate in rounds of ``round_tokens`` tokens per sample instead, so that where a suspended
-sample stopped does not depend on the engine's timing.
+sample stopped does not depend on the engine's timing; their overlap is one round (``_round_ahead``) of the groups
+carried over and the next batch's first prompts, submitted when the batch is full and waited for before the refit.
 """
 from __future__ import annotations
 
@@ -171,13 +172,15 @@ class StreamingPhase:
                 self.filler.add_groups([group])
                 if self.filler.full():
                     timers["filled_at"] = time.perf_counter()
-                    self._suspended += todo[handed:]
+                    if self.overlap:  # the engines run one more round while the trainer trains
+                        self._round_ahead(todo[handed:], handed)
+                    else:
+                        self._suspended += todo[handed:]
                     return groups
             live = [k for k in range(handed, len(todo)) if todo[k].unfinished()]
             if not live:
                 return groups
-            for k, after in zip(live, self._round(todo, live, prompts, timers)):
-                todo[k] = reopen_round_cuts(todo[k], after, s.max_new_tokens)
+            self._reopen(todo, live, self._finish_round(todo, live, self._submit_round(todo, live, prompts), timers))
 
     def _score_head(self, todo: list, handed: int, prompt_ids, prompt_mask, timers) -> list:
         """The scored groups of the head of the prompt order (``todo[handed:]`` up to the first unfinished one), scored
@@ -194,23 +197,65 @@ class StreamingPhase:
                                  prompt_mask[mine], out, timers)
         return self._exchange(scored)
 
-    def _round(self, todo: list, live: list, prompts: list, timers) -> list:
-        """One round of the groups ``live`` (indices into ``todo``): each continued by at most ``round_tokens``
-        tokens per sample; returns their states after it (``suspend``), in ``live``'s order."""
-        s, v = self.settings, self._version
+    def _submit_round(self, todo: list, live: list, prompts: list) -> tuple:
+        """Submit one round of the groups ``live`` (indices into ``todo``): this rank's share, each sample continued
+        by at most ``round_tokens`` tokens. Returns what ``_finish_round`` collects (the engines run meanwhile)."""
         lo, hi = self._share(len(live))
         mine = live[lo:hi]
-        requests = [continuation_requests(todo[k], prompts[k], s.max_new_tokens, self.round_tokens) for k in mine]
+        requests = [continuation_requests(todo[k], prompts[k], self.settings.max_new_tokens, self.round_tokens)
+                    for k in mine]
         for k in live:  # after the requests: a continuation's seeds follow the resumes before it
             todo[k].resumes += 1
+        s = self.settings
+        return mine, self._version, self.generator.stream_requests(requests, temperature=s.temperature,
+                                                                   top_p=s.top_p)
+
+    def _finish_round(self, todo: list, live: list, submitted: tuple, timers) -> list:
+        """Wait for a submitted round to end; every rank's states of the groups ``live`` after it (``suspend``,
+        stamped with the weight version that was current at the submission), in ``live``'s order."""
+        mine, version, stream = submitted
         t0 = time.perf_counter()
-        stream = self.generator.stream_requests(requests, temperature=s.temperature, top_p=s.top_p)
         outs = dict(stream)  # the whole round
         timers["gen"] += time.perf_counter() - t0
-        after = [suspend(outs[key], v, index=todo[k].index, uid=todo[k].uid, seed=todo[k].seed, prior=todo[k],
+        s = self.settings
+        after = [suspend(outs[key], version, index=todo[k].index, uid=todo[k].uid, seed=todo[k].seed, prior=todo[k],
                          max_new_tokens=s.max_new_tokens) for key, k in enumerate(mine)]
         self.counters["generated_tokens"] += sum(self.reducer.gather_objects(stream.generated_tokens))
         return self._exchange(after)
+
+    def _reopen(self, todo: list, live: list, after: list) -> None:
+        for k, one in zip(live, after):
+            todo[k] = reopen_round_cuts(todo[k], one, self.settings.max_new_tokens)
+
+    def _round_ahead(self, carried: list, handed: int) -> None:
+        """Overlap in prompt order: the batch is full, and the groups ``carried`` past it plus the next batch's
+        first ``handed`` prompts (drawn now, within ``step``'s sample cap) are submitted as one round that runs
+        while the trainer trains. The refit waits for that round's end (``_park_live``), so what it generated does
+        not depend on the engines' timing: the next batch continues it as it would any carried-over work. A group
+        that the next weights would drop as stale is not continued (it is dropped and counted then)."""
+        g = self.settings.group_size
+        indices, uids = self._draw_more(handed)
+        base = mix_seed(self._seed(rank=0), 1)
+        todo = list(carried) + [SuspendedGroup(index=i, uid=u, seed=mix_seed(base, k) % (2 ** 31),
+                                               samples=[SampleState([], [], []) for _ in range(g)])
+                                for k, (i, u) in enumerate(zip(indices, uids))]
+        prompt_ids, prompt_mask = self.prompts.collate([one.index for one in todo])
+        prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]
+        keep, _ = split_stale(todo, self._version + 1, self.max_staleness)
+        kept = {id(one) for one in keep}
+        live = [k for k, one in enumerate(todo) if one.unfinished() and id(one) in kept]
+        self._ahead = (todo, live, self._submit_round(todo, live, prompts)) if live else None
+        if not live:
+            self._suspended += todo
+
+    def _park_ahead(self, timers) -> None:
+        """Overlap in prompt order, before the refit: wait for the round submitted at the full batch; its groups
+        join the suspended ones (the carried-over first, then the drawn-ahead prompts, in draw order)."""
+        if self._ahead is None:
+            return
+        (todo, live, submitted), self._ahead = self._ahead, None
+        self._reopen(todo, live, self._finish_round(todo, live, submitted, timers))
+        self._suspended += todo
 
     def _exchange(self, mine: list) -> list:
         """Every rank's share of a list, concatenated in rank order (the list itself on one rank)."""
@@ -223,24 +268,33 @@ class StreamingPhase:
         step), so the engine has work while the trainer trains; parked with the rest before the refit. Drawn only
         while ``counters["consumed_samples"]`` stays below ``step``'s ``sample_cap``: the run goes on to use them."""
         s, g = self.settings, self.settings.group_size
-        if self._sample_cap is not None:
-            n_prompts = min(n_prompts, max((self._sample_cap - self.counters["consumed_samples"] - 1) // g, 0))
-        if n_prompts == 0:
+        indices, uids = self._draw_more(n_prompts)
+        if not indices:
             return
-        skipped_before = self.sampler.skipped
-        indices, uids = self.sampler.draw(n_prompts)
-        self.counters["skipped_prompts"] += self.sampler.skipped - skipped_before
-        self.counters["consumed_prompts"] += n_prompts
-        self.counters["consumed_samples"] += n_prompts * g
         prompt_ids, prompt_mask = self.prompts.collate(list(indices))
         base = mix_seed(self._seed(), 1)
-        seeds = [mix_seed(base, k) % (2 ** 31) for k in range(n_prompts)]
+        seeds = [mix_seed(base, k) % (2 ** 31) for k in range(len(indices))]
         requests = [[(row[m.bool()].tolist(), g, s.max_new_tokens, seeds[k])]
                     for k, (row, m) in enumerate(zip(prompt_ids, prompt_mask))]
         self.generator.stream_requests(requests, temperature=s.temperature, top_p=s.top_p, into=live.stream,
                                        first_key=len(live.who))
         live.who += list(zip(indices, uids))
         live.seeds += seeds
+
+    def _draw_more(self, n_prompts: int) -> tuple:
+        """Overlap: up to ``n_prompts`` of the next batch's prompts drawn now, only while
+        ``counters["consumed_samples"]`` stays below ``step``'s ``sample_cap`` (the run goes on to use them)."""
+        g = self.settings.group_size
+        if self._sample_cap is not None:
+            n_prompts = min(n_prompts, max((self._sample_cap - self.counters["consumed_samples"] - 1) // g, 0))
+        if n_prompts <= 0:
+            return [], []
+        skipped_before = self.sampler.skipped
+        indices, uids = self.sampler.draw(n_prompts)
+        self.counters["skipped_prompts"] += self.sampler.skipped - skipped_before
+        self.counters["consumed_prompts"] += n_prompts
+        self.counters["consumed_samples"] += n_prompts * g
+        return list(indices), list(uids)
 
     def _park(self, live: list, score=None) -> None:
         """Suspend every live stream (core/partial.py): each group keeps its tokens and log-probs with the version
@@ -257,8 +311,10 @@ class StreamingPhase:
                 else:  # its last samples finished while the stream stopped: a carried-over group like others
                     score(j, assemble(sg, self.prompts.pad_id))
 
-    def _park_live(self) -> None:
-        """Overlap, before the refit (and before a step returns): park what ran on during the update."""
+    def _park_live(self, timers=None) -> None:
+        """Overlap, before the refit (and before a step returns): park what ran on during the update (in prompt
+        order: wait for the round's end; ``timers["gen"]`` counts the wait)."""
+        self._park_ahead(dict(gen=0.0) if timers is None else timers)
         live, self._live = self._live, []
         self._park(live)
         self.counters["generated_tokens"] += sum(one.stream.generated_tokens - one.counted for one in live)

@@ -454,10 +454,6 @@ def _check_partial_rollouts(cfg) -> None:
                           "rollout.max_staleness >= 1 and rollout.server.sleep_level=0")
     if r.on_filler_full != "suspend" or r.max_staleness == 0:
         return
-    if r.fill_order == "prompt" and r.overlap:
-        raise ConfigError("config key 'rollout.fill_order' = prompt cannot be combined with rollout.overlap=true "
-                          "(what runs on through the update stops wherever the engine's timing leaves it): set "
-                          "rollout.overlap=false, or rollout.fill_order=finish")
     if not r.streaming:
         raise ConfigError("config key 'rollout.on_filler_full' = suspend needs streaming generation: set "
                           "rollout.streaming=true with rollout.engine=local or vllm")

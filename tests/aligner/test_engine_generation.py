@@ -88,11 +88,12 @@ def test_split_rows_is_contiguous_and_complete():
 @pytest.mark.nemo
 @pytest.mark.slow
 @pytest.mark.parametrize("layout, mode, steps", [("tp2", "abort", 1), ("tp2", "suspend", 2), ("dp2", "suspend", 2),
-                                                 ("dp2_separate", "abort", 1)])
+                                                 ("dp2_separate", "abort", 1), ("dp2_separate", "overlap", 2)])
 def test_aligner_step_through_a_local_engine_server(tok_dir, tmp_path, layout, mode, steps):
     """tp2: one engine for a TP=2 group (rank 0 owns it); dp2: two data-parallel ranks, an engine each;
     dp2_separate: the same with ``placement: separate``: the engines on TCP addresses (a comma-separated list, one
-    per replica) and every refit a gloo broadcast (weight_transport gloo), as on engine nodes of their own."""
+    per replica) and every refit a gloo broadcast (weight_transport gloo), as on engine nodes of their own.
+    overlap: partial rollouts with ``rollout.overlap``: a round runs on the engines while the trainer trains."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     import subprocess
@@ -159,7 +160,10 @@ def test_aligner_step_through_a_local_engine_server(tok_dir, tmp_path, layout, m
     step = next(r for r in r0["records"] if "train/batch_acc" in r or "actor/loss" in r)
     assert step["rollout/trained_tokens"] > 0 and step["actor/grad_norm"] > 0
     assert 0.0 <= step["timing/engine_idle_s"] <= step["timing/step_s"]  # the owner logs its engine's idle time
-    if mode == "suspend":  # partial rollouts in rounds: the group left running at step 1 trains at step 2
+    # overlap: the round submitted at the full batch is in flight during the first step's update, and no step
+    # leaves one behind (the refit and the checkpoint come after its end); the last step draws nothing ahead
+    assert any(r0["round_in_flight"][:1]) == any(r1["round_in_flight"][:1]) == (mode == "overlap")
+    if mode in ("suspend", "overlap"):  # partial rollouts in rounds: the group left running at step 1 trains at 2
         steps_m = [r for r in r0["records"] if "counters/rollout_steps" in r]
         assert [m["counters/rollout_steps"] for m in steps_m] == [1.0, 2.0]
         assert steps_m[0]["partial/suspended_groups"] >= 1 and steps_m[1]["partial/resumed_groups"] >= 1
@@ -171,7 +175,7 @@ def test_aligner_step_through_a_local_engine_server(tok_dir, tmp_path, layout, m
         # a checkpoint of the trainer carries the groups still suspended, on every rank
         assert len(r0["saved_suspended"]) == last["partial/suspended_groups"] and r0["saved_suspended"] == \
             r1["saved_suspended"]
-        if layout == "dp2":  # both data-parallel ranks hand their filler the same groups: the same counts
+        if layout != "tp2":  # both data-parallel ranks hand their filler the same groups: the same counts
             def batch(r):
                 return [{k: v for k, v in m.items() if k.split("/")[0] in ("counters", "partial", "filter")}
                         for m in r["records"] if "counters/rollout_steps" in m]

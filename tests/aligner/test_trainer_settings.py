@@ -53,7 +53,10 @@ def test_rollout_mode_maps_abort_to_blocking_batches_and_suspend_to_rounds_in_pr
     trainer.rollout.on_filler_full, trainer.rollout.round_tokens = "suspend", 512
     s = aligner_loop_parts(trainer, model)[0]
     assert (s.streaming, s.on_filler_full, s.fill_order) == (True, "suspend", "prompt")
-    assert partial_rollout_args(trainer) == {"max_staleness": 1, "round_tokens": 512}
+    assert partial_rollout_args(trainer) == {"max_staleness": 1, "round_tokens": 512, "overlap": False}
+    trainer.rollout.overlap = "yes"
+    with pytest.raises(ValueError, match=r"trainer.dapo.rollout.overlap='yes' must be true or false"):
+        partial_rollout_args(trainer)
     trainer.rollout.on_filler_full = "finish"
     with pytest.raises(ValueError, match=r"trainer.dapo.rollout.on_filler_full='finish' must be one of"):
         aligner_loop_parts(trainer, model)

@@ -238,6 +238,10 @@ BAD = [
     (DENSE, SEPARATE[:1] + SEPARATE[2:], "weight_transport=shm with placement separate"),
     (DENSE, SEPARATE[:2] + ["trainer.dapo.engine_server.address=tcp://e:{port}"],
      "with placement separate: the engines share no GPU"),
+    (DENSE, ["trainer.dapo.rollout.overlap=2"], "trainer.dapo.rollout.overlap=2 must be true or false"),
+    (DENSE, ["trainer.dapo.rollout.overlap=true"], "overlap=true runs a round of partial rollouts while"),
+    (DENSE, ["trainer.dapo.rollout.overlap=true", "trainer.dapo.rollout.on_filler_full=suspend",
+             "model.dapo.algorithm.tis_cap=2.0"], "set trainer.dapo.engine_server.sleep_level=0"),
 ]
 
 
@@ -255,6 +259,9 @@ def test_partial_rollouts_validate_on_a_recipe():
     assert cv.check_config(crafted(DENSE, on)) == []
     # max_staleness 0 continues nothing: no importance weights needed
     assert cv.check_config(crafted(DENSE, on[:1] + ["trainer.dapo.rollout.max_staleness=0"])) == []
+    # one-step-off: a round on the engines of their own while the trainer trains
+    overlap = [*on, *SEPARATE, "trainer.dapo.rollout.overlap=true", "trainer.dapo.engine_server.address=tcp://e:{port}"]
+    assert cv.check_config(crafted(DENSE, overlap)) == []
 
 
 @functools.lru_cache(maxsize=None)

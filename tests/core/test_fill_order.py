@@ -11,7 +11,7 @@ import torch
 
 from nemo_dapo.engines.generator import EngineGenerator
 from tests.core.test_loop import make_loop, steady
-from tests.core.test_partial_rollouts import EOS, MAX_NEW, PushingPolicy, VersionedToy
+from tests.core.test_partial_rollouts import EOS, MAX_NEW, BusyPolicy, PushingPolicy, VersionedToy
 from tests.support.inprocess_client import InProcessClient
 
 # What depends on the engine's timing whatever the fill order: how much was generated before the abort.
@@ -110,20 +110,26 @@ def test_prompt_order_with_abort_trains_a_prefix_of_the_drawn_prompts_and_counts
     assert m["rollout/generated_tokens"] == m["response/tokens"] + m["rollout/aborted_tokens"]
 
 
-def rounds_loop(order_seed, round_tokens=4, seed=5, reducer=None):
+def rounds_loop(order_seed, round_tokens=4, seed=5, reducer=None, overlap=False, busy=None):
     """Partial rollouts in prompt order (rounds of ``round_tokens`` tokens), the engine's completions replayed in an
-    order drawn from ``order_seed``; ``reducer``: this rank's data-parallel collectives (None: one rank)."""
+    order drawn from ``order_seed``; ``reducer``: this rank's data-parallel collectives (None: one rank).
+    ``busy`` (with ``order_seed`` None): no replay, the engine left to take ``busy`` decode steps in each update (a
+    round submitted before the update is then collected part-done; a replayed one was run to its end at once)."""
     from nemo_dapo.core.loop import DAPOLoop
     from nemo_dapo.core.loss import make_loss_fn
 
-    policy = PushingPolicy()
-    gen = Reordering(EngineGenerator(InProcessClient(VersionedToy()), eos_id=EOS, pad_id=0), order_seed)
+    engine = EngineGenerator(InProcessClient(VersionedToy()), eos_id=EOS, pad_id=0)
+    if busy is None:
+        policy, gen = PushingPolicy(), Reordering(engine, order_seed)
+    else:
+        policy, gen = BusyPolicy(busy), engine
+        policy.client = engine.client
     base = make_loop(generator=gen, policy=policy, ds=True, groups=4, group_size=4, mini=8, max_new_tokens=MAX_NEW,
                      streaming=True, on_filler_full="suspend", fill_order="prompt", seed=seed,
                      loss=make_loss_fn(eps_low=0.2, eps_high=0.28, clip_c=10.0, tis_cap=2.0))
     return DAPOLoop(policy=policy, generator=gen, reward_fn=base.reward_fn, loss_fn=base.loss_fn,
                     prompts=base.prompts, filler=base.filler, settings=base.settings, max_staleness=1,
-                    round_tokens=round_tokens, reducer=reducer)
+                    round_tokens=round_tokens, reducer=reducer, overlap=overlap)
 
 
 def trained_rows(loop):
@@ -147,18 +153,21 @@ def test_partial_rollouts_in_prompt_order_train_and_suspend_the_same_whatever_th
     assert ma[1]["partial/resumed_groups"] > 0 and ma[-1]["rollout/aborted_tokens"] == 0
 
 
-def test_partial_rollouts_in_prompt_order_under_data_parallelism_build_the_single_ranks_batches():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_partial_rollouts_in_prompt_order_under_data_parallelism_build_the_single_ranks_batches(overlap):
     """Two ranks (threads), each with its own engine and other engine timing, share every round's groups and the
-    scoring of the finished head: together they train the rows one rank trains, and both carry over its state."""
+    scoring of the finished head: together they train the rows one rank trains, and both carry over its state
+    (with overlap too: each rank's share of the round run during the update)."""
     import threading
 
     from tests.core.test_loop import ThreadReducer
 
     steps = 3
-    single = rounds_loop(order_seed=1, seed=9)
+    single = rounds_loop(order_seed=1, seed=9, overlap=overlap)
     expected = [steady(single.step()) for _ in range(steps)]
     shared, barrier = [None, None], threading.Barrier(2)
-    ranks = [rounds_loop(order_seed=2 + r, seed=9, reducer=ThreadReducer(r, 2, shared, barrier)) for r in range(2)]
+    ranks = [rounds_loop(order_seed=2 + r, seed=9, reducer=ThreadReducer(r, 2, shared, barrier), overlap=overlap)
+             for r in range(2)]
     got, errors = {0: [], 1: []}, []
 
     def run(r):
@@ -203,22 +212,88 @@ def test_rounds_hand_groups_over_in_prompt_order_and_suspend_only_at_round_ends(
     assert m["counters/generated_tokens"] == m["response/tokens"] + sum(g.num_tokens() for g in held)
 
 
-def test_a_resumed_prompt_order_run_reproduces_the_uninterrupted_one(tmp_path):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_resumed_prompt_order_run_reproduces_the_uninterrupted_one(tmp_path, overlap):
     from nemo_dapo.core.checkpoint import load_checkpoint, save_checkpoint
 
-    a = rounds_loop(order_seed=1)
+    a = rounds_loop(order_seed=1, overlap=overlap)
     a.step()
-    b = rounds_loop(order_seed=7)  # the run that is killed, with other engine timing
+    b = rounds_loop(order_seed=7, overlap=overlap)  # the run that is killed, with other engine timing
     b.step()
     path = save_checkpoint(str(tmp_path), 1, {"loop": b.state_dict()})
-    c = rounds_loop(order_seed=3)  # the rerun, with a third
+    c = rounds_loop(order_seed=3, overlap=overlap)  # the rerun, with a third
     c.load_state_dict(load_checkpoint(path)["loop"])
     ma, mc = steady(a.step()), steady(c.step())
     assert ma == mc and ma["partial/resumed_groups"] > 0
     assert trained_rows(a)[-len(c.policy.calls):] == trained_rows(c)
 
 
-def test_prompt_order_with_partial_rollouts_needs_rounds_and_no_overlap():
+# ---- overlap in prompt order: one round while the trainer trains ---------------------------------------------------
+def overlap_run(steps=4, **kw):
+    loop = rounds_loop(seed=9, overlap=True, **kw)
+    metrics = [steady(loop.step()) for _ in range(steps)]
+    return trained_rows(loop), metrics, [g.to_state() for g in loop._suspended], loop
+
+
+def test_overlap_in_prompt_order_trains_the_same_whatever_the_engines_did_during_the_update():
+    """The round submitted at the full batch is collected before the refit: run to its end at once (replayed), the
+    engine left idle through the update, or part-done by it, the run trains and carries over the same."""
+    runs = [overlap_run(order_seed=1), overlap_run(order_seed=None, busy=0), overlap_run(order_seed=None, busy=5)]
+    (ta, ma, sa, a) = runs[0]
+    for tb, mb, sb, _ in runs[1:]:
+        assert ta == tb and ma == mb and sa == sb
+    assert ma[1]["partial/resumed_groups"] > 0 and ma[-1]["partial/trained_lag_max"] >= 1
+    spans = [int(v[m.bool()].max() - v[m.bool()].min()) for mb, _ in a.policy.calls
+             for v, m in zip(mb.token_version, mb.response_mask)]
+    assert max(spans) == a.max_staleness  # responses continued by the next weights, none spanning more
+    # it is not the loop without overlap: the next batch's prompts were drawn (and started) a step early
+    plain = rounds_loop(order_seed=1, seed=9)
+    first = steady(plain.step())
+    assert ma[0]["counters/consumed_prompts"] > first["counters/consumed_prompts"]
+    assert ma[0]["counters/generated_tokens"] > first["counters/generated_tokens"]
+    c, p = a.counters, a.partial_counters  # every generated token trained, held or counted as dropped
+    assert c["generated_tokens"] == sum(m["response/tokens"] for m in ma) + sum(
+        g.num_tokens() for g in a._suspended) + p["stale_tokens"] + c["aborted_tokens"]
+
+
+def test_overlap_in_prompt_order_runs_its_round_during_the_update():
+    seen = []
+
+    class Watching(BusyPolicy):
+        def train_step(self, minibatch, *, norm, loss_fn):
+            seen.append(self.client.adapter.has_work())
+            return super().train_step(minibatch, norm=norm, loss_fn=loss_fn)
+
+    for overlap in (True, False):
+        loop = rounds_loop(order_seed=None, busy=2, seed=9, overlap=overlap)
+        watching = Watching(2)
+        watching.client = loop.policy.client
+        loop.policy = watching
+        seen.clear()
+        loop.step()
+        assert seen and seen[0] == overlap  # requests in flight when the trainer starts training, or none
+
+
+def test_overlap_in_prompt_order_stopped_before_the_update_waits_for_its_round_and_resumes_as_uninterrupted(
+        tmp_path):
+    from nemo_dapo.core.checkpoint import load_checkpoint, save_checkpoint
+
+    a = rounds_loop(order_seed=1, seed=9, overlap=True)
+    expected = [steady(a.step()) for _ in range(2)]
+    b = rounds_loop(order_seed=None, busy=3, seed=9, overlap=True)
+    assert b.step(should_stop=lambda phase: phase == "update") is None  # a time limit hit with the batch full
+    assert b._ahead is None and b.filler.full()  # the round is collected: the checkpoint holds all of it
+    path = save_checkpoint(str(tmp_path), 0, {"loop": b.state_dict()})
+    c = rounds_loop(order_seed=2, seed=9, overlap=True)
+    c.load_state_dict(load_checkpoint(path)["loop"])
+    got = [steady(c.step()) for _ in range(2)]
+    assert trained_rows(c) == trained_rows(a)  # the same rows, trained in the same order
+    same_keys = [k for k in expected[-1] if k.startswith(("counters/", "partial/"))]
+    assert {k: got[-1][k] for k in same_keys} == {k: expected[-1][k] for k in same_keys}
+    assert [g.to_state() for g in c._suspended] == [g.to_state() for g in a._suspended]
+
+
+def test_prompt_order_with_partial_rollouts_needs_rounds():
     from nemo_dapo.core.loop import DAPOLoop
 
     base = rounds_loop(order_seed=1)
@@ -226,8 +301,6 @@ def test_prompt_order_with_partial_rollouts_needs_rounds_and_no_overlap():
               prompts=base.prompts, filler=base.filler, settings=base.settings, max_staleness=1)
     with pytest.raises(ValueError, match="give round_tokens >= 1"):
         DAPOLoop(**kw)
-    with pytest.raises(ValueError, match="cannot be combined with overlap"):
-        DAPOLoop(**kw, round_tokens=4, overlap=True)
 
     class TwoRanks:
         rank, world_size = 0, 2
@@ -238,13 +311,12 @@ def test_prompt_order_with_partial_rollouts_needs_rounds_and_no_overlap():
     assert DAPOLoop(**kw).max_staleness == 1  # one rank may suspend in finishing order
 
 
-def test_the_cpu_config_takes_prompt_order_with_suspend_and_refuses_it_with_overlap_by_name():
+def test_the_cpu_config_takes_prompt_order_with_suspend_with_or_without_overlap():
     from nemo_dapo.local.config import ConfigError, load_config
 
     keys = ["rollout.engine=local", "rollout.streaming=true", "rollout.on_filler_full=suspend", "algorithm.tis_cap=2.0",
             "rollout.fill_order=prompt"]
     assert load_config("tiny_cpu", keys + ["rollout.round_tokens=4"]).rollout.round_tokens == 4
-    with pytest.raises(ConfigError, match="rollout.fill_order.*rollout.overlap"):
-        load_config("tiny_cpu", keys + ["rollout.overlap=true", "rollout.server.sleep_level=0"])
+    assert load_config("tiny_cpu", keys + ["rollout.overlap=true", "rollout.server.sleep_level=0"]).rollout.overlap
     with pytest.raises(ConfigError, match="rollout.round_tokens"):
         load_config("tiny_cpu", keys + ["rollout.round_tokens=0"])

@@ -201,7 +201,9 @@ PROMPT_ORDER_PARTIAL = ["rollout.engine=local", "rollout.streaming=true", "rollo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", [["rollout.processes=2"], PROMPT_ORDER_PARTIAL], ids=["inprocess", "prompt_partial"])
+@pytest.mark.parametrize("mode", [["rollout.processes=2"], PROMPT_ORDER_PARTIAL,
+                                  PROMPT_ORDER_PARTIAL + ["rollout.overlap=true", "rollout.server.sleep_level=0"]],
+                         ids=["inprocess", "prompt_partial", "prompt_overlap"])
 def test_sigkill_then_resume_gives_the_same_metrics_as_an_uninterrupted_run(tmp_path, base_dir, mode):
     args = TINY + ["trainer.max_steps=6", "trainer.save_every=2", f"model.path={base_dir}",
                    "algorithm.dynamic_sampling.enabled=true",
@@ -225,7 +227,7 @@ def test_sigkill_then_resume_gives_the_same_metrics_as_an_uninterrupted_run(tmp_
     assert steps_done < 6
     subprocess.run(cmd + args + [f"run_dir={killed}"], check=True, env=env, capture_output=True, timeout=600)
     assert steady_records(killed) == steady_records(full)
-    if mode == PROMPT_ORDER_PARTIAL:  # partial work was carried over a refit, and the comparison covers it
+    if "rollout.on_filler_full=suspend" in mode:  # partial work was carried over a refit, the comparison covers it
         assert max(r.get("partial/resumed_groups", 0) for r in steady_records(full)) > 0
     assert json.load(open(os.path.join(killed, "summary.json")))["final_accuracy"] == \
         json.load(open(os.path.join(full, "summary.json")))["final_accuracy"]

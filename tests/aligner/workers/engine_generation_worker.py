@@ -65,6 +65,8 @@ def main() -> None:
                                        "always_save_nemo": False, "save_nemo_on_train_end": False,
                                        "filename": "dapo-{step}", "model_parallel_size": TP}}))
     mode, steps = os.environ.get("ROLLOUT", "abort"), int(os.environ.get("STEPS", "1"))
+    overlap = mode == "overlap"  # partial rollouts with a round run while the trainer trains
+    mode = "suspend" if overlap else mode
     dapo = dict(nemo_cpu.DAPO_DEFAULTS, algorithm=dict(nemo_cpu.ALGORITHM_DEFAULTS, clip_c=3.0, tis_cap=2.0),
                 length_params={"max_length": 6},
                 sampling_params={"use_greedy": False, "temperature": 1.0, "top_k": 0, "top_p": 1.0,
@@ -84,7 +86,7 @@ def main() -> None:
         "hf_model_dir": os.environ["HF_DIR"], "tensor_parallel_size": TP, "pipeline_parallel_size": 1,
         "address": os.environ["ENGINE_ADDRESS"], "address_env": "UNSET_IN_THIS_TEST", "base_port": 0,
         "authkey_env": "NEMO_DAPO_ENGINE_AUTHKEY", "connect_timeout_s": 120.0, "request_timeout_s": 300.0,
-        "bucket_mb": 1, "dtype": None, "sleep_level": 0 if PLACEMENT == "separate" else 1, "placement": PLACEMENT,
+        "bucket_mb": 1, "dtype": None, "sleep_level": 0 if PLACEMENT == "separate" or overlap else 1, "placement": PLACEMENT,
         "weight_transport": "gloo" if PLACEMENT == "separate" else "shm"}}}})
     generator = build_generator(actor, cfg=cfg)  # connects (rank 0 owns the one engine) and pushes the weights
     assert isinstance(generator, AlignerEngineGenerator)
@@ -98,11 +100,17 @@ def main() -> None:
     trainer_cfg = OmegaConf.create({
         "max_epochs": 10, "max_steps": steps, "val_check_interval": 0, "save_interval": 0, "gradient_clip_val": 1.0,
         "save_time_s": 600, "prompts_per_step": 2, "ppo_epochs": 1, "seed": 5, "shuffle_minibatches": True,
-        "rollout": {"on_filler_full": mode, "max_staleness": 1, "round_tokens": 2}})
+        "rollout": {"on_filler_full": mode, "max_staleness": 1, "round_tokens": 2, "overlap": overlap}})
     dapo_trainer = DAPOTrainer(trainer_cfg, actor, optimizer, scheduler, train_ds, None,
                                LocalRewardClient(actor.tokenizer, num_workers=1), generator,
                                CustomLoggerWrapper([recorder]), add_custom_checkpoint_callback(ptl_trainer, actor),
                                Timer(None))
+    train_step, result["round_in_flight"] = dapo_trainer.policy.train_step, []
+
+    def watched(*args, **kw):  # a round submitted to the engines and not collected yet, while the trainer trains
+        result["round_in_flight"].append(dapo_trainer.loop._ahead is not None)
+        return train_step(*args, **kw)
+    dapo_trainer.policy.train_step = watched
     dapo_trainer.fit()
     # what a checkpoint of the trainer holds (packed as the NeMo checkpoint stores it): the suspended groups
     state = unpack_state(pack_state(dapo_trainer.state_dict()))["loop"]
