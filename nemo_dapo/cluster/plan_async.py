@@ -31,7 +31,10 @@ policy, as verl's ``use_rollout_log_probs``).
     sides (no double-buffered engine weights). A larger S absorbs timing noise (not modelled) but cannot make a
     step shorter than its slower side.
 (4) Disaggregated + partial rollouts: as (3), the engines generating continuously at their full-batch rate with the
-    drop rule of (2), the phase being the whole step.
+    drop rule of (2), the phase being the whole step. The trainer builds less (``built``): with
+    ``trainer.dapo.rollout.overlap`` it generates in prompt-order rounds and overlaps one round with the train
+    side, a round of the step's responses x min(round_tokens, E[L]) tokens at the full-batch rate, so step = train
+    side + generation side + refit - min(train side, generation side, round) (the drops of (4) kept).
 Refused (a line saying why, no estimate): a split whose trainer GPUs do not divide into the recipe's training
 layout or do not hold its training state; a cluster of one node (no whole-node split); an engine that spans nodes
 (the validator's rule); ``network_gb_per_s`` <= 0 (plan.assume ranges).
@@ -72,6 +75,10 @@ def settings(cfg: dict) -> dict:
                 if key == "trainer_nodes" else "true or false"
             raise PlanError(f"{KEY}.{key}={value!r} must be {want}")
         out[key] = value
+    rounds = select(cfg, "trainer.dapo.rollout.round_tokens")
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 1:
+        raise PlanError(f"trainer.dapo.rollout.round_tokens={rounds!r} must be an integer >= 1")
+    out["round_tokens"] = rounds
     return out
 
 
@@ -286,6 +293,11 @@ def _disaggregated(plan: dict, s: dict, split: dict, *, partial: bool) -> dict:
                                phase=lambda x: max(train_side, x) + refit, fixed=fixed)
         generation, extra = part["generation"], {"dropped": part["dropped"], "wasted": part["wasted"],
                                                  "prefill": fixed}
+        # what the trainer builds (rollout.overlap, prompt order): one round of round_tokens per sample overlaps
+        # the train side, the rest of generation runs in turn with it
+        round_s = eng["responses"] * min(s["round_tokens"], t["lengths"].max_moment(1)) / gen["tokens_per_s"]
+        hidden = min(train_side, generation, round_s)
+        extra["built"] = {"step": train_side + generation + refit - hidden, "round": round_s, "hidden": hidden}
     return {"step": _overlap(train_side, generation, refit, s["max_staleness"]),
             "parts": {"train side": train_side, "generation side": generation, "network refit": refit},
             "trainer_nodes": split["trainer_nodes"], "engine_gpus": split["engine_gpus"], "engines": eng["engines"],

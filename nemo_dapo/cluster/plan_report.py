@@ -60,6 +60,8 @@ LAYOUT_ASSUMPTIONS = (
     "one-step-off: step = max(train side, generation side) + network refit at max_staleness >= 1, their sum at 0; "
     "the refit sends the whole bf16 model at network_gb_per_s and stalls both sides (no double-buffered weights); "
     "a deeper staleness absorbs timing noise (not modelled) but no step is shorter than its slower side",
+    "built: the trainer's rollout.overlap runs one prompt-order round (the step's responses x min(round_tokens, "
+    "E[L]) tokens at the full-batch rate) beside the train side; the rest of generation runs in turn with it",
 )
 
 
@@ -81,6 +83,11 @@ def _layout_detail(key: str, row: dict, plan: dict) -> str:
     if "dropped" in row:
         text += (f"; {row['dropped']:.1%} of responses outlive max_staleness and are generated again "
                  f"({row['wasted']:.1%} of generated tokens wasted)")
+    if "built" in row:
+        b = row["built"]
+        text += (f"; what the trainer builds (trainer.dapo.rollout.overlap, prompt-order rounds) overlaps one round "
+                 f"of round_tokens={plan['async']['round_tokens']} ({b['round']:.0f}), hiding {b['hidden']:.0f}: "
+                 f"step {b['step'] / 60:.0f} min")
     return text
 
 

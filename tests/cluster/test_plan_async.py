@@ -169,3 +169,19 @@ def test_the_printed_layouts_agree_with_their_components(capsys):
     assert f"{ratio:.2f}x faster than today" in out
     for text in ("network_gb_per_s=8.0: published", "layout assumptions:", "stalls both sides"):
         assert text in out.replace("\n      ", " ")
+
+
+@pytest.mark.parametrize("recipe", [DENSE, MOE])
+def test_the_built_overlap_lies_between_the_ideal_and_no_overlap_and_grows_with_the_round(recipe):
+    """What the trainer builds (one prompt-order round beside the train side) is no faster than the one-step-off
+    ideal, no slower than training and generating in turn, and hides more with longer rounds."""
+    steps = []
+    for rounds in (256, 2048, 1 << 20):
+        row = _plan(recipe, [f"trainer.dapo.rollout.round_tokens={rounds}"])["layouts"]["disaggregated_partial"]
+        p, built = row["parts"], row["built"]
+        in_turn = p["train side"] + p["generation side"] + p["network refit"]
+        assert row["step"] - 1e-9 <= built["step"] <= in_turn + 1e-9
+        assert built["step"] == pytest.approx(in_turn - min(p["train side"], p["generation side"], built["round"]))
+        steps.append(built["step"])
+    assert steps[0] > steps[1] >= steps[2]
+    assert steps[2] == pytest.approx(row["step"])  # rounds as long as the responses: the ideal one-step-off
