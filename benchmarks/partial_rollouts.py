@@ -21,8 +21,10 @@ run's counters it takes
 and prints one row per run, the medians per policy and a RESULT line of key=value fields (the second policy's medians
 against the first's). ``--compare fill_order`` measures the cost of the reproducible mode instead: both with abort,
 ``rollout.fill_order`` = finish (the baseline) against prompt; ``--compare suspend_order`` the same with partial
-rollouts (prompt order then generates in rounds of ``rollout.round_tokens``). ``--compare overlap``: partial rollouts without
-(the baseline) and with ``rollout.overlap`` (the engine process generates while the trainer trains), each run's RL
+rollouts (prompt order then generates in rounds of ``rollout.round_tokens``). ``--compare overlap``: partial rollouts
+without (the baseline) and with ``rollout.overlap`` (the engine process generates while the trainer trains; add
+``rollout.fill_order=prompt`` for the reproducible overlap, one round during the update), ``--compare
+overlap_prompt``: the synchronous loop in finishing order against that reproducible overlap, each run's RL
 seconds per 1,000 trained responses, with each run's ``plots/time.png`` and ``plots/staleness.png``; run it with
 ``trainer.threads=1 rollout.processes=1 "trainer.cpus=[1]" "rollout.server.cpus=[0]"`` so that the trainer and the
 engine (one thread each) have one core each, the same in both (``taskset -c 0,1`` instead: the same two cores,
@@ -58,6 +60,12 @@ COMPARISONS = {
     # one-step-off: the engine process generates while the trainer process trains (one thread each)
     "overlap": {"sync": ["rollout.on_filler_full=suspend", "rollout.max_staleness=1", "rollout.overlap=false"],
                 "overlap": ["rollout.on_filler_full=suspend", "rollout.max_staleness=1", "rollout.overlap=true"]},
+    # the fastest synchronous loop (partial rollouts in finishing order) vs the reproducible one-step-off (prompt
+    # order: one round of rollout.round_tokens while the trainer trains)
+    "overlap_prompt": {"sync": ["rollout.on_filler_full=suspend", "rollout.max_staleness=1", "rollout.overlap=false",
+                                "rollout.fill_order=finish"],
+                       "overlap": ["rollout.on_filler_full=suspend", "rollout.max_staleness=1", "rollout.overlap=true",
+                                   "rollout.fill_order=prompt"]},
 }
 
 
@@ -68,7 +76,7 @@ def run_once(out: str, policy: str, seed: int, args) -> dict:
                  f"rollout.engine={args.engine}", "rollout.streaming=true", "algorithm.tis_cap=2.0",
                  f"trainer.max_samples={args.max_samples}", "trainer.max_steps=1000", "trainer.val_every=0",
                  f"data.heldout_size={args.heldout}", f"eval.n_samples={args.eval_samples}",
-                 f"trainer.plots={str(args.compare == 'overlap').lower()}",  # RUN/plots/{time,staleness}.png
+                 f"trainer.plots={str(args.compare.startswith('overlap')).lower()}",  # RUN/plots/{time,staleness}.png
                  *COMPARISONS[args.compare][policy], *args.override]
     if not os.path.exists(os.path.join(run_dir, "summary.json")):
         with open(run_dir + ".log", "w") as log:
@@ -106,7 +114,7 @@ def main() -> int:
                    help="on_filler_full: abort vs suspend; fill_order: finish vs prompt (both abort); "
                    "suspend_order: finish vs prompt (both suspend); overlap: "
                    "suspend without vs with rollout.overlap (pin the trainer and the engine: trainer.cpus, "
-                   "rollout.server.cpus)")
+                   "rollout.server.cpus); overlap_prompt: sync in finishing order vs overlap in prompt order")
     p.add_argument("--out", default=None, help="default runs/partial_rollouts (runs/fill_order with --compare "
                    "fill_order)")
     p.add_argument("--seeds", type=int, default=3)

@@ -175,8 +175,8 @@ def rollout_mode(cfg: DictConfig) -> dict:
 
 def partial_rollout_args(cfg: DictConfig) -> dict:
     """DAPOLoop's ``max_staleness`` / ``round_tokens`` / ``overlap`` from ``trainer.dapo.rollout`` (``cfg``:
-    trainer.dapo). overlap needs partial rollouts (suspend, max_staleness >= 1) and an engine that stays awake
-    while the trainer trains (``engine_server.sleep_level`` 0); the loop refuses it otherwise."""
+    trainer.dapo). overlap needs partial rollouts (suspend, max_staleness >= 1; the loop refuses it otherwise) and
+    engines that stay awake while the trainer trains (``engine_server.sleep_level`` 0; the validator's rule)."""
     overlap = required(cfg, "rollout.overlap", "trainer.dapo")
     if not isinstance(overlap, bool):
         raise ValueError(f"trainer.dapo.rollout.overlap={overlap!r} must be true or false")

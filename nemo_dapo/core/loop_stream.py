@@ -200,15 +200,14 @@ class StreamingPhase:
     def _submit_round(self, todo: list, live: list, prompts: list) -> tuple:
         """Submit one round of the groups ``live`` (indices into ``todo``): this rank's share, each sample continued
         by at most ``round_tokens`` tokens. Returns what ``_finish_round`` collects (the engines run meanwhile)."""
+        s = self.settings
         lo, hi = self._share(len(live))
         mine = live[lo:hi]
-        requests = [continuation_requests(todo[k], prompts[k], self.settings.max_new_tokens, self.round_tokens)
-                    for k in mine]
+        requests = [continuation_requests(todo[k], prompts[k], s.max_new_tokens, self.round_tokens) for k in mine]
         for k in live:  # after the requests: a continuation's seeds follow the resumes before it
             todo[k].resumes += 1
-        s = self.settings
-        return mine, self._version, self.generator.stream_requests(requests, temperature=s.temperature,
-                                                                   top_p=s.top_p)
+        stream = self.generator.stream_requests(requests, temperature=s.temperature, top_p=s.top_p)
+        return mine, self._version, stream
 
     def _finish_round(self, todo: list, live: list, submitted: tuple, timers) -> list:
         """Wait for a submitted round to end; every rank's states of the groups ``live`` after it (``suspend``,
