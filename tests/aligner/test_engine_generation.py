@@ -88,7 +88,8 @@ def test_split_rows_is_contiguous_and_complete():
 @pytest.mark.nemo
 @pytest.mark.slow
 @pytest.mark.parametrize("layout, mode, steps", [("tp2", "abort", 1), ("tp2", "suspend", 2), ("dp2", "suspend", 2),
-                                                 ("dp2_separate", "abort", 1), ("dp2_separate", "overlap", 2)])
+                                                 ("dp2_separate", "abort", 1), ("dp2_separate", "overlap", 2),
+                                                 ("tp2", "overlap", 2)])
 def test_aligner_step_through_a_local_engine_server(tok_dir, tmp_path, layout, mode, steps):
     """tp2: one engine for a TP=2 group (rank 0 owns it); dp2: two data-parallel ranks, an engine each;
     dp2_separate: the same with ``placement: separate``: the engines on TCP addresses (a comma-separated list, one

@@ -295,10 +295,13 @@ def test_health_wait_stops_at_once_when_a_server_dies(script, inputs, images, tm
 def test_engines_on_a_node_of_their_own(script, inputs, images, tmp_path):
     """ENGINE_NODES=1 of 2 nodes: the servers run on node 1 on TCP ports, the trainer (node 0; TP=1, so two
     data-parallel replicas, one engine each) gets their list and refits them over a gloo broadcast, with
-    placement separate and sleep_level 0 passed to the options step and the trainer alike."""
+    placement separate and sleep_level 0 passed to the options step and the trainer alike; partial rollouts with
+    overlap (a round on the engines during each update) pass through the launcher's overrides."""
     port = free_port()
-    rc, out, err, rec, _ = _run_job(script, inputs, images, tmp_path, h.new_job_id(), *OVERRIDES,
-                                    "model.tensor_model_parallel_size=1", "trainer.dapo.max_steps=1",
+    overlap = ("trainer.dapo.rollout.on_filler_full=suspend", "model.dapo.algorithm.tis_cap=2.0",
+               "trainer.dapo.rollout.overlap=true", "trainer.dapo.rollout.round_tokens=4")
+    rc, out, err, rec, _ = _run_job(script, inputs, images, tmp_path, h.new_job_id(), *OVERRIDES, *overlap,
+                                    "model.tensor_model_parallel_size=1", "trainer.dapo.max_steps=2",
                                     ENGINE_NODES="1", SLURM_JOB_NUM_NODES="2", SLURM_NNODES="2",
                                     SLURM_JOB_NODELIST="127.0.0.1,127.0.0.1", ENGINE_BASE_PORT=str(port))
     assert rc == 0, f"sbatch failed ({rc}):\n{err[-3000:]}\n{_logs(tmp_path / 'results')}"
@@ -324,6 +327,9 @@ def test_engines_on_a_node_of_their_own(script, inputs, images, tmp_path):
         trainer = next((tmp_path / "results").rglob(f"dapo_{job}_{i}.log")).read_text()
         assert f"rank {i} owns engine local at tcp://127.0.0.1:{port + i}" in trainer
         refits = re.findall(r"refit of engine \S+: \d+ buckets, [\d.]+ MB over (\w+)", trainer)
-        assert refits == ["group", "group"], refits  # the initial push and the one after step 1
+        assert refits == ["group"] * 3, refits  # the initial push and one after each step
     ckpts = _checkpoints(tmp_path / "results")
-    assert sorted(ckpts) == [1] and ckpts[1]["loop"]["counters"]["rollout_steps"] == 1
+    last = ckpts[max(ckpts)]["loop"]
+    assert last["counters"]["rollout_steps"] == 2 and last["partial"]["weight_version"] == 2
+    # step 2 continued what the round during step 1's update left: the groups carried and the prompts drawn ahead
+    assert last["partial"]["counters"]["resumed_groups"] >= 1
