@@ -169,7 +169,7 @@ def main() -> None:
         "max_epochs": 10, "max_steps": max_steps, "val_check_interval": 1, "save_interval": 1,
         "gradient_clip_val": 1.0, "save_time_s": 600,
         "prompts_per_step": 2, "ppo_epochs": 1, "seed": 5, "shuffle_minibatches": True,
-        "rollout": {"on_filler_full": "abort", "max_staleness": 1, "round_tokens": 8},
+        "rollout": {"on_filler_full": "abort", "max_staleness": 1, "round_tokens": 8, "overlap": False},
         "val": {"n_samples": 2, "temperature": 1.0, "top_p": 1.0, "seed": 0, "batch_size": 8, "max_problems": None}})
     mark = {}
 
