@@ -238,6 +238,8 @@ class StreamingPhase:
         todo = list(carried) + [SuspendedGroup(index=i, uid=u, seed=mix_seed(base, k) % (2 ** 31),
                                                samples=[SampleState([], [], []) for _ in range(g)])
                                 for k, (i, u) in enumerate(zip(indices, uids))]
+        if not todo:  # nothing carried over, and the sample cap lets nothing be drawn: no round
+            return
         prompt_ids, prompt_mask = self.prompts.collate([one.index for one in todo])
         prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]
         keep, _ = split_stale(todo, self._version + 1, self.max_staleness)

@@ -293,6 +293,16 @@ def test_overlap_in_prompt_order_stopped_before_the_update_waits_for_its_round_a
     assert [g.to_state() for g in c._suspended] == [g.to_state() for g in a._suspended]
 
 
+def test_overlap_in_prompt_order_with_nothing_carried_and_nothing_drawn_runs_no_round():
+    loop = rounds_loop(order_seed=1, seed=9, overlap=True)
+    loop.step()
+    held = [g.to_state() for g in loop._suspended]
+    loop._sample_cap = loop.counters["consumed_samples"]  # the run's last samples are drawn
+    loop._round_ahead([], handed=4)  # a batch that handed over every group it drew
+    assert loop._ahead is None and [g.to_state() for g in loop._suspended] == held
+    loop._park_live()  # the refit then has nothing to wait for
+
+
 def test_prompt_order_with_partial_rollouts_needs_rounds():
     from nemo_dapo.core.loop import DAPOLoop
 
