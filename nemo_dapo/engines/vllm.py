@@ -14,6 +14,7 @@
   would compute with uninitialised memory). Tied embeddings: vLLM's CPU lm_head keeps its own packed copy, so
   ``lm_head.weight`` and ``model.embed_tokens.weight`` are always loaded together. The collective transport
   (weight_group.py) is received by the workers themselves (``_rpc_group`` through ``collective_rpc``).
+* CPU: chunked prefill is off (a split prefill of a seeded request fails in vLLM 0.32's CPU sampler).
 * Sleep: vLLM's CPU worker ignores it: sleep pauses the scheduler and drops the prefix cache but frees nothing
   (``info()["sleep_frees_memory"]``); on GPU pass ``enable_sleep_mode=True``.
 """
@@ -134,6 +135,12 @@ class VLLMEngine:
                     max_num_seqs=max_batch_size, max_model_len=max_seq_len, enforce_eager=enforce_eager,
                     logprobs_mode="processed_logprobs", gpu_memory_utilization=gpu_memory_utilization,
                     disable_log_stats=True, kv_cache_memory_bytes=kv_gb and int(kv_gb * (1 << 30)))
+        if self._cpu:
+            # vLLM 0.32 rewinds a seeded request's generator when its prefill is split over steps, which a CPU
+            # generator cannot do ("CPU Generator does not use offset", gpu_model_runner._bookkeeping_sync): on CPU
+            # no prefill is split (a step's prefills beyond the token budget wait for the next step)
+            longest = max_seq_len or int(self._config.get("max_position_embeddings") or 0)
+            args.update(enable_chunked_prefill=False, max_num_batched_tokens=max(4096, longest))
         self._engine = LLMEngine.from_engine_args(EngineArgs(**{**args, **engine_kwargs}),
                                                   usage_context=UsageContext.LLM_CLASS)
         self._dtype, self._max_batch_size = self._engine.model_config.dtype, max_batch_size

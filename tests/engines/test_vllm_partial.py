@@ -15,4 +15,4 @@ from tests.support.json_worker import run_json_worker
 def test_vllm_abort_reports_the_prefix_and_prompt_plus_partial_continues_it():
     report, proc = run_json_worker(VLLM_PYTHON, "tests/engines/vllm_partial_worker.py", timeout=600)
     assert report["ok"] and proc.returncode == 0, report["failures"]
-    assert len(report["checks"]) >= 9 and all(report["checks"].values())
+    assert len(report["checks"]) >= 10 and all(report["checks"].values())
