@@ -157,13 +157,9 @@ class StreamingPhase:
         Under data parallelism every rank holds the state of every group (one seed for all: rank 0's); a round's
         live groups and the scoring of the finished head are split into contiguous shares, and the ranks exchange
         the results, so the batch is the one a single rank would build from the same engine outputs."""
-        s, g = self.settings, self.settings.group_size
         prompt_ids, prompt_mask = self.prompts.collate([sg.index for sg in resumed] + list(indices))
         prompts = [row[m.bool()].tolist() for row, m in zip(prompt_ids, prompt_mask)]
-        base = self._seed(rank=0)
-        todo = list(resumed) + [SuspendedGroup(index=i, uid=u, seed=mix_seed(base, k) % (2 ** 31),
-                                               samples=[SampleState([], [], []) for _ in range(g)])
-                                for k, (i, u) in enumerate(zip(indices, uids))]
+        todo = list(resumed) + self._fresh_groups(indices, uids, self._seed(rank=0))
         groups, handed = [], 0
         while True:
             for group in self._score_head(todo, handed, prompt_ids, prompt_mask, timers):
@@ -181,6 +177,13 @@ class StreamingPhase:
             if not live:
                 return groups
             self._reopen(todo, live, self._finish_round(todo, live, self._submit_round(todo, live, prompts), timers))
+
+    def _fresh_groups(self, indices, uids, base: int) -> list:
+        """Newly drawn prompts as groups of the prompt-order rounds: no token yet, prompt k seeded from ``base``."""
+        g = self.settings.group_size
+        return [SuspendedGroup(index=i, uid=u, seed=mix_seed(base, k) % (2 ** 31),
+                               samples=[SampleState([], [], []) for _ in range(g)])
+                for k, (i, u) in enumerate(zip(indices, uids))]
 
     def _score_head(self, todo: list, handed: int, prompt_ids, prompt_mask, timers) -> list:
         """The scored groups of the head of the prompt order (``todo[handed:]`` up to the first unfinished one), scored
@@ -232,12 +235,8 @@ class StreamingPhase:
         while the trainer trains. The refit waits for that round's end (``_park_live``), so what it generated does
         not depend on the engines' timing: the next batch continues it as it would any carried-over work. A group
         that the next weights would drop as stale is not continued (it is dropped and counted then)."""
-        g = self.settings.group_size
         indices, uids = self._draw_more(handed)
-        base = mix_seed(self._seed(rank=0), 1)
-        todo = list(carried) + [SuspendedGroup(index=i, uid=u, seed=mix_seed(base, k) % (2 ** 31),
-                                               samples=[SampleState([], [], []) for _ in range(g)])
-                                for k, (i, u) in enumerate(zip(indices, uids))]
+        todo = list(carried) + self._fresh_groups(indices, uids, mix_seed(self._seed(rank=0), 1))
         if not todo:  # nothing carried over, and the sample cap lets nothing be drawn: no round
             return
         prompt_ids, prompt_mask = self.prompts.collate([one.index for one in todo])
