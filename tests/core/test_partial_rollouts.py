@@ -298,10 +298,27 @@ def test_overlap_trains_groups_finished_during_the_update_and_bounds_every_respo
     assert trained_late  # such groups were trained in the next step, not dropped as stale
 
 
+def test_overlap_holds_the_next_batch_that_the_filler_asks_for_no_more():
+    """Finishing order: the groups still running when the batch fills count toward the next step's batch, and the
+    overlap draws only the rest of it (see test_fill_order for prompt order)."""
+    loop, asked = overlap_loop(), []
+    share = loop._ahead_share
+
+    def watched(carried):
+        asked.append((carried, loop.filler.next_step_gen_batch_size()))
+        return share(carried)
+    loop._ahead_share = watched
+    for _ in range(3):
+        loop.step()
+        carried, size = asked[-1]
+        assert len(loop._suspended) == max(size, carried)  # parked before the refit: all of the next batch
+    assert any(size > carried > 0 for carried, size in asked)
+
+
 def test_overlap_draws_nothing_ahead_past_the_callers_budget():
     plain = int(loop_with(seed=3).step()["counters/consumed_samples"])
     assert overlap_loop().step(sample_cap=0)["counters/consumed_samples"] == plain  # the last step
     g = 4
-    capped = overlap_loop().step(sample_cap=plain + 2 * g + 1)["counters/consumed_samples"]
-    assert capped == plain + 2 * g  # two prompts more keep the count below the cap: the run goes on to use them
+    capped = overlap_loop().step(sample_cap=plain + g + 1)["counters/consumed_samples"]
+    assert capped == plain + g  # one prompt more keeps the count below the cap: the run goes on to use them
     assert overlap_loop().step()["counters/consumed_samples"] > capped
