@@ -140,6 +140,7 @@ class DAPOLoop(StreamingPhase):
         # the next batch's prompts) while the trainer trains; parked before the refit (loop_stream._park_live). In
         # prompt order that work is one round, run to its end (loop_stream._round_ahead).
         self.overlap, self._live, self._ahead, self._sample_cap = bool(overlap), [], None, None
+        self._drawn_ahead = 0  # prompts drawn ahead for the next step, consumed when it begins
         if self.overlap and not self._suspending():
             raise ValueError("overlap needs partial rollouts: on_filler_full='suspend' with max_staleness >= 1, "
                              "streaming, and under data parallelism fill_order='prompt' (the work left running is "
@@ -344,9 +345,10 @@ class DAPOLoop(StreamingPhase):
              sample_cap: Optional[int] = None) -> Optional[dict]:
         """Run one rollout step; returns flat float metrics (``/``-grouped names) including the counters.
 
-        ``sample_cap`` (overlap): the caller's budget of ``counters["consumed_samples"]``; the next batch's prompts
-        are drawn ahead only while they keep the count below it, so the last step leaves no drawn-ahead work behind
-        (0: draw nothing ahead, the caller's last step). None: no budget.
+        ``sample_cap`` (overlap): the caller's budget of ``counters["consumed_samples"]``, which ends the run as it
+        ends a synchronous one (the next step runs while the count is below it); the next batch's prompts are drawn
+        ahead only then, and counted when that step begins. 0: draw nothing ahead (the caller's last step). None: no
+        budget.
 
         ``should_stop(phase)`` (optional) is asked before each generation batch (phase ``"generate"``) and before
         the update (``"update"``); it must answer the same on every rank. True ends the step there and returns
@@ -360,6 +362,8 @@ class DAPOLoop(StreamingPhase):
         idle = getattr(self.generator, "idle_seconds", None)  # engine generators only
         idle_before = idle() if callable(idle) else None
         skipped_before = self.counters["skipped_prompts"]
+        if not self.filler.ready():  # (a step resumed with its batch full counted them before its checkpoint)
+            self._count_ahead()
         while not self.filler.ready():
             if should_stop is not None and should_stop("generate"):
                 return None
@@ -426,7 +430,7 @@ class DAPOLoop(StreamingPhase):
                      settings=asdict(self.settings))
         if self._partial_mode():  # plain data: the suspended groups continue after a resume as they would have
             state["partial"] = dict(weight_version=self._version, counters=dict(self.partial_counters),
-                                    suspended=[g.to_state() for g in self._suspended])
+                                    suspended=[g.to_state() for g in self._suspended], drawn_ahead=self._drawn_ahead)
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -442,6 +446,7 @@ class DAPOLoop(StreamingPhase):
             self._version = int(partial["weight_version"])
             self.partial_counters = {k: int(partial["counters"].get(k, 0)) for k in PARTIAL_COUNTERS}
             self._suspended = [SuspendedGroup.from_state(g) for g in partial["suspended"]]
+            self._drawn_ahead = int(partial.get("drawn_ahead", 0))
         elif partial is not None and partial["suspended"]:
             log.warning("resume: %d suspended groups of the checkpoint are dropped (on_filler_full is not 'suspend' "
                         "with max_staleness >= 1 now)", len(partial["suspended"]))

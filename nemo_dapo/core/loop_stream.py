@@ -286,19 +286,24 @@ class StreamingPhase:
         return max(self.filler.next_step_gen_batch_size() - carried, 0)
 
     def _draw_more(self, n_prompts: int) -> tuple:
-        """Overlap: up to ``n_prompts`` of the next batch's prompts drawn now, only while
-        ``counters["consumed_samples"]`` stays below ``step``'s ``sample_cap`` (the run goes on to use them)."""
-        g = self.settings.group_size
-        if self._sample_cap is not None:
-            n_prompts = min(n_prompts, max((self._sample_cap - self.counters["consumed_samples"] - 1) // g, 0))
+        """Overlap: ``n_prompts`` of the next batch's prompts drawn now, if the next step runs: while
+        ``counters["consumed_samples"]`` is below ``step``'s ``sample_cap``. They count as consumed when that step
+        begins (``_count_ahead``), so a sample budget stops the run where it stops the synchronous loop."""
+        if self._sample_cap is not None and self.counters["consumed_samples"] >= self._sample_cap:
+            return [], []
         if n_prompts <= 0:
             return [], []
         skipped_before = self.sampler.skipped
         indices, uids = self.sampler.draw(n_prompts)
         self.counters["skipped_prompts"] += self.sampler.skipped - skipped_before
-        self.counters["consumed_prompts"] += n_prompts
-        self.counters["consumed_samples"] += n_prompts * g
+        self._drawn_ahead += n_prompts
         return list(indices), list(uids)
+
+    def _count_ahead(self) -> None:
+        """A step begins: the prompts drawn ahead for it count as consumed now."""
+        self.counters["consumed_prompts"] += self._drawn_ahead
+        self.counters["consumed_samples"] += self._drawn_ahead * self.settings.group_size
+        self._drawn_ahead = 0
 
     def _park(self, live: list, score=None) -> None:
         """Suspend every live stream (core/partial.py): each group keeps its tokens and log-probs with the version

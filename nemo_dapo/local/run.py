@@ -282,8 +282,8 @@ def _stop_reason(run: LocalRun, t_rl: float) -> str:
 
 
 def _sample_cap(run: LocalRun) -> Optional[int]:
-    """What the loop's overlap may draw ahead within: nothing (0) on the step that reaches trainer.max_steps,
-    else trainer.max_samples (None: no sample budget)."""
+    """The overlap's budget: nothing drawn ahead (0) on the step that reaches trainer.max_steps, else
+    trainer.max_samples, which the loop reads as this module's stop rule does (None: no sample budget)."""
     t = run.cfg.trainer
     return 0 if run.step + 1 >= t.max_steps else t.max_samples
 

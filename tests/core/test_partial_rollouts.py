@@ -238,14 +238,15 @@ def test_overlap_generates_during_the_update_and_trains_that_work_one_version_la
     assert not loop._live and loop._suspended  # parked before the refit: nothing runs past a step
     finished_early = [g for g in loop._suspended if not g.unfinished()]
     assert finished_early and all(g.oldest_version() == 0 for g in loop._suspended)  # drawn by version 0
-    drawn_ahead = m1["counters/consumed_prompts"]
+    drawn_ahead = loop._drawn_ahead
     calls = len(loop.policy.calls)
     m2 = loop.step()
     assert m2["partial/resumed_groups"] >= len(finished_early)
     uids = {int(u) for mb in trained(loop, calls) for u in mb.group_ids}
     assert {g.uid for g in finished_early} & uids  # work done during the update was trained next step ...
     assert m2["partial/trained_lag_max"] == 1  # ... one version later, within max_staleness
-    assert drawn_ahead > loop_with(seed=3).step()["counters/consumed_prompts"]  # the next batch was drawn early
+    assert drawn_ahead > 0  # the next batch was drawn early, counted when step 2 began
+    assert m2["counters/consumed_prompts"] >= m1["counters/consumed_prompts"] + drawn_ahead
 
 
 def test_overlap_accounts_for_every_generated_token_and_resumes_as_uninterrupted(tmp_path):
@@ -315,10 +316,17 @@ def test_overlap_holds_the_next_batch_that_the_filler_asks_for_no_more():
     assert any(size > carried > 0 for carried, size in asked)
 
 
-def test_overlap_draws_nothing_ahead_past_the_callers_budget():
+def test_overlap_draws_ahead_only_for_a_step_that_the_callers_budget_runs():
+    """The sample budget ends an overlapped run where it ends the synchronous loop: the next step runs while
+    consumed_samples is below it, and only then is its batch drawn ahead (counted when that step begins)."""
     plain = int(loop_with(seed=3).step()["counters/consumed_samples"])
-    assert overlap_loop().step(sample_cap=0)["counters/consumed_samples"] == plain  # the last step
-    g = 4
-    capped = overlap_loop().step(sample_cap=plain + g + 1)["counters/consumed_samples"]
-    assert capped == plain + g  # one prompt more keeps the count below the cap: the run goes on to use them
-    assert overlap_loop().step()["counters/consumed_samples"] > capped
+    last = overlap_loop()
+    assert last.step(sample_cap=0)["counters/consumed_samples"] == plain and last._drawn_ahead == 0  # the last step
+    spent = overlap_loop()
+    assert spent.step(sample_cap=plain)["counters/consumed_samples"] == plain and spent._drawn_ahead == 0
+    more = overlap_loop()
+    assert more.step(sample_cap=plain + 1)["counters/consumed_samples"] == plain  # the next step runs ...
+    ahead = more._drawn_ahead
+    assert ahead > 0  # ... so its batch was drawn
+    m2 = more.step(sample_cap=plain + 1)
+    assert m2["counters/consumed_samples"] >= plain + 4 * ahead and more._drawn_ahead == 0  # spent: nothing drawn
