@@ -199,7 +199,18 @@ class BatchFiller:
         """Prompts to draw for the next generation batch."""
         if not self.adaptive:
             return self.gen_batch_size
-        needed = max(self.num_groups - len(self._groups), 1)
+        return self._proposal(max(self.num_groups - len(self._groups), 1))
+
+    def next_step_gen_batch_size(self) -> int:
+        """Prompts the next step's first generation batch will draw, asked once this step's batch is full (the
+        overlap draws them a step early): the batch less the surplus that take() will carry over, over the
+        pass-rate estimate (this step's groups counted)."""
+        if not self.adaptive:
+            return self.gen_batch_size
+        surplus = max(len(self._groups) - self.num_groups, 0)
+        return self._proposal(max(self.num_groups - surplus, 1))
+
+    def _proposal(self, needed: int) -> int:
         if not self.enabled:
             return min(needed, self.max_gen_batch_size)
         # Surplus is carried over, so over-shooting costs little; the safety margin avoids a second round.

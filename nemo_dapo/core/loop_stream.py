@@ -133,9 +133,7 @@ class StreamingPhase:
                 live = _Live(stream, who, seeds, resumed, counted=stream.generated_tokens)
                 if self.overlap:  # the engine goes on while the trainer trains; parked before the refit
                     self._suspended += [resumed[j] for j in waiting]
-                    # the next batch: this one's size, less the groups that will be continued in it anyway
-                    carried = len(who) - len(scored)
-                    self._draw_ahead(live, max(len(indices) + r - carried, 0))
+                    self._draw_ahead(live, self._ahead_share(len(who) - len(scored)))
                     self._live.append(live)
                 else:
                     for j in waiting:
@@ -169,7 +167,7 @@ class StreamingPhase:
                 if self.filler.full():
                     timers["filled_at"] = time.perf_counter()
                     if self.overlap:  # the engines run one more round while the trainer trains
-                        self._round_ahead(todo[handed:], handed)
+                        self._round_ahead(todo[handed:])
                     else:
                         self._suspended += todo[handed:]
                     return groups
@@ -229,13 +227,13 @@ class StreamingPhase:
         for k, one in zip(live, after):
             todo[k] = reopen_round_cuts(todo[k], one, self.settings.max_new_tokens)
 
-    def _round_ahead(self, carried: list, handed: int) -> None:
-        """Overlap in prompt order: the batch is full, and the groups ``carried`` past it plus the next batch's
-        first ``handed`` prompts (drawn now, within ``step``'s sample cap) are submitted as one round that runs
-        while the trainer trains. The refit waits for that round's end (``_park_live``), so what it generated does
+    def _round_ahead(self, carried: list) -> None:
+        """Overlap in prompt order: the batch is full, and the groups ``carried`` past it plus the prompts the next
+        step would draw beside them (``_ahead_share``; drawn now, within ``step``'s sample cap) are submitted as one
+        round that runs while the trainer trains. The refit waits for that round's end (``_park_live``), so what it generated does
         not depend on the engines' timing: the next batch continues it as it would any carried-over work. A group
         that the next weights would drop as stale is not continued (it is dropped and counted then)."""
-        indices, uids = self._draw_more(handed)
+        indices, uids = self._draw_more(self._ahead_share(len(carried)))
         todo = list(carried) + self._fresh_groups(indices, uids, mix_seed(self._seed(rank=0), 1))
         if not todo:  # nothing carried over, and the sample cap lets nothing be drawn: no round
             return
@@ -280,6 +278,12 @@ class StreamingPhase:
                                        first_key=len(live.who))
         live.who += list(zip(indices, uids))
         live.seeds += seeds
+
+    def _ahead_share(self, carried: int) -> int:
+        """How many prompts the overlap draws ahead: those the next step would draw beside the ``carried`` groups it
+        continues anyway. Drawing a whole batch beside them made every later batch larger than the filler asks, and
+        its tail waited a step more (trained two versions late, or dropped as stale)."""
+        return max(self.filler.next_step_gen_batch_size() - carried, 0)
 
     def _draw_more(self, n_prompts: int) -> tuple:
         """Overlap: ``n_prompts`` of the next batch's prompts drawn now, if the next step runs: while

@@ -142,6 +142,14 @@ def test_adaptive_proposal_follows_the_observed_pass_rate():
     assert f.next_gen_batch_size() == math.ceil(50 / estimate * 1.1)
     assert BatchFiller(100, max_gen_batch_size=120).next_gen_batch_size() == 120  # clamped
     assert BatchFiller(100, adaptive=False, gen_batch_size=300).next_gen_batch_size() == 300
+    # asked with the batch full (the overlap draws the next step's prompts early): the whole batch less the surplus
+    # that take() carries over, at this step's estimate
+    f = BatchFiller(100, max_gen_batch_size=1000)
+    f.add([group(u, MIXED if u < 102 else ALL_WRONG) for u in range(200)])  # full, 2 surplus
+    estimate = (102 + 0.5 * 8) / (200 + 8)
+    assert f.next_step_gen_batch_size() == math.ceil(98 / estimate * 1.1)
+    assert f.next_gen_batch_size() == math.ceil(1 / estimate * 1.1)  # this step needs no more: one group at least
+    assert BatchFiller(100, adaptive=False, gen_batch_size=300).next_step_gen_batch_size() == 300
     # each finished step's counts fade by pass_rate_memory per later step
     f = BatchFiller(2)
     f.add([group(0), group(1), group(2, ALL_WRONG), group(3, ALL_WRONG)])

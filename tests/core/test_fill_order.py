@@ -298,9 +298,27 @@ def test_overlap_in_prompt_order_with_nothing_carried_and_nothing_drawn_runs_no_
     loop.step()
     held = [g.to_state() for g in loop._suspended]
     loop._sample_cap = loop.counters["consumed_samples"]  # the run's last samples are drawn
-    loop._round_ahead([], handed=4)  # a batch that handed over every group it drew
+    loop._round_ahead([])  # a batch that handed over every group it drew
     assert loop._ahead is None and [g.to_state() for g in loop._suspended] == held
     loop._park_live()  # the refit then has nothing to wait for
+
+
+def test_overlap_in_prompt_order_holds_the_next_batch_that_the_filler_asks_for_no_more():
+    """What runs during the update is the next step's generation batch (the filler's over-sampled size, the carried
+    groups counted in it), so the batches stay the size the pass rate asks for; drawing a whole batch beside the
+    carried groups made every later batch larger and its tail wait a step more (trained two versions late)."""
+    loop, asked = rounds_loop(order_seed=1, seed=9, overlap=True), []
+    round_ahead = loop._round_ahead
+
+    def watched(carried):
+        asked.append((len(carried), loop.filler.next_step_gen_batch_size()))
+        round_ahead(carried)
+    loop._round_ahead = watched
+    for _ in range(4):
+        steady(loop.step())
+        carried, size = asked[-1]
+        assert len(loop._suspended) == max(size, carried)
+    assert any(size > carried for carried, size in asked)  # prompts were drawn ahead
 
 
 def test_prompt_order_with_partial_rollouts_needs_rounds():

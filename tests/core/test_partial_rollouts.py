@@ -299,6 +299,23 @@ def test_overlap_trains_groups_finished_during_the_update_and_bounds_every_respo
     assert trained_late  # such groups were trained in the next step, not dropped as stale
 
 
+def test_overlap_holds_the_next_batch_that_the_filler_asks_for_no_more():
+    """Finishing order: the groups still running when the batch fills count toward the next step's batch, and the
+    overlap draws only the rest of it (see test_fill_order for prompt order)."""
+    loop, asked = overlap_loop(), []
+    share = loop._ahead_share
+
+    def watched(carried):
+        asked.append((carried, loop.filler.next_step_gen_batch_size()))
+        return share(carried)
+    loop._ahead_share = watched
+    for _ in range(3):
+        loop.step()
+        carried, size = asked[-1]
+        assert len(loop._suspended) == max(size, carried)  # parked before the refit: all of the next batch
+    assert any(size > carried > 0 for carried, size in asked)
+
+
 def test_overlap_draws_ahead_only_for_a_step_that_the_callers_budget_runs():
     """The sample budget ends an overlapped run where it ends the synchronous loop: the next step runs while
     consumed_samples is below it, and only then is its batch drawn ahead (counted when that step begins)."""
