@@ -230,9 +230,9 @@ class StreamingPhase:
     def _round_ahead(self, carried: list) -> None:
         """Overlap in prompt order: the batch is full, and the groups ``carried`` past it plus the prompts the next
         step would draw beside them (``_ahead_share``; drawn now, within ``step``'s sample cap) are submitted as one
-        round that runs while the trainer trains. The refit waits for that round's end (``_park_live``), so what it generated does
-        not depend on the engines' timing: the next batch continues it as it would any carried-over work. A group
-        that the next weights would drop as stale is not continued (it is dropped and counted then)."""
+        round that runs while the trainer trains. The refit waits for that round's end (``_park_live``), so what it
+        generated does not depend on the engines' timing: the next batch continues it as it would any carried-over
+        work. A group that the next weights would drop as stale is not continued (it is dropped and counted then)."""
         indices, uids = self._draw_more(self._ahead_share(len(carried)))
         todo = list(carried) + self._fresh_groups(indices, uids, mix_seed(self._seed(rank=0), 1))
         if not todo:  # nothing carried over, and the sample cap lets nothing be drawn: no round
