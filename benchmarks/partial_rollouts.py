@@ -102,7 +102,11 @@ def run_once(out: str, policy: str, seed: int, args) -> dict:
                     r["timing/step_s"] for r in steps),
                 trained_lag_mean=statistics.mean(r.get("partial/trained_lag_mean", 0.0) for r in steps),
                 accuracy=summary["final_accuracy"], base_accuracy=summary["base_accuracy"],
-                steps=last["counters/rollout_steps"])
+                steps=last["counters/rollout_steps"],
+                all_wrong=sum(r.get("filter/filtered_all_wrong", 0.0) for r in rows),
+                # a step's parts, over the steps after the first (which no overlap can shorten)
+                **{f"step_{k}": statistics.median(r[f"timing/{k}"] for r in steps[1:] or steps)
+                   for k in ("step_s", "gen_s", "old_logp_s", "update_s")})
 
 
 def main() -> int:
@@ -147,7 +151,8 @@ def main() -> int:
     med = {pol: {k: statistics.median(r[k] for r in results if r["policy"] == pol)
                  for k in ("discarded_frac", "tokens_per_trained", "accuracy", "rl_seconds", "to_filled_s",
                            "s_per_1k_trained", "engine_idle_frac", "trained_lag_mean", "trained_tokens_per_trained",
-                           "discarded_per_trained", "filtered_per_trained")}
+                           "discarded_per_trained", "filtered_per_trained", "all_wrong", "step_step_s",
+                           "step_gen_s", "step_old_logp_s", "step_update_s")}
            for pol in policies}
     acc = {pol: [r["accuracy"] for r in results if r["policy"] == pol] for pol in policies}
     for pol, m in med.items():
@@ -155,11 +160,18 @@ def main() -> int:
         print(f"median {pol:8s}: discarded {m['discarded_frac']:.3f} | tokens/trained response "
               f"{m['tokens_per_trained']:.2f} (trained {m['trained_tokens_per_trained']:.2f}, discarded "
               f"{m['discarded_per_trained']:.2f}, filtered or left {m['filtered_per_trained']:.2f}) | held-out "
-              f"{m['accuracy']:.3f} (seed range {spread:.3f})")
+              f"{m['accuracy']:.3f} (seed range {spread:.3f}) | median step after the first {m['step_step_s']:.3f} s "
+              f"(generation {m['step_gen_s']:.3f}, old log-probs {m['step_old_logp_s']:.3f}, update "
+              f"{m['step_update_s']:.3f}) | all-wrong groups filtered {m['all_wrong']:.0f}")
     (name_a, a), (name_b, b) = med.items()
     # the same seed starts both policies from the same state: the per-seed ratio pairs them
     by_seed = {(r["policy"], r["seed"]): r["tokens_per_trained"] for r in results}
     paired = statistics.median(by_seed[name_b, s] / by_seed[name_a, s] for s in range(1, args.seeds + 1))
+    acc_change = [r_b["accuracy"] - r_a["accuracy"] for r_a in results for r_b in results
+                  if r_a["policy"] == name_a and r_b["policy"] == name_b and r_a["seed"] == r_b["seed"]]
+    print(f"held-out accuracy, {name_b} against {name_a} per seed: {sum(d < 0 for d in acc_change)} of "
+          f"{len(acc_change)} lower, mean change {statistics.mean(acc_change):+.3f}; mean {name_a} "
+          f"{statistics.mean(acc[name_a]):.3f}, {name_b} {statistics.mean(acc[name_b]):.3f}")
     print(f"RESULT compare={args.compare} seeds={args.seeds} responses={args.max_samples} engine={args.engine} "
           f"discarded_{name_a}={a['discarded_frac']:.3f} discarded_{name_b}={b['discarded_frac']:.3f} "
           f"tokens_per_trained_ratio={b['tokens_per_trained'] / a['tokens_per_trained']:.3f} "

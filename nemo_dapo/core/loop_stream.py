@@ -289,9 +289,7 @@ class StreamingPhase:
         """Overlap: ``n_prompts`` of the next batch's prompts drawn now, if the next step runs: while
         ``counters["consumed_samples"]`` is below ``step``'s ``sample_cap``. They count as consumed when that step
         begins (``_count_ahead``), so a sample budget stops the run where it stops the synchronous loop."""
-        if self._sample_cap is not None and self.counters["consumed_samples"] >= self._sample_cap:
-            return [], []
-        if n_prompts <= 0:
+        if n_prompts <= 0 or (self._sample_cap is not None and self.counters["consumed_samples"] >= self._sample_cap):
             return [], []
         skipped_before = self.sampler.skipped
         indices, uids = self.sampler.draw(n_prompts)
