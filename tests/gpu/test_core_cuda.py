@@ -243,7 +243,7 @@ def test_all_masked_micro_batch_adds_exactly_zero_cuda(agg):
     old = torch.full((2, 3), 1e9, device=DEVICE, dtype=torch.bfloat16)
     adv, mask = torch.tensor([1.0, -1.0], device=DEVICE), torch.zeros(2, 3, device=DEVICE)
     loss, m = dapo_policy_loss(logp, old, adv, mask, **CLIP, clip_c=3.0, agg=agg, num_tokens=7, num_seqs=3,
-                               max_len=3)
+                               max_new_tokens=3)
     assert loss.device.type == DEVICE.type and loss.item() == 0.0 and not torch.signbit(loss)
     loss.backward()
     assert torch.isfinite(logp.grad).all() and logp.grad.abs().sum() == 0
@@ -251,7 +251,7 @@ def test_all_masked_micro_batch_adds_exactly_zero_cuda(agg):
     real_logp, real_old, real_adv, real_mask = random_batch(1, b=2, t=3)
     real_mask[:] = 1.0
     real, _ = dapo_policy_loss(real_logp, real_old, real_adv, real_mask, **CLIP, agg=agg, num_tokens=7, num_seqs=3,
-                               max_len=3)
+                               max_new_tokens=3)
     assert torch.equal(real + loss.detach(), real)
     assert m["num_tokens"].item() == 0
 

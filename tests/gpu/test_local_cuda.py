@@ -137,8 +137,8 @@ def test_sampler_on_a_cuda_model():
     batch = RolloutBatch(prompt_ids=ids, prompt_mask=mask, response_ids=gen.response_ids,
                          response_mask=gen.response_mask, group_ids=groups.to(DEVICE), truncated=gen.truncated,
                          engine_logp=gen.logprobs, pad_id=PAD)
-    want, _ = LocalPolicy(model, lr=1e-3, micro_batch_size=16).logprobs(batch)
-    gap = ((want - gen.logprobs) * gen.response_mask).abs().max().item()
+    want, _ = LocalPolicy(model, lr=1e-3, micro_batch_size=16).logprobs(batch)  # on the CPU, as the loop keeps them
+    gap = ((want - gen.logprobs.cpu()) * gen.response_mask.cpu()).abs().max().item()
     print(f"RESULT local_sampler_cuda_vs_trainer_logp max_gap={gap:.3g}")
     assert gap < 1e-4
 
