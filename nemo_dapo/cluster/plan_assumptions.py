@@ -28,7 +28,8 @@ ASSUMPTIONS = {
                               "synced Qwen3-235B-A22B's 470 GB from 64 trainer to 64 rollout ranks in 58.6 s = "
                               "8.0 GB/s (Qwen3-30B-A3B: 61 GB in 15.8 s = 3.9 GB/s); disaggregated layouts send the "
                               "whole bf16 model once per refit, the engines receiving in parallel"),
-    "pcie_gb_per_s": (25.0, "host <-> device copies (PCIe Gen5 x16 achieved) for offload and reload"),
+    "pcie_gb_per_s": (25.0, "GUESS: host <-> device copies for offload and reload, per GPU with the node's eight "
+                            "at once (one H200 alone: 55 GB/s each way, benchmarks/state_offload.py)"),
     "engine_workspace_gb": (3.0, "GUESS: TRT-LLM activations and workspace"),
     "cuda_reserved_gb": (3.0, "GUESS: CUDA context, NCCL buffers"),
     "usable_fraction": (0.95, "GUESS: allocator fragmentation margin"),

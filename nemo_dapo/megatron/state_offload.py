@@ -130,7 +130,10 @@ class StateOffload:
         self.chunks = list(chunks) if isinstance(chunks, (list, tuple)) else [chunks]
         self.optimizer = optimizer
         self.device = torch.device(device) if device is not None else (
-            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+            torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+        if self.device.type == "cuda" and self.device.index is None:
+            # tensors name their index: "cuda" would match none of them, and nothing would move
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.pin = (self.device.type == "cuda") if pin is None else bool(pin)
         self._held: dict = {}  # storage key -> _Held, while offloaded
         self._host: dict = {}  # storage key -> host buffer, reused by the next offload of that storage

@@ -94,6 +94,13 @@ def test_actor_logits_memory_quick():
     assert int(r["microbatches_after"]) <= int(r["microbatches_before"])
 
 
+def test_state_offload_quick():
+    r = run_quick("state_offload.py")
+    # the script itself exits non-zero when a round trip changes a byte; the rates are timings (never asserted on)
+    assert r["device"] == "cpu" and r["bit_identical"] == "true" and float(r["state_gb"]) > 0.04
+    assert float(r["offload_gb_per_s"]) > 0 and float(r["raw_d2h_gb_per_s"]) > 0
+
+
 @pytest.mark.slow
 def test_partial_rollouts_quick(tmp_path):
     r = run_quick("partial_rollouts.py", "--out", str(tmp_path))
