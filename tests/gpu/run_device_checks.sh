@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
 # Device checks for one CUDA GPU: core (fused log-probs, loss), megatron (vocab-parallel, conversion parity,
-# reduction, policy) and the local backend (with two GPUs also the NCCL weight group). From the repository root:
+# reduction, policy), the local backend, partial rollouts across a refit, the training-state offload (its memory drop,
+# and its rate in benchmarks/state_offload.py) and, with two GPUs, the NCCL weight group. From the repository root:
 #
 #     bash tests/gpu/run_device_checks.sh            # logs go to $OUT (default /tmp/gpu_checks)
 #
 # Packages the machine lacks travel as wheels in the git-ignored folder .whl/, one --target folder per group:
-#   .whl/megatron/  megatron-core 0.10.0 built for CPython 3.12 (the version the project pins)
+#   .whl/megatron/  megatron-core 0.10.0 (the version the project pins; PyPI has no CPython 3.12 wheel of it: build a
+#                   py3-none-any wheel from its sdist with setup.py's ext_modules removed, the optional dataset helper
+#                   the checks do not use)
 #   .whl/hf447/     transformers 4.47.1, tokenizers 0.21.4, huggingface_hub 0.36.2 (the project's transformers pin)
+#   .whl/omegaconf/ omegaconf 2.3.0 and antlr4-python3-runtime 4.9.3 (`pip wheel --no-deps`; the training-offload
+#                   worker imports nemo_dapo.aligner.training_offload, which validates configs with omegaconf)
 # Pass 1 ($OUT/gpu_checks.log) runs every check, with the pinned transformers when it imports, else with the
 # machine's own. Pass 2 ($OUT/gpu_checks_tf_image.log) repeats the conversion and local-backend checks with the
 # machine's own transformers, to record what a newer release changes. $OUT/results.txt collects the RESULT lines.
-# The exit status is pass 1's. Both passes together stay under 7 minutes (timeouts 300 s + 90 s).
+# $OUT/state_offload.log holds the benchmark (~90 s: it checks every byte of 8 GB after each round trip). The exit
+# status is pass 1's. Everything stays under 10 minutes (timeouts 300 s + 180 s + 90 s; this release's checks took
+# 213-257 s on one H200).
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/gpu_checks}
@@ -49,7 +56,8 @@ note "== $(date -u +%FT%TZ) device checks"
 nvidia-smi -L 2>&1 | tee -a "$LOG"
 SITE_MC=$(install_group megatron)
 SITE_HF=$(install_group hf447)
-BASE=$PWD${SITE_MC:+:$SITE_MC}
+SITE_OC=$(install_group omegaconf)
+BASE=$PWD${SITE_MC:+:$SITE_MC}${SITE_OC:+:$SITE_OC}
 PINNED=$BASE
 if [ -n "$SITE_HF" ]; then
     if PYTHONPATH=$BASE:$SITE_HF python3 -c "import transformers.models.llama.modeling_llama" >>"$LOG" 2>&1; then
@@ -63,9 +71,12 @@ versions "$PINNED"
 
 # megatron last: its NCCL world and parallel state are process-wide, and a stuck NCCL start costs only its own checks
 PYTHONPATH=$PINNED timeout 300 python3 -m pytest tests/gpu/test_core_cuda.py tests/gpu/test_local_cuda.py \
-    tests/gpu/test_weight_group_nccl.py tests/gpu/test_megatron_cuda.py -q -s -p no:cacheprovider 2>&1 | tee -a "$LOG"
+    tests/gpu/test_partial_cuda.py tests/gpu/test_weight_group_nccl.py \
+    "tests/aligner/test_training_offload.py::test_offload_frees_the_device_memory" tests/gpu/test_megatron_cuda.py \
+    -q -s -p no:cacheprovider 2>&1 | tee -a "$LOG"
 rc=$?
 note "== pass 1 exit status $rc"
+PYTHONPATH=$PINNED timeout 180 python3 benchmarks/state_offload.py 2>&1 | tee "$OUT/state_offload.log"
 
 if [ "$PINNED" != "$BASE" ]; then
     LOG=$LOG2
@@ -76,5 +87,6 @@ if [ "$PINNED" != "$BASE" ]; then
         -p no:cacheprovider -k "rope or logits_equal_hf or policy_on_cuda or sampler or refit" 2>&1 | tee -a "$LOG"
     note "== pass 2 exit status $?"
 fi
-grep -h "^RESULT" "$OUT/gpu_checks.log" "$LOG2" 2>/dev/null >"$OUT/results.txt"
+# pytest's progress dots can precede a RESULT on its line
+grep -ho "RESULT .*" "$OUT/gpu_checks.log" "$OUT/state_offload.log" "$LOG2" 2>/dev/null >"$OUT/results.txt"
 exit $rc
