@@ -167,8 +167,8 @@ def main() -> int:
     # the same seed starts both policies from the same state: the per-seed ratio pairs them
     by_seed = {(r["policy"], r["seed"]): r["tokens_per_trained"] for r in results}
     paired = statistics.median(by_seed[name_b, s] / by_seed[name_a, s] for s in range(1, args.seeds + 1))
-    acc_change = [r_b["accuracy"] - r_a["accuracy"] for r_a in results for r_b in results
-                  if r_a["policy"] == name_a and r_b["policy"] == name_b and r_a["seed"] == r_b["seed"]]
+    acc_of = {(r["policy"], r["seed"]): r["accuracy"] for r in results}
+    acc_change = [acc_of[name_b, s] - acc_of[name_a, s] for s in range(1, args.seeds + 1)]
     print(f"held-out accuracy, {name_b} against {name_a} per seed: {sum(d < 0 for d in acc_change)} of "
           f"{len(acc_change)} lower, mean change {statistics.mean(acc_change):+.3f}; mean {name_a} "
           f"{statistics.mean(acc[name_a]):.3f}, {name_b} {statistics.mean(acc[name_b]):.3f}")

@@ -25,6 +25,7 @@ from nemo_dapo.core.types import RolloutBatch
 from nemo_dapo.engines.base import Request
 from nemo_dapo.engines.local import LocalEngine
 from nemo_dapo.local.policy import LocalPolicy
+from tests.gpu.test_local_cuda import to
 from tests.local.tiny_models import BOS, PAD, VOCAB, tiny_model
 
 pytestmark = pytest.mark.gpu
@@ -83,12 +84,9 @@ def as_batch(prompts, responses) -> RolloutBatch:
     for b, (p, r) in enumerate(rows):
         ids[b, P - len(p):], mask[b, P - len(p):] = torch.tensor(p), 1
         resp[b, :len(r)], rmask[b, :len(r)] = torch.tensor(r), 1.0
-    batch = RolloutBatch(prompt_ids=ids, prompt_mask=mask, response_ids=resp, response_mask=rmask,
-                         group_ids=torch.arange(len(rows)) // GROUP,
-                         truncated=torch.zeros(len(rows), dtype=torch.bool), pad_id=PAD)
-    for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "group_ids", "truncated"):
-        setattr(batch, name, getattr(batch, name).to(DEVICE))
-    return batch
+    return to(RolloutBatch(prompt_ids=ids, prompt_mask=mask, response_ids=resp, response_mask=rmask,
+                           group_ids=torch.arange(len(rows)) // GROUP,
+                           truncated=torch.zeros(len(rows), dtype=torch.bool), pad_id=PAD), DEVICE)
 
 
 def test_greedy_suspend_and_continue_equals_the_uninterrupted_run_on_cuda():
