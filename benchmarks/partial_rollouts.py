@@ -34,6 +34,11 @@ shared).
         [--config-name tiny_cpu_long]
 
 ``--base-model``: a warmed model directory (a run's ``base_model/``), so that the runs measure RL only.
+``--budget-ratio R`` gives the second policy R x the budget (the same RL time as the first, if R is the inverse of
+its time ratio). ``--reeval N``: each run's final model again on N held-out problems x ``--reeval-samples`` (one
+held-out file for all runs, written to OUT, each result cached in RUN/reeval_N_K.json), since the run's own
+evaluation (128 x 2 responses) has a sampling error of ~0.03 per run, as large as the differences it is asked to
+resolve; it prints a second RESULT line (the base model's, each policy's mean and the change paired by seed).
 ``--quick`` (what ``tests/benchmarks/test_benchmarks_smoke.py`` runs): one seed, 256 responses, 16 held-out
 problems; without ``--base-model`` the first run warms a base for 20 steps and the second starts from it.
 """
@@ -45,6 +50,8 @@ import os
 import statistics
 import subprocess
 import sys
+
+import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPARISONS = {
@@ -69,12 +76,18 @@ COMPARISONS = {
 }
 
 
+def budget(policy: str, args) -> int:
+    """The response budget of ``policy``'s runs: ``--budget-ratio`` x ``--max-samples`` for the second policy."""
+    second = list(COMPARISONS[args.compare])[1]
+    return round(args.max_samples * args.budget_ratio) if policy == second else args.max_samples
+
+
 def run_once(out: str, policy: str, seed: int, args) -> dict:
     run_dir = os.path.join(out, f"{policy}_seed{seed}")
     base = [f"model.path={args.base_model}"] if args.base_model else ["warmup.max_steps=20", "warmup.min_steps=1"]
     overrides = ["--config-name", args.config_name, f"run_dir={run_dir}", *base, f"seed={seed}",
                  f"rollout.engine={args.engine}", "rollout.streaming=true", "algorithm.tis_cap=2.0",
-                 f"trainer.max_samples={args.max_samples}", "trainer.max_steps=1000", "trainer.val_every=0",
+                 f"trainer.max_samples={budget(policy, args)}", "trainer.max_steps=1000", "trainer.val_every=0",
                  f"data.heldout_size={args.heldout}", f"eval.n_samples={args.eval_samples}",
                  f"trainer.plots={str(args.compare.startswith('overlap')).lower()}",  # RUN/plots/{time,staleness}.png
                  *COMPARISONS[args.compare][policy], *args.override]
@@ -82,6 +95,10 @@ def run_once(out: str, policy: str, seed: int, args) -> dict:
         with open(run_dir + ".log", "w") as log:
             subprocess.run([sys.executable, "-m", "nemo_dapo.cli", "train", *overrides], cwd=ROOT, stdout=log,
                            stderr=subprocess.STDOUT, check=True)
+    with open(os.path.join(run_dir, "config.yaml"), encoding="utf-8") as f:  # a cached run of another budget
+        ran = yaml.safe_load(f)["trainer"]["max_samples"]
+    if ran != budget(policy, args):
+        raise SystemExit(f"{run_dir} ran trainer.max_samples={ran}, not {budget(policy, args)}: use another --out")
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     last = [r for r in rows if "counters/generated_tokens" in r][-1]
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
@@ -104,9 +121,63 @@ def run_once(out: str, policy: str, seed: int, args) -> dict:
                 accuracy=summary["final_accuracy"], base_accuracy=summary["base_accuracy"],
                 steps=last["counters/rollout_steps"],
                 all_wrong=sum(r.get("filter/filtered_all_wrong", 0.0) for r in rows),
+                batch_acc=[r["train/batch_acc"] for r in steps],  # the trained batch's accuracy, step by step
                 # a step's parts, over the steps after the first (which no overlap can shorten)
                 **{f"step_{k}": statistics.median(r[f"timing/{k}"] for r in steps[1:] or steps)
                    for k in ("step_s", "gen_s", "old_logp_s", "update_s")})
+
+
+def batch_acc_shift(results: list, a: str, b: str, lag: int) -> float:
+    """Mean of b's trained-batch accuracy at step k minus a's at step k - lag, over the seeds and the steps both ran.
+
+    0 at lag 1 says b's batches are a's one step later: the same learning per update, sampled one version back."""
+    curves = {(r["policy"], r["seed"]): r["batch_acc"] for r in results}
+    diffs = [cb[k] - ca[k - lag] for (p, s), cb in curves.items() if p == b
+             for ca in [curves[a, s]] for k in range(lag, min(len(ca) + lag, len(cb)))]
+    return statistics.mean(diffs) if diffs else float("nan")  # runs shorter than the lag
+
+
+def reeval(out: str, results: list, args) -> None:
+    """Each run's final model on ``args.reeval`` held-out problems x ``args.reeval_samples``; paired per seed."""
+    from nemo_dapo.local.config import load_config
+    from nemo_dapo.local.run_data import HELDOUT_SEED, make_task
+    from nemo_dapo.local.run_eval import evaluate_model
+
+    cfg = load_config(args.config_name, args.override)
+    if cfg.data.task != "arithmetic":
+        raise SystemExit("--reeval needs the procedural task (data.task=arithmetic)")
+    path = os.path.join(out, f"heldout_{args.reeval}.jsonl")
+    with open(path + ".tmp", "w", encoding="utf-8") as f:  # the same problems as the runs' own evaluation, and more
+        for row in make_task(cfg).rows("heldout", args.reeval, HELDOUT_SEED):
+            f.write(json.dumps(row) + "\n")
+    os.replace(path + ".tmp", path)
+    e, k = cfg.eval, args.reeval_samples
+
+    def avg_at_k(model_dir: str, cache: str, seed: int) -> float:
+        real = os.path.realpath
+        if not os.path.exists(cache) or real(json.load(open(cache))["model"]) != real(model_dir):
+            res = evaluate_model(model_dir, path, fmt="verl", samples=k, temperature=e.temperature, top_p=e.top_p,
+                                 max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens, seed=seed)
+            with open(cache + ".tmp", "w", encoding="utf-8") as f:
+                json.dump(res, f)
+            os.replace(cache + ".tmp", cache)
+        return json.load(open(cache))[f"avg@{k}"]
+
+    base = avg_at_k(args.base_model, os.path.join(out, f"reeval_base_{args.reeval}_{k}.json"), 1)
+    acc = {}
+    for r in results:
+        run_dir = os.path.join(out, f"{r['policy']}_seed{r['seed']}")
+        acc[r["policy"], r["seed"]] = avg_at_k(os.path.join(run_dir, "final_model"),
+                                               os.path.join(run_dir, f"reeval_{args.reeval}_{k}.json"), r["seed"])
+        print(f"re-evaluated {r['policy']:8s} seed {r['seed']}: {acc[r['policy'], r['seed']]:.4f} "
+              f"(run's own {r['accuracy']:.3f})", flush=True)
+    (a, b), seeds = list(COMPARISONS[args.compare]), range(1, args.seeds + 1)
+    change = [acc[b, s] - acc[a, s] for s in seeds]
+    se = statistics.stdev(change) / len(change) ** 0.5 if len(change) > 1 else float("nan")
+    mean = {p: statistics.mean(acc[p, s] for s in seeds) for p in (a, b)}
+    print(f"RESULT compare={args.compare} reeval_problems={args.reeval} reeval_samples={k} accuracy_base={base:.4f} "
+          f"accuracy_{a}={mean[a]:.4f} accuracy_{b}={mean[b]:.4f} mean_change={statistics.mean(change):+.4f} "
+          f"change_se={se:.4f} lower={sum(d < 0 for d in change)}_of_{len(change)}")
 
 
 def main() -> int:
@@ -124,8 +195,12 @@ def main() -> int:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--engine", default="local", choices=("local", "vllm"))
     p.add_argument("--max-samples", type=int, default=2560, help="response budget of every run")
+    p.add_argument("--budget-ratio", type=float, default=1.0, help="the second policy's budget, x --max-samples "
+                   "(e.g. the first's RL time: 1.4 for an overlap at x0.71)")
     p.add_argument("--heldout", type=int, default=128)
     p.add_argument("--eval-samples", type=int, default=4)
+    p.add_argument("--reeval", type=int, default=0, help="re-evaluate every final model on N held-out problems")
+    p.add_argument("--reeval-samples", type=int, default=4, help="samples per problem of --reeval")
     p.add_argument("override", nargs="*", help="more key=value overrides for every run")
     args = p.parse_args()
     if args.quick:
@@ -172,7 +247,11 @@ def main() -> int:
     print(f"held-out accuracy, {name_b} against {name_a} per seed: {sum(d < 0 for d in acc_change)} of "
           f"{len(acc_change)} lower, mean change {statistics.mean(acc_change):+.3f}; mean {name_a} "
           f"{statistics.mean(acc[name_a]):.3f}, {name_b} {statistics.mean(acc[name_b]):.3f}")
-    print(f"RESULT compare={args.compare} seeds={args.seeds} responses={args.max_samples} engine={args.engine} "
+    shifts = ", ".join(f"lag {lag} {batch_acc_shift(results, name_a, name_b, lag):+.3f}" for lag in (0, 1, 2))
+    print(f"trained batches' accuracy, {name_b} at step k minus {name_a} at step k - lag (mean over seeds and "
+          f"steps): {shifts}")
+    print(f"RESULT compare={args.compare} seeds={args.seeds} responses={args.max_samples} "
+          f"budget_ratio={args.budget_ratio} engine={args.engine} "
           f"discarded_{name_a}={a['discarded_frac']:.3f} discarded_{name_b}={b['discarded_frac']:.3f} "
           f"tokens_per_trained_ratio={b['tokens_per_trained'] / a['tokens_per_trained']:.3f} "
           f"tokens_per_trained_ratio_paired={paired:.3f} "
@@ -185,6 +264,8 @@ def main() -> int:
           f"engine_idle_{name_a}={a['engine_idle_frac']:.3f} engine_idle_{name_b}={b['engine_idle_frac']:.3f} "
           f"trained_lag_{name_a}={a['trained_lag_mean']:.3f} trained_lag_{name_b}={b['trained_lag_mean']:.3f}")
     json.dump(results, open(os.path.join(args.out, "results.json"), "w"), indent=1)
+    if args.reeval:
+        reeval(args.out, results, args)
     return 0
 
 

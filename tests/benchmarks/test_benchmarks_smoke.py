@@ -110,3 +110,12 @@ def test_partial_rollouts_quick(tmp_path):
     assert float(r["tokens_per_trained_ratio"]) > 0
     for key in ("accuracy_abort", "accuracy_suspend"):
         assert 0.0 <= float(r[key]) <= 1.0
+    # --reeval on the same --out: the cached runs' final models on more held-out problems
+    e = run_quick("partial_rollouts.py", "--out", str(tmp_path), "--reeval", "24", "--reeval-samples", "2")
+    assert e["reeval_problems"] == "24" and e["reeval_samples"] == "2" and 0.0 <= float(e["accuracy_base"]) <= 1.0
+    abort, suspend = float(e["accuracy_abort"]), float(e["accuracy_suspend"])
+    for acc in (abort, suspend):  # avg@2 over 24 problems: a multiple of 1/48 (printed to 4 decimals)
+        assert acc * 48 == pytest.approx(round(acc * 48), abs=0.01)
+    assert float(e["mean_change"]) == pytest.approx(suspend - abort, abs=2e-4)
+    assert (tmp_path / "heldout_24.jsonl").read_text().count("\n") == 24
+    assert (tmp_path / "suspend_seed1" / "reeval_24_2.json").exists()
