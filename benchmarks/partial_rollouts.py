@@ -130,7 +130,7 @@ def run_once(out: str, policy: str, seed: int, args) -> dict:
 def batch_acc_shift(results: list, a: str, b: str, lag: int) -> float:
     """Mean of b's trained-batch accuracy at step k minus a's at step k - lag, over the seeds and the steps both ran.
 
-    0 at lag 1 says b's batches are a's one step later: the same learning per update, sampled one version back."""
+    0 at lag 1 says b's batches are a's one step later, as batches sampled one version back would be."""
     curves = {(r["policy"], r["seed"]): r["batch_acc"] for r in results}
     diffs = [cb[k] - ca[k - lag] for (p, s), cb in curves.items() if p == b
              for ca in [curves[a, s]] for k in range(lag, min(len(ca) + lag, len(cb)))]
@@ -153,11 +153,15 @@ def reeval(out: str, results: list, args) -> None:
     os.replace(path + ".tmp", path)
     e, k = cfg.eval, args.reeval_samples
 
+    sampling = dict(temperature=e.temperature, top_p=e.top_p, max_new_tokens=e.max_new_tokens or
+                    cfg.rollout.max_new_tokens)
+
     def avg_at_k(model_dir: str, cache: str, seed: int) -> float:
-        real = os.path.realpath
-        if not os.path.exists(cache) or real(json.load(open(cache))["model"]) != real(model_dir):
-            res = evaluate_model(model_dir, path, fmt="verl", samples=k, temperature=e.temperature, top_p=e.top_p,
-                                 max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens, seed=seed)
+        old = json.load(open(cache)) if os.path.exists(cache) else {"model": None}
+        same = old["model"] and os.path.realpath(old["model"]) == os.path.realpath(model_dir) and all(
+            old[key] == value for key, value in sampling.items())
+        if not same:
+            res = evaluate_model(model_dir, path, fmt="verl", samples=k, seed=seed, **sampling)
             with open(cache + ".tmp", "w", encoding="utf-8") as f:
                 json.dump(res, f)
             os.replace(cache + ".tmp", cache)
