@@ -34,6 +34,8 @@ shared).
         [--config-name tiny_cpu_long]
 
 ``--base-model``: a warmed model directory (a run's ``base_model/``), so that the runs measure RL only.
+A run folder that already holds a ``summary.json`` is reused, not rerun; linked folders (runs made at another time)
+are counted in ``linked_runs`` with a warning, since their RL times were not measured beside the other policy's.
 ``--budget-ratio R`` gives the second policy R x the budget (the same RL time as the first, if R is the inverse of
 its time ratio). ``--reeval N``: each run's final model again on N held-out problems x ``--reeval-samples`` (one
 held-out file for all runs, written to OUT, each result cached in RUN/reeval_N_K.json), since the run's own
@@ -122,6 +124,7 @@ def run_once(out: str, policy: str, seed: int, args) -> dict:
                 steps=last["counters/rollout_steps"],
                 all_wrong=sum(r.get("filter/filtered_all_wrong", 0.0) for r in rows),
                 batch_acc=[r["train/batch_acc"] for r in steps],  # the trained batch's accuracy, step by step
+                linked=os.path.islink(run_dir),  # a run made elsewhere, at another time (another machine speed)
                 # a step's parts, over the steps after the first (which no overlap can shorten)
                 **{f"step_{k}": statistics.median(r[f"timing/{k}"] for r in steps[1:] or steps)
                    for k in ("step_s", "gen_s", "old_logp_s", "update_s")})
@@ -251,11 +254,15 @@ def main() -> int:
     print(f"held-out accuracy, {name_b} against {name_a} per seed: {sum(d < 0 for d in acc_change)} of "
           f"{len(acc_change)} lower, mean change {statistics.mean(acc_change):+.3f}; mean {name_a} "
           f"{statistics.mean(acc[name_a]):.3f}, {name_b} {statistics.mean(acc[name_b]):.3f}")
+    linked = sum(r["linked"] for r in results)
+    if linked:  # a time ratio against runs made at another time measures the machine, not the policies
+        print(f"WARNING: {linked} of {len(results)} run folders are links: their RL times were not measured beside "
+              "the other policy's, so the time ratios below are not same-run ratios (each run's accuracy stands)")
     shifts = ", ".join(f"lag {lag} {batch_acc_shift(results, name_a, name_b, lag):+.3f}" for lag in (0, 1, 2))
     print(f"trained batches' accuracy, {name_b} at step k minus {name_a} at step k - lag (mean over seeds and "
           f"steps): {shifts}")
     print(f"RESULT compare={args.compare} seeds={args.seeds} responses={args.max_samples} "
-          f"budget_ratio={args.budget_ratio} engine={args.engine} "
+          f"budget_ratio={args.budget_ratio} engine={args.engine} linked_runs={linked} "
           f"discarded_{name_a}={a['discarded_frac']:.3f} discarded_{name_b}={b['discarded_frac']:.3f} "
           f"tokens_per_trained_ratio={b['tokens_per_trained'] / a['tokens_per_trained']:.3f} "
           f"tokens_per_trained_ratio_paired={paired:.3f} "

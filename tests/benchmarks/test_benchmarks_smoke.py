@@ -104,7 +104,7 @@ def test_state_offload_quick():
 @pytest.mark.slow
 def test_partial_rollouts_quick(tmp_path):
     r = run_quick("partial_rollouts.py", "--out", str(tmp_path))
-    assert r["seeds"] == "1" and r["engine"] == "local"
+    assert r["seeds"] == "1" and r["engine"] == "local" and r["linked_runs"] == "0"
     for key in ("discarded_abort", "discarded_suspend"):
         assert 0.0 <= float(r[key]) <= 1.0
     assert float(r["tokens_per_trained_ratio"]) > 0
