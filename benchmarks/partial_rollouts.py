@@ -155,7 +155,6 @@ def reeval(out: str, results: list, args) -> None:
             f.write(json.dumps(row) + "\n")
     os.replace(path + ".tmp", path)
     e, k = cfg.eval, args.reeval_samples
-
     sampling = dict(temperature=e.temperature, top_p=e.top_p, max_new_tokens=e.max_new_tokens or
                     cfg.rollout.max_new_tokens)
 
