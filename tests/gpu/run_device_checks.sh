@@ -16,8 +16,8 @@
 # machine's own. Pass 2 ($OUT/gpu_checks_tf_image.log) repeats the conversion and local-backend checks with the
 # machine's own transformers, to record what a newer release changes. $OUT/results.txt collects the RESULT lines.
 # $OUT/state_offload.log holds the benchmark (~90 s: it checks every byte of 8 GB after each round trip). The exit
-# status is pass 1's, else the benchmark's. Everything stays under 10 minutes (timeouts 300 s + 180 s + 90 s; this release's checks took
-# 213-257 s on one H200).
+# status is pass 1's, else the benchmark's. Everything stays under 10 minutes (timeouts 300 s + 180 s + 90 s; this
+# release's checks took 213-257 s on one H200).
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/gpu_checks}

@@ -52,10 +52,15 @@ def run_to_end(eng) -> dict:
     return out
 
 
-def suspend(eng, prompts, **kw) -> list:
-    """Add every prompt (GROUP samples each), run SUSPEND_AFTER steps, abort all: [[Sample] per prompt]."""
+def add_all(eng, prompts, **kw) -> None:
+    """Request p<i>: GROUP samples of prompt i with the whole budget."""
     for i, p in enumerate(prompts):
         eng.add(Request(id=f"p{i}", prompt_ids=p, n=GROUP, max_new_tokens=BUDGET, **kw))
+
+
+def suspend(eng, prompts, **kw) -> list:
+    """Add every prompt (GROUP samples each), run SUSPEND_AFTER steps, abort all: [[Sample] per prompt]."""
+    add_all(eng, prompts, **kw)
     for _ in range(SUSPEND_AFTER):
         assert not eng.step()  # nothing finishes before its budget
     partial = {c.id: c.samples for c in eng.abort([f"p{i}" for i in range(len(prompts))])}
@@ -94,8 +99,7 @@ def test_greedy_suspend_and_continue_equals_the_uninterrupted_run_on_cuda():
     prompts = prompt_list()
     kw = dict(temperature=0.0)
     eng = engine(model)
-    for i, p in enumerate(prompts):
-        eng.add(Request(id=f"p{i}", prompt_ids=p, n=GROUP, max_new_tokens=BUDGET, **kw))
+    add_all(eng, prompts, **kw)
     full = run_to_end(eng)
     partial = suspend(engine(model), prompts, **kw)
     rest = continue_(engine(model), prompts, partial, **kw)
