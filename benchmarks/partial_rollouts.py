@@ -37,12 +37,16 @@ shared).
 A run folder that already holds a ``summary.json`` is reused, not rerun; linked folders (runs made at another time)
 are counted in ``linked_runs`` with a warning, since their RL times were not measured beside the other policy's.
 ``--budget-ratio R`` gives the second policy R x the budget (the same RL time as the first, if R is the inverse of
-its time ratio). ``--reeval N``: each run's final model again on N held-out problems x ``--reeval-samples`` (one
-held-out file for all runs, written to OUT, each result cached in RUN/reeval_N_K.json), since the run's own
-evaluation (128 x 2 responses) has a sampling error of ~0.03 per run, as large as the differences it is asked to
-resolve; it prints a second RESULT line (the base model's, each policy's mean and the change paired by seed).
-``--quick`` (what ``tests/benchmarks/test_benchmarks_smoke.py`` runs): one seed, 256 responses, 16 held-out
-problems; without ``--base-model`` the first run warms a base for 20 steps and the second starts from it.
+its time ratio); ``--max-steps N`` stops every run after N updates (with a ``--max-samples`` too large to stop it
+first: the same number of updates for both). With ``trainer.val_every=K`` among the overrides it prints the held-out
+accuracy of both policies after every K-th step, paired by seed. ``--reeval N``: each run's final model again on N
+held-out problems x ``--reeval-samples`` (one held-out file for all runs, written to OUT, each result cached in
+RUN/reeval_N_K.json), since the run's own evaluation (128 x 2 responses) has a sampling error of ~0.03 per run, as
+large as the differences it is asked to resolve; it prints a second RESULT line (the base model's, each policy's mean
+and the change paired by seed).
+``--quick`` (what ``tests/benchmarks/test_benchmarks_smoke.py`` runs): one seed, 256 responses unless
+``--max-samples``, 16 held-out problems; without ``--base-model`` the first run warms a base for 20 steps and the
+second starts from it.
 """
 from __future__ import annotations
 
@@ -89,7 +93,8 @@ def run_once(out: str, policy: str, seed: int, args) -> dict:
     base = [f"model.path={args.base_model}"] if args.base_model else ["warmup.max_steps=20", "warmup.min_steps=1"]
     overrides = ["--config-name", args.config_name, f"run_dir={run_dir}", *base, f"seed={seed}",
                  f"rollout.engine={args.engine}", "rollout.streaming=true", "algorithm.tis_cap=2.0",
-                 f"trainer.max_samples={budget(policy, args)}", "trainer.max_steps=1000", "trainer.val_every=0",
+                 f"trainer.max_samples={budget(policy, args)}", f"trainer.max_steps={args.max_steps}",
+                 "trainer.val_every=0",
                  f"data.heldout_size={args.heldout}", f"eval.n_samples={args.eval_samples}",
                  f"trainer.plots={str(args.compare.startswith('overlap')).lower()}",  # RUN/plots/{time,staleness}.png
                  *COMPARISONS[args.compare][policy], *args.override]
@@ -98,9 +103,10 @@ def run_once(out: str, policy: str, seed: int, args) -> dict:
             subprocess.run([sys.executable, "-m", "nemo_dapo.cli", "train", *overrides], cwd=ROOT, stdout=log,
                            stderr=subprocess.STDOUT, check=True)
     with open(os.path.join(run_dir, "config.yaml"), encoding="utf-8") as f:  # a cached run of another budget
-        ran = yaml.safe_load(f)["trainer"]["max_samples"]
-    if ran != budget(policy, args):
-        raise SystemExit(f"{run_dir} ran trainer.max_samples={ran}, not {budget(policy, args)}: use another --out")
+        ran = yaml.safe_load(f)["trainer"]
+    for key, want in (("max_samples", budget(policy, args)), ("max_steps", args.max_steps)):
+        if ran[key] != want:
+            raise SystemExit(f"{run_dir} ran trainer.{key}={ran[key]}, not {want}: use another --out")
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     last = [r for r in rows if "counters/generated_tokens" in r][-1]
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
@@ -124,6 +130,7 @@ def run_once(out: str, policy: str, seed: int, args) -> dict:
                 steps=last["counters/rollout_steps"],
                 all_wrong=sum(r.get("filter/filtered_all_wrong", 0.0) for r in rows),
                 batch_acc=[r["train/batch_acc"] for r in steps],  # the trained batch's accuracy, step by step
+                val={r["step"]: r["val/accuracy"] for r in rows if "val/accuracy" in r},  # trainer.val_every > 0
                 linked=os.path.islink(run_dir),  # a run made elsewhere, at another time (another machine speed)
                 # a step's parts, over the steps after the first (which no overlap can shorten)
                 **{f"step_{k}": statistics.median(r[f"timing/{k}"] for r in steps[1:] or steps)
@@ -138,6 +145,22 @@ def batch_acc_shift(results: list, a: str, b: str, lag: int) -> float:
     diffs = [cb[k] - ca[k - lag] for (p, s), cb in curves.items() if p == b
              for ca in [curves[a, s]] for k in range(lag, min(len(ca) + lag, len(cb)))]
     return statistics.mean(diffs) if diffs else float("nan")  # runs shorter than the lag
+
+
+def val_by_step(results: list, a: str, b: str) -> list:
+    """(step, a's mean, b's mean, the mean of b - a paired by seed, its standard error) at every step where both
+    policies of every seed ran a held-out validation (``trainer.val_every``); the step counts updates, so a row
+    compares the two after the same number of rollout steps (updates)."""
+    curves = {(r["policy"], r["seed"]): r["val"] for r in results}
+    seeds = sorted({s for _, s in curves})
+    common = set.intersection(*(set(c) for c in curves.values())) if curves else set()
+    rows = []
+    for step in sorted(common):
+        va, vb = ([curves[p, s][step] for s in seeds] for p in (a, b))
+        diff = [y - x for x, y in zip(va, vb)]
+        se = statistics.stdev(diff) / len(diff) ** 0.5 if len(diff) > 1 else float("nan")
+        rows.append((step, statistics.mean(va), statistics.mean(vb), statistics.mean(diff), se))
+    return rows
 
 
 def reeval(out: str, results: list, args) -> None:
@@ -189,7 +212,8 @@ def reeval(out: str, results: list, args) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--base-model", help="warmed base model directory (required unless --quick)")
-    p.add_argument("--quick", action="store_true", help="1 seed, 256 responses, 16 held-out problems")
+    p.add_argument("--quick", action="store_true", help="1 seed, 256 responses (unless --max-samples), 16 held-out "
+                   "problems")
     p.add_argument("--config-name", default="tiny_cpu", help="recipe (its base model: --base-model)")
     p.add_argument("--compare", default="on_filler_full", choices=sorted(COMPARISONS),
                    help="on_filler_full: abort vs suspend; fill_order: finish vs prompt (both abort); "
@@ -200,7 +224,10 @@ def main() -> int:
                    "fill_order)")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--engine", default="local", choices=("local", "vllm"))
-    p.add_argument("--max-samples", type=int, default=2560, help="response budget of every run")
+    p.add_argument("--max-samples", type=int, default=None, help="response budget of every run (default 2560; 256 "
+                   "with --quick)")
+    p.add_argument("--max-steps", type=int, default=1000, help="a step budget (updates) for every run, beside "
+                   "--max-samples: the same number of updates for both policies with a large --max-samples")
     p.add_argument("--budget-ratio", type=float, default=1.0, help="the second policy's budget, x --max-samples "
                    "(e.g. the first's RL time: 1.4 for an overlap at x0.71)")
     p.add_argument("--heldout", type=int, default=128)
@@ -210,9 +237,10 @@ def main() -> int:
     p.add_argument("override", nargs="*", help="more key=value overrides for every run")
     args = p.parse_args()
     if args.quick:
-        args.seeds, args.max_samples, args.heldout, args.eval_samples = 1, 256, 16, 1
+        args.seeds, args.heldout, args.eval_samples = 1, 16, 1
     elif not args.base_model:
         p.error("--base-model DIR is required (a run's base_model/), unless --quick")
+    args.max_samples = args.max_samples or (256 if args.quick else 2560)
     args.out = args.out or os.path.join(ROOT, "runs", "partial_rollouts" if args.compare == "on_filler_full"
                                         else args.compare)  # runs/fill_order, runs/overlap
     os.makedirs(args.out, exist_ok=True)
@@ -260,7 +288,10 @@ def main() -> int:
     shifts = ", ".join(f"lag {lag} {batch_acc_shift(results, name_a, name_b, lag):+.3f}" for lag in (0, 1, 2))
     print(f"trained batches' accuracy, {name_b} at step k minus {name_a} at step k - lag (mean over seeds and "
           f"steps): {shifts}")
-    print(f"RESULT compare={args.compare} seeds={args.seeds} responses={args.max_samples} "
+    for step, va, vb, d, se in val_by_step(results, name_a, name_b):
+        print(f"held-out after step {step} (trainer.val_every): {name_a} {va:.3f}, {name_b} {vb:.3f}, "
+              f"change {d:+.3f} +- {se:.3f}")
+    print(f"RESULT compare={args.compare} seeds={args.seeds} responses={args.max_samples} max_steps={args.max_steps} "
           f"budget_ratio={args.budget_ratio} engine={args.engine} linked_runs={linked} "
           f"discarded_{name_a}={a['discarded_frac']:.3f} discarded_{name_b}={b['discarded_frac']:.3f} "
           f"tokens_per_trained_ratio={b['tokens_per_trained'] / a['tokens_per_trained']:.3f} "

@@ -4,6 +4,7 @@ These check that the benchmarks work, not the performance targets: timings here 
 machine). Only deterministic quantities are asserted on: simulated response counts (seeded), allocator bytes and
 numerical agreement of the fused path with its reference.
 """
+import json
 import os
 import subprocess
 import sys
@@ -119,3 +120,25 @@ def test_partial_rollouts_quick(tmp_path):
     assert float(e["mean_change"]) == pytest.approx(suspend - abort, abs=2e-4)
     assert (tmp_path / "heldout_24.jsonl").read_text().count("\n") == 24
     assert (tmp_path / "suspend_seed1" / "reeval_24_2.json").exists()
+
+
+def test_partial_rollouts_step_budget_and_validation_curve(tmp_path):
+    """--max-steps stops both policies after the same number of updates; trainer.val_every prints the held-out
+    accuracy of both after each validated step; a cached run of another step budget is refused."""
+    argv = [sys.executable, str(BENCHMARKS / "partial_rollouts.py"), "--quick", "--out", str(tmp_path)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run([*argv, "--max-samples", "100000", "--max-steps", "2", "trainer.val_every=1"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    fields = dict(kv.split("=", 1) for kv in res.stdout.strip().splitlines()[-1].split()[1:])
+    assert fields["max_steps"] == "2"
+    for policy in ("abort", "suspend"):
+        rows = [json.loads(line) for line in (tmp_path / f"{policy}_seed1" / "metrics.jsonl").open()]
+        assert max(r["step"] for r in rows if r.get("kind") == "train") == 2
+    curve = [line for line in res.stdout.splitlines() if line.startswith("held-out after step")]
+    assert [line.split()[3] for line in curve] == ["1", "2"], res.stdout[-3000:]
+    for line in curve:  # "... abort A, suspend S, change D +- SE": D is S - A
+        a, s, d = (float(line.split(name)[1].split()[0].rstrip(",")) for name in (" abort ", " suspend ", "change "))
+        assert d == pytest.approx(s - a, abs=2e-3) and 0.0 <= a <= 1.0
+    again = subprocess.run([*argv, "--max-samples", "100000", "--max-steps", "3"], env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode != 0 and "ran trainer.max_steps=2, not 3" in again.stdout + again.stderr
