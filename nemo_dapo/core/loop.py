@@ -29,7 +29,8 @@ import torch
 from nemo_dapo.core.advantages import group_advantages
 from nemo_dapo.core.dynamic_sampling import BatchFiller, Group
 from nemo_dapo.core.loop_data import PromptSampler, PromptSet, balanced_split, mix_seed
-from nemo_dapo.core.loop_metrics import generation_metrics, mean_metrics, rollout_metrics, staleness_metrics
+from nemo_dapo.core.loop_metrics import (generation_metrics, mean_metrics, mismatch_by_lag, rollout_metrics,
+                                         staleness_metrics)
 from nemo_dapo.core.loop_stream import StreamingPhase
 from nemo_dapo.core.loss import METRIC_REDUCTION
 from nemo_dapo.core.metrics import reduce_over_ranks
@@ -316,6 +317,7 @@ class DAPOLoop(StreamingPhase):
                 per_update.append(self._train_minibatch(batch, share))
         timers["update"] += time.perf_counter() - t1
         metrics = mean_metrics(per_update)
+        metrics.update(mismatch_by_lag(batch, local, self._version, red))
         metrics["actor/entropy"] = entropy
         metrics["actor/updates"] = len(per_update)
         return metrics

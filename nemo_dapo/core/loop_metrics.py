@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from nemo_dapo.core.loss import logp_mismatch
 from nemo_dapo.core.metrics import length_stats
 from nemo_dapo.core.overlong import soft_overlong_penalty
 from nemo_dapo.core.types import RolloutBatch
@@ -35,6 +36,26 @@ def staleness_metrics(batch: RolloutBatch, version: int) -> dict:
         return {}
     return {"partial/trained_lag_mean": float(lag.mean()), "partial/trained_lag_max": float(lag.max()),
             "partial/trained_stale_token_frac": float((lag > 0).float().mean())}
+
+
+def mismatch_by_lag(batch: RolloutBatch, rows: list, version: int, reducer) -> dict:
+    """``actor/logp_mismatch`` split by the tokens' lag: mean |pi_engine / pi_trainer - 1| over the trained tokens
+    sampled by the trainer's current weights (``partial/logp_mismatch_fresh``: the engine's numerics alone) and by
+    older ones (``partial/logp_mismatch_stale``: numerics and the updates since). ``rows``: this rank's rows of
+    ``batch``, whose ``old_logp`` (the trainer's, weights ``version``), ``engine_logp`` and ``token_version`` are
+    set there; sums and counts are reduced over the ranks (every rank calls it). {} without engine log-probs."""
+    if batch.engine_logp is None or batch.token_version is None:
+        return {}
+    valid = batch.response_mask[rows].bool()
+    fresh = batch.token_version[rows] == version
+    out = {}
+    for name, where in (("fresh", valid & fresh), ("stale", valid & ~fresh)):
+        local = where.sum().float()
+        total = reducer.sum(logp_mismatch(batch.engine_logp[rows], batch.old_logp[rows], where) * local)
+        count = reducer.sum(local)
+        if float(count) > 0:
+            out[f"partial/logp_mismatch_{name}"] = float(total / count)
+    return out
 
 
 def generation_metrics(generated: list, s) -> dict:

@@ -245,6 +245,8 @@ def test_overlap_generates_during_the_update_and_trains_that_work_one_version_la
     uids = {int(u) for mb in trained(loop, calls) for u in mb.group_ids}
     assert {g.uid for g in finished_early} & uids  # work done during the update was trained next step ...
     assert m2["partial/trained_lag_max"] == 1  # ... one version later, within max_staleness
+    assert "partial/logp_mismatch_fresh" in m1 and "partial/logp_mismatch_stale" not in m1  # split by lag
+    assert "partial/logp_mismatch_stale" in m2
     assert drawn_ahead > 0  # the next batch was drawn early, counted when step 2 began
     assert m2["counters/consumed_prompts"] >= m1["counters/consumed_prompts"] + drawn_ahead
 
