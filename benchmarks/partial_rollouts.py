@@ -94,8 +94,7 @@ def run_once(out: str, policy: str, seed: int, args) -> dict:
     overrides = ["--config-name", args.config_name, f"run_dir={run_dir}", *base, f"seed={seed}",
                  f"rollout.engine={args.engine}", "rollout.streaming=true", "algorithm.tis_cap=2.0",
                  f"trainer.max_samples={budget(policy, args)}", f"trainer.max_steps={args.max_steps}",
-                 "trainer.val_every=0",
-                 f"data.heldout_size={args.heldout}", f"eval.n_samples={args.eval_samples}",
+                 "trainer.val_every=0", f"data.heldout_size={args.heldout}", f"eval.n_samples={args.eval_samples}",
                  f"trainer.plots={str(args.compare.startswith('overlap')).lower()}",  # RUN/plots/{time,staleness}.png
                  *COMPARISONS[args.compare][policy], *args.override]
     if not os.path.exists(os.path.join(run_dir, "summary.json")):

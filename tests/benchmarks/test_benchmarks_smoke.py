@@ -140,5 +140,6 @@ def test_partial_rollouts_step_budget_and_validation_curve(tmp_path):
     for line in curve:  # "... abort A, suspend S, change D +- SE": D is S - A
         a, s, d = (float(line.split(name)[1].split()[0].rstrip(",")) for name in (" abort ", " suspend ", "change "))
         assert d == pytest.approx(s - a, abs=2e-3) and 0.0 <= a <= 1.0
-    again = subprocess.run([*argv, "--max-samples", "100000", "--max-steps", "3"], env=env, capture_output=True, text=True, timeout=120)
+    again = subprocess.run([*argv, "--max-samples", "100000", "--max-steps", "3"], env=env, capture_output=True,
+                           text=True, timeout=120)
     assert again.returncode != 0 and "ran trainer.max_steps=2, not 3" in again.stdout + again.stderr
