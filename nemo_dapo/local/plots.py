@@ -43,6 +43,8 @@ PANELS = {
         ("partial/discarded_token_frac", "generated tokens discarded (cumulative)"),
         ("partial/suspended_groups", "groups suspended at step end"),
         ("partial/stale_groups", "groups dropped past max_staleness (cumulative)"),
+        ("partial/logp_mismatch_fresh", "|pi_engine / pi_trainer - 1|, current weights' tokens"),
+        ("partial/logp_mismatch_stale", "|pi_engine / pi_trainer - 1|, older weights' tokens"),
     ),
 }
 
