@@ -182,14 +182,14 @@ def reeval(out: str, results: list, args) -> None:
 
     def avg_at_k(model_dir: str, cache: str, seed: int) -> float:
         old = json.load(open(cache)) if os.path.exists(cache) else {"model": None}
-        same = old["model"] and os.path.realpath(old["model"]) == os.path.realpath(model_dir) and all(
-            old[key] == value for key, value in sampling.items())
-        if not same:
-            res = evaluate_model(model_dir, path, fmt="verl", samples=k, seed=seed, **sampling)
-            with open(cache + ".tmp", "w", encoding="utf-8") as f:
-                json.dump(res, f)
-            os.replace(cache + ".tmp", cache)
-        return json.load(open(cache))[f"avg@{k}"]
+        if old["model"] and os.path.realpath(old["model"]) == os.path.realpath(model_dir) and all(
+                old[key] == value for key, value in sampling.items()):
+            return old[f"avg@{k}"]
+        res = evaluate_model(model_dir, path, fmt="verl", samples=k, seed=seed, **sampling)
+        with open(cache + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(res, f)
+        os.replace(cache + ".tmp", cache)
+        return res[f"avg@{k}"]
 
     base = avg_at_k(args.base_model, os.path.join(out, f"reeval_base_{args.reeval}_{k}.json"), 1)
     acc = {}

@@ -15,17 +15,22 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def run_quick(name: str, *extra: str, timeout: float = 600) -> dict:
-    """Runs benchmarks/<name> --quick; returns the key=value fields of its final RESULT line as strings."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    res = subprocess.run([sys.executable, str(BENCHMARKS / name), "--quick", *extra], env=env, capture_output=True,
-                         text=True, timeout=timeout)
+def run_quick_output(name: str, *extra: str, timeout: float = 600) -> tuple:
+    """Runs benchmarks/<name> --quick; returns the key=value fields of its final RESULT line as strings, and its
+    stdout."""
+    res = subprocess.run([sys.executable, str(BENCHMARKS / name), "--quick", *extra],
+                         env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, f"{name} exited {res.returncode}:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     lines = res.stdout.strip().splitlines()
     assert lines and lines[-1].startswith("RESULT "), f"{name} did not end with a RESULT line:\n{res.stdout[-3000:]}"
     fields = dict(kv.split("=", 1) for kv in lines[-1].split()[1:])
     assert fields, f"{name}: empty RESULT line"
-    return fields
+    return fields, res.stdout
+
+
+def run_quick(name: str, *extra: str, timeout: float = 600) -> dict:
+    """The RESULT fields of ``run_quick_output``."""
+    return run_quick_output(name, *extra, timeout=timeout)[0]
 
 
 def test_dynamic_sampling_waste_quick():
@@ -125,21 +130,18 @@ def test_partial_rollouts_quick(tmp_path):
 def test_partial_rollouts_step_budget_and_validation_curve(tmp_path):
     """--max-steps stops both policies after the same number of updates; trainer.val_every prints the held-out
     accuracy of both after each validated step; a cached run of another step budget is refused."""
-    argv = [sys.executable, str(BENCHMARKS / "partial_rollouts.py"), "--quick", "--out", str(tmp_path)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    res = subprocess.run([*argv, "--max-samples", "100000", "--max-steps", "2", "trainer.val_every=1"], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    fields = dict(kv.split("=", 1) for kv in res.stdout.strip().splitlines()[-1].split()[1:])
+    fields, stdout = run_quick_output("partial_rollouts.py", "--out", str(tmp_path), "--max-samples", "100000",
+                                      "--max-steps", "2", "trainer.val_every=1")
     assert fields["max_steps"] == "2"
     for policy in ("abort", "suspend"):
         rows = [json.loads(line) for line in (tmp_path / f"{policy}_seed1" / "metrics.jsonl").open()]
         assert max(r["step"] for r in rows if r.get("kind") == "train") == 2
-    curve = [line for line in res.stdout.splitlines() if line.startswith("held-out after step")]
-    assert [line.split()[3] for line in curve] == ["1", "2"], res.stdout[-3000:]
+    curve = [line for line in stdout.splitlines() if line.startswith("held-out after step")]
+    assert [line.split()[3] for line in curve] == ["1", "2"], stdout[-3000:]
     for line in curve:  # "... abort A, suspend S, change D +- SE": D is S - A
         a, s, d = (float(line.split(name)[1].split()[0].rstrip(",")) for name in (" abort ", " suspend ", "change "))
         assert d == pytest.approx(s - a, abs=2e-3) and 0.0 <= a <= 1.0
-    again = subprocess.run([*argv, "--max-samples", "100000", "--max-steps", "3"], env=env, capture_output=True,
-                           text=True, timeout=120)
+    again = subprocess.run([sys.executable, str(BENCHMARKS / "partial_rollouts.py"), "--quick", "--out", str(tmp_path),
+                            "--max-samples", "100000", "--max-steps", "3"], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                           capture_output=True, text=True, timeout=120)
     assert again.returncode != 0 and "ran trainer.max_steps=2, not 3" in again.stdout + again.stderr

@@ -186,10 +186,10 @@ def test_partial_rollouts_in_prompt_order_under_data_parallelism_build_the_singl
     batch_keys = sorted({k for m in expected for k in m if k.split("/")[0] in ("rollout", "partial", "counters",
                                                                                  "filter")})
     assert "partial/resumed_groups" in batch_keys and "counters/generated_tokens" in batch_keys
+    # .get: a step names the mismatch of a lag class only if it trained tokens of that class; that mean is summed in
+    # two parts on two ranks, so it is equal up to rounding
+    loose = lambda k, v: pytest.approx(v, rel=1e-6) if "mismatch" in k and v is not None else v  # noqa: E731
     for r in range(2):
-        # .get: a step names the mismatch of a lag class only if it trained tokens of that class; that mean is
-        # summed in two parts on two ranks, so it is equal up to rounding
-        loose = lambda k, v: pytest.approx(v, rel=1e-6) if "mismatch" in k and v is not None else v  # noqa: E731
         assert [{k: loose(k, m.get(k)) for k in batch_keys} for m in got[r]] == [{k: m.get(k) for k in batch_keys}
                                                                                   for m in expected]
         assert [g.to_state() for g in ranks[r]._suspended] == [g.to_state() for g in single._suspended]
