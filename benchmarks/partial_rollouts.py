@@ -43,7 +43,7 @@ accuracy of both policies after every K-th step, paired by seed. ``--reeval N``:
 held-out problems x ``--reeval-samples`` (one held-out file for all runs, written to OUT, each result cached in
 RUN/reeval_N_K.json), since the run's own evaluation (128 x 2 responses) has a sampling error of ~0.03 per run, as
 large as the differences it is asked to resolve; it prints a second RESULT line (the base model's, each policy's mean
-and the change paired by seed).
+and spread over the seeds, and the change paired by seed).
 ``--quick`` (what ``tests/benchmarks/test_benchmarks_smoke.py`` runs): one seed, 256 responses unless
 ``--max-samples``, 16 held-out problems; without ``--base-model`` the first run warms a base for 20 steps and the
 second starts from it.
@@ -203,9 +203,13 @@ def reeval(out: str, results: list, args) -> None:
     change = [acc[b, s] - acc[a, s] for s in seeds]
     se = statistics.stdev(change) / len(change) ** 0.5 if len(change) > 1 else float("nan")
     mean = {p: statistics.mean(acc[p, s] for s in seeds) for p in (a, b)}
+    # The spread between seeds (sample standard deviation of each policy's accuracies): "within seed noise" read as
+    # a change smaller than it, beside the paired standard error that asks whether the change is systematic.
+    sd = {p: statistics.stdev(acc[p, s] for s in seeds) if len(seeds) > 1 else float("nan") for p in (a, b)}
     print(f"RESULT compare={args.compare} reeval_problems={args.reeval} reeval_samples={k} accuracy_base={base:.4f} "
           f"accuracy_{a}={mean[a]:.4f} accuracy_{b}={mean[b]:.4f} mean_change={statistics.mean(change):+.4f} "
-          f"change_se={se:.4f} lower={sum(d < 0 for d in change)}_of_{len(change)}")
+          f"change_se={se:.4f} lower={sum(d < 0 for d in change)}_of_{len(change)} seed_sd_{a}={sd[a]:.4f} "
+          f"seed_sd_{b}={sd[b]:.4f}")
 
 
 def main() -> int:

@@ -123,6 +123,7 @@ def test_partial_rollouts_quick(tmp_path):
     for acc in (abort, suspend):  # avg@2 over 24 problems: a multiple of 1/48 (printed to 4 decimals)
         assert acc * 48 == pytest.approx(round(acc * 48), abs=0.01)
     assert float(e["mean_change"]) == pytest.approx(suspend - abort, abs=2e-4)
+    assert e["seed_sd_abort"] == e["seed_sd_suspend"] == "nan"  # one seed has no spread
     assert (tmp_path / "heldout_24.jsonl").read_text().count("\n") == 24
     assert (tmp_path / "suspend_seed1" / "reeval_24_2.json").exists()
 
