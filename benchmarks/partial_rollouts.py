@@ -162,6 +162,23 @@ def val_by_step(results: list, a: str, b: str) -> list:
     return rows
 
 
+def paired_change(acc: dict, a: str, b: str, seeds) -> dict:
+    """Policy ``b`` against ``a`` over ``seeds``, from ``acc[policy, seed]``: each policy's mean and spread over the
+    seeds (sample standard deviation; nan for one seed), the change b - a paired by seed, its standard error and how
+    many seeds it lowers. The spread is the second reading of "within seed noise": a change smaller than the seeds'
+    own scatter, beside the paired standard error that asks whether the change is systematic."""
+    seeds = list(seeds)
+    change = [acc[b, s] - acc[a, s] for s in seeds]
+    many = len(seeds) > 1
+    out = {"mean_change": statistics.mean(change), "lower": sum(d < 0 for d in change),
+           "change_se": statistics.stdev(change) / len(change) ** 0.5 if many else float("nan")}
+    for p in (a, b):
+        values = [acc[p, s] for s in seeds]
+        out[f"accuracy_{p}"] = statistics.mean(values)
+        out[f"seed_sd_{p}"] = statistics.stdev(values) if many else float("nan")
+    return out
+
+
 def reeval(out: str, results: list, args) -> None:
     """Each run's final model on ``args.reeval`` held-out problems x ``args.reeval_samples``; paired per seed."""
     from nemo_dapo.local.config import load_config
@@ -199,17 +216,12 @@ def reeval(out: str, results: list, args) -> None:
                                                os.path.join(run_dir, f"reeval_{args.reeval}_{k}.json"), r["seed"])
         print(f"re-evaluated {r['policy']:8s} seed {r['seed']}: {acc[r['policy'], r['seed']]:.4f} "
               f"(run's own {r['accuracy']:.3f})", flush=True)
-    (a, b), seeds = list(COMPARISONS[args.compare]), range(1, args.seeds + 1)
-    change = [acc[b, s] - acc[a, s] for s in seeds]
-    se = statistics.stdev(change) / len(change) ** 0.5 if len(change) > 1 else float("nan")
-    mean = {p: statistics.mean(acc[p, s] for s in seeds) for p in (a, b)}
-    # The spread between seeds (sample standard deviation of each policy's accuracies): "within seed noise" read as
-    # a change smaller than it, beside the paired standard error that asks whether the change is systematic.
-    sd = {p: statistics.stdev(acc[p, s] for s in seeds) if len(seeds) > 1 else float("nan") for p in (a, b)}
+    a, b = list(COMPARISONS[args.compare])
+    c = paired_change(acc, a, b, range(1, args.seeds + 1))
     print(f"RESULT compare={args.compare} reeval_problems={args.reeval} reeval_samples={k} accuracy_base={base:.4f} "
-          f"accuracy_{a}={mean[a]:.4f} accuracy_{b}={mean[b]:.4f} mean_change={statistics.mean(change):+.4f} "
-          f"change_se={se:.4f} lower={sum(d < 0 for d in change)}_of_{len(change)} seed_sd_{a}={sd[a]:.4f} "
-          f"seed_sd_{b}={sd[b]:.4f}")
+          f"accuracy_{a}={c[f'accuracy_{a}']:.4f} accuracy_{b}={c[f'accuracy_{b}']:.4f} "
+          f"mean_change={c['mean_change']:+.4f} change_se={c['change_se']:.4f} lower={c['lower']}_of_{args.seeds} "
+          f"seed_sd_{a}={c[f'seed_sd_{a}']:.4f} seed_sd_{b}={c[f'seed_sd_{b}']:.4f}")
 
 
 def main() -> int:

@@ -1,0 +1,36 @@
+"""The paired summary of benchmarks/partial_rollouts.py --reeval against a hand-computed case."""
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "partial_rollouts.py"
+
+
+def load_benchmark():
+    spec = importlib.util.spec_from_file_location("partial_rollouts_benchmark", PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_paired_change_matches_hand_computation():
+    paired_change = load_benchmark().paired_change
+    acc = {("sync", 1): 0.50, ("sync", 2): 0.70, ("sync", 3): 0.60,
+           ("overlap", 1): 0.40, ("overlap", 2): 0.75, ("overlap", 3): 0.50}
+    c = paired_change(acc, "sync", "overlap", range(1, 4))
+    # changes -0.10, +0.05, -0.10: mean -0.05, sample sd sqrt(0.0075), s.e. sd / sqrt(3) = 0.05
+    assert c["mean_change"] == pytest.approx(-0.05)
+    assert c["change_se"] == pytest.approx(0.05)
+    assert c["lower"] == 2
+    assert c["accuracy_sync"] == pytest.approx(0.60) and c["accuracy_overlap"] == pytest.approx(0.55)
+    # sync: deviations -0.1, +0.1, 0 -> sd 0.1; overlap: -0.15, +0.2, -0.05 -> sd sqrt(0.0325)
+    assert c["seed_sd_sync"] == pytest.approx(0.1)
+    assert c["seed_sd_overlap"] == pytest.approx(math.sqrt(0.0325))
+
+
+def test_paired_change_one_seed_has_no_spread():
+    c = load_benchmark().paired_change({("a", 7): 0.3, ("b", 7): 0.4}, "a", "b", [7])
+    assert c["mean_change"] == pytest.approx(0.1) and c["lower"] == 0
+    assert all(math.isnan(c[k]) for k in ("change_se", "seed_sd_a", "seed_sd_b"))
