@@ -12,7 +12,7 @@ from nemo_dapo.core.partial import (SampleState, SuspendedGroup, complete, conti
 from nemo_dapo.core.types import Generation
 from nemo_dapo.engines.base import Completion, Sample
 from nemo_dapo.engines.generator import EngineGenerator
-from tests.core.test_loop import FakePolicy, make_loop, steady
+from tests.core.test_loop import FakePolicy, fake_reward, make_loop, steady
 from tests.engines.toy_engine import ToyEngine
 from tests.support.inprocess_client import InProcessClient
 
@@ -332,3 +332,70 @@ def test_overlap_draws_ahead_only_for_a_step_that_the_callers_budget_runs():
     assert ahead > 0  # ... so its batch was drawn
     m2 = more.step(sample_cap=plain + 1)
     assert m2["counters/consumed_samples"] >= plain + 4 * ahead and more._drawn_ahead == 0  # spent: nothing drawn
+
+
+def even_prompts_solved(response_ids, response_mask, ground_truths):
+    """The fake reward (first token even), except that prompts with an even ground truth are always solved: their
+    groups are all correct, so the history has prompts to skip."""
+    reward, acc, answers = fake_reward(response_ids, response_mask, ground_truths)
+    solved = torch.tensor([int(t) % 2 == 0 for t in ground_truths])
+    acc = torch.where(solved, torch.ones_like(acc), acc)
+    return acc * 2 - 1, acc, answers
+
+
+def skipping_overlap_loop(fill_order: str):
+    """The overlap with history-based prompt skipping over 6 prompts, so that prompts come round again (and get
+    skipped) within a few steps."""
+    from nemo_dapo.core.loss import make_loss_fn
+    from tests.core.test_loop import prompt_set
+
+    policy = BusyPolicy(3)
+    gen = EngineGenerator(InProcessClient(VersionedToy()), eos_id=EOS, pad_id=0)
+    policy.client = gen.client
+    base = make_loop(generator=gen, policy=policy, ds=True, groups=4, group_size=4, mini=8, max_new_tokens=MAX_NEW,
+                     streaming=True, on_filler_full="suspend", fill_order=fill_order, seed=3, prompts=prompt_set(n=6),
+                     skip_history={"enabled": True, "skip_prob": 0.9, "max_skips": 2},
+                     loss=make_loss_fn(eps_low=0.2, eps_high=0.28, clip_c=10.0, tis_cap=2.0))
+    rounds = {"round_tokens": 4} if fill_order == "prompt" else {}
+    return DAPOLoop(policy=policy, generator=gen, reward_fn=even_prompts_solved, loss_fn=base.loss_fn,
+                    prompts=base.prompts, filler=base.filler, settings=base.settings, max_staleness=1, overlap=True,
+                    **rounds)
+
+
+@pytest.mark.parametrize("fill_order", ["finish", "prompt"])
+def test_overlap_keeps_history_based_prompt_skipping(fill_order, tmp_path):
+    """Every group scored under the overlap (those drawn ahead and finished during the update included) updates the
+    prompt history once, under its own prompt; prompts get skipped, also when drawn ahead; a checkpoint carries the
+    history and resumes as uninterrupted."""
+    loop = skipping_overlap_loop(fill_order)
+    index_of, recorded, scored, ahead, skipped_ahead = {}, [], [], set(), []
+    draw, record, add, draw_more = loop.sampler.draw, loop.sampler.history.record, loop.filler.add_groups, \
+        loop._draw_more
+
+    def recording_draw(n):
+        indices, uids = draw(n)
+        index_of.update(zip(uids, indices))
+        return indices, uids
+
+    def recording_draw_more(n):
+        before = loop.sampler.skipped
+        indices, uids = draw_more(n)
+        ahead.update(uids)
+        skipped_ahead.append(loop.sampler.skipped - before)
+        return indices, uids
+
+    loop.sampler.draw = recording_draw
+    loop.sampler.history.record = lambda index, acc: (recorded.append((index, tuple(acc))), record(index, acc))[1]
+    loop.filler.add_groups = lambda groups: (scored.extend(groups), add(groups))[1]
+    loop._draw_more = recording_draw_more
+    for _ in range(6):
+        loop.step()
+    assert sorted(recorded) == sorted((index_of[g.uid], tuple(g.acc.tolist())) for g in scored)
+    assert ahead & {g.uid for g in scored}  # groups drawn ahead were scored and recorded too
+    assert loop.counters["skipped_prompts"] > 0 and sum(skipped_ahead) > 0  # skipping also acts on the draw-ahead
+    state = loop.state_dict()
+    assert state["sampler"]["history"]["streak"]
+    path = save_checkpoint(str(tmp_path), 6, {"loop": state})
+    again = skipping_overlap_loop(fill_order)
+    again.load_state_dict(load_checkpoint(path)["loop"])
+    assert [steady(loop.step()) for _ in range(2)] == [steady(again.step()) for _ in range(2)]
