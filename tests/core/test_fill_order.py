@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from nemo_dapo.engines.generator import EngineGenerator
-from tests.core.test_loop import make_loop, steady
-from tests.core.test_partial_rollouts import EOS, MAX_NEW, BusyPolicy, PushingPolicy, VersionedToy
+from tests.core.test_loop import make_loop, prompt_set, steady
+from tests.core.test_partial_rollouts import EOS, MAX_NEW, BusyPolicy, PushingPolicy, VersionedToy, even_prompts_solved
 from tests.support.inprocess_client import InProcessClient
 
 # What depends on the engine's timing whatever the fill order: how much was generated before the abort.
@@ -110,11 +110,12 @@ def test_prompt_order_with_abort_trains_a_prefix_of_the_drawn_prompts_and_counts
     assert m["rollout/generated_tokens"] == m["response/tokens"] + m["rollout/aborted_tokens"]
 
 
-def rounds_loop(order_seed, round_tokens=4, seed=5, reducer=None, overlap=False, busy=None):
+def rounds_loop(order_seed, round_tokens=4, seed=5, reducer=None, overlap=False, busy=None, skipping=False):
     """Partial rollouts in prompt order (rounds of ``round_tokens`` tokens), the engine's completions replayed in an
     order drawn from ``order_seed``; ``reducer``: this rank's data-parallel collectives (None: one rank).
     ``busy`` (with ``order_seed`` None): no replay, the engine left to take ``busy`` decode steps in each update (a
-    round submitted before the update is then collected part-done; a replayed one was run to its end at once)."""
+    round submitted before the update is then collected part-done; a replayed one was run to its end at once).
+    ``skipping``: history-based prompt skipping over 6 prompts, half of them always solved (prompts to skip)."""
     from nemo_dapo.core.loop import DAPOLoop
     from nemo_dapo.core.loss import make_loss_fn
 
@@ -124,10 +125,13 @@ def rounds_loop(order_seed, round_tokens=4, seed=5, reducer=None, overlap=False,
     else:
         policy, gen = BusyPolicy(busy), engine
         policy.client = engine.client
+    skip = dict(prompts=prompt_set(n=6), skip_history={"enabled": True, "skip_prob": 0.9, "max_skips": 2}) \
+        if skipping else {}
     base = make_loop(generator=gen, policy=policy, ds=True, groups=4, group_size=4, mini=8, max_new_tokens=MAX_NEW,
                      streaming=True, on_filler_full="suspend", fill_order="prompt", seed=seed,
-                     loss=make_loss_fn(eps_low=0.2, eps_high=0.28, clip_c=10.0, tis_cap=2.0))
-    return DAPOLoop(policy=policy, generator=gen, reward_fn=base.reward_fn, loss_fn=base.loss_fn,
+                     loss=make_loss_fn(eps_low=0.2, eps_high=0.28, clip_c=10.0, tis_cap=2.0), **skip)
+    return DAPOLoop(policy=policy, generator=gen, reward_fn=even_prompts_solved if skipping else base.reward_fn,
+                    loss_fn=base.loss_fn,
                     prompts=base.prompts, filler=base.filler, settings=base.settings, max_staleness=1,
                     round_tokens=round_tokens, reducer=reducer, overlap=overlap)
 
@@ -153,21 +157,22 @@ def test_partial_rollouts_in_prompt_order_train_and_suspend_the_same_whatever_th
     assert ma[1]["partial/resumed_groups"] > 0 and ma[-1]["rollout/aborted_tokens"] == 0
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_partial_rollouts_in_prompt_order_under_data_parallelism_build_the_single_ranks_batches(overlap):
+@pytest.mark.parametrize("overlap,skipping", [(False, False), (True, False), (True, True)])
+def test_partial_rollouts_in_prompt_order_under_data_parallelism_build_the_single_ranks_batches(overlap, skipping):
     """Two ranks (threads), each with its own engine and other engine timing, share every round's groups and the
     scoring of the finished head: together they train the rows one rank trains, and both carry over its state
-    (with overlap too: each rank's share of the round run during the update)."""
+    (with overlap too: each rank's share of the round run during the update; with history-based prompt skipping,
+    both keep the one rank's history and skip its prompts)."""
     import threading
 
     from tests.core.test_loop import ThreadReducer
 
     steps = 3
-    single = rounds_loop(order_seed=1, seed=9, overlap=overlap)
+    single = rounds_loop(order_seed=1, seed=9, overlap=overlap, skipping=skipping)
     expected = [steady(single.step()) for _ in range(steps)]
     shared, barrier = [None, None], threading.Barrier(2)
-    ranks = [rounds_loop(order_seed=2 + r, seed=9, reducer=ThreadReducer(r, 2, shared, barrier), overlap=overlap)
-             for r in range(2)]
+    ranks = [rounds_loop(order_seed=2 + r, seed=9, reducer=ThreadReducer(r, 2, shared, barrier), overlap=overlap,
+                         skipping=skipping) for r in range(2)]
     got, errors = {0: [], 1: []}, []
 
     def run(r):
@@ -194,6 +199,9 @@ def test_partial_rollouts_in_prompt_order_under_data_parallelism_build_the_singl
                                                                                   for m in expected]
         assert [g.to_state() for g in ranks[r]._suspended] == [g.to_state() for g in single._suspended]
         assert same(ranks[r].filler.state_dict(), single.filler.state_dict())
+        assert same(ranks[r].sampler.state_dict(), single.sampler.state_dict())  # the prompt history with it
+    if skipping:
+        assert expected[-1]["counters/skipped_prompts"] > 0
     assert expected[-1]["partial/resumed_groups"] > 0 and single._suspended
     rows = lambda calls: sorted(  # noqa: E731 - every trained row (group, tokens, versions) of some mini-batches
         (u, ids[:n], v[:n]) for mb, _ in calls for u, ids, v, n in zip(
