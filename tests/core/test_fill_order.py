@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from nemo_dapo.engines.generator import EngineGenerator
-from tests.core.test_loop import make_loop, prompt_set, steady
-from tests.core.test_partial_rollouts import EOS, MAX_NEW, BusyPolicy, PushingPolicy, VersionedToy, even_prompts_solved
+from tests.core.test_loop import make_loop, steady
+from tests.core.test_partial_rollouts import (EOS, MAX_NEW, BusyPolicy, PushingPolicy, VersionedToy,
+                                              even_prompts_solved, skipping_settings)
 from tests.support.inprocess_client import InProcessClient
 
 # What depends on the engine's timing whatever the fill order: how much was generated before the abort.
@@ -125,15 +126,13 @@ def rounds_loop(order_seed, round_tokens=4, seed=5, reducer=None, overlap=False,
     else:
         policy, gen = BusyPolicy(busy), engine
         policy.client = engine.client
-    skip = dict(prompts=prompt_set(n=6), skip_history={"enabled": True, "skip_prob": 0.9, "max_skips": 2}) \
-        if skipping else {}
     base = make_loop(generator=gen, policy=policy, ds=True, groups=4, group_size=4, mini=8, max_new_tokens=MAX_NEW,
                      streaming=True, on_filler_full="suspend", fill_order="prompt", seed=seed,
-                     loss=make_loss_fn(eps_low=0.2, eps_high=0.28, clip_c=10.0, tis_cap=2.0), **skip)
+                     loss=make_loss_fn(eps_low=0.2, eps_high=0.28, clip_c=10.0, tis_cap=2.0),
+                     **(skipping_settings() if skipping else {}))
     return DAPOLoop(policy=policy, generator=gen, reward_fn=even_prompts_solved if skipping else base.reward_fn,
-                    loss_fn=base.loss_fn,
-                    prompts=base.prompts, filler=base.filler, settings=base.settings, max_staleness=1,
-                    round_tokens=round_tokens, reducer=reducer, overlap=overlap)
+                    loss_fn=base.loss_fn, prompts=base.prompts, filler=base.filler, settings=base.settings,
+                    max_staleness=1, round_tokens=round_tokens, reducer=reducer, overlap=overlap)
 
 
 def trained_rows(loop):

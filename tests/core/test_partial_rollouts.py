@@ -337,25 +337,30 @@ def test_overlap_draws_ahead_only_for_a_step_that_the_callers_budget_runs():
 def even_prompts_solved(response_ids, response_mask, ground_truths):
     """The fake reward (first token even), except that prompts with an even ground truth are always solved: their
     groups are all correct, so the history has prompts to skip."""
-    reward, acc, answers = fake_reward(response_ids, response_mask, ground_truths)
+    _, acc, answers = fake_reward(response_ids, response_mask, ground_truths)
     solved = torch.tensor([int(t) % 2 == 0 for t in ground_truths])
     acc = torch.where(solved, torch.ones_like(acc), acc)
     return acc * 2 - 1, acc, answers
 
 
-def skipping_overlap_loop(fill_order: str):
-    """The overlap with history-based prompt skipping over 6 prompts, so that prompts come round again (and get
-    skipped) within a few steps."""
-    from nemo_dapo.core.loss import make_loss_fn
+def skipping_settings() -> dict:
+    """``make_loop`` keywords for history-based prompt skipping over 6 prompts, so that prompts come round again
+    (and get skipped) within a few steps; use with the reward ``even_prompts_solved``."""
     from tests.core.test_loop import prompt_set
+
+    return dict(prompts=prompt_set(n=6), skip_history={"enabled": True, "skip_prob": 0.9, "max_skips": 2})
+
+
+def skipping_overlap_loop(fill_order: str):
+    """The overlap with history-based prompt skipping (``skipping_settings``)."""
+    from nemo_dapo.core.loss import make_loss_fn
 
     policy = BusyPolicy(3)
     gen = EngineGenerator(InProcessClient(VersionedToy()), eos_id=EOS, pad_id=0)
     policy.client = gen.client
     base = make_loop(generator=gen, policy=policy, ds=True, groups=4, group_size=4, mini=8, max_new_tokens=MAX_NEW,
-                     streaming=True, on_filler_full="suspend", fill_order=fill_order, seed=3, prompts=prompt_set(n=6),
-                     skip_history={"enabled": True, "skip_prob": 0.9, "max_skips": 2},
-                     loss=make_loss_fn(eps_low=0.2, eps_high=0.28, clip_c=10.0, tis_cap=2.0))
+                     streaming=True, on_filler_full="suspend", fill_order=fill_order, seed=3,
+                     loss=make_loss_fn(eps_low=0.2, eps_high=0.28, clip_c=10.0, tis_cap=2.0), **skipping_settings())
     rounds = {"round_tokens": 4} if fill_order == "prompt" else {}
     return DAPOLoop(policy=policy, generator=gen, reward_fn=even_prompts_solved, loss_fn=base.loss_fn,
                     prompts=base.prompts, filler=base.filler, settings=base.settings, max_staleness=1, overlap=True,
