@@ -17,6 +17,8 @@ run's counters it takes
   time to fill             the median over steps of timing/to_last_needed_s (until the filler was full)
   engine idle              the share of RL seconds with no request in flight (timing/engine_idle_s)
   trained lag              the trained tokens' mean weight-version lag, averaged over steps
+  update size              the median over steps after the first of actor/approx_kl (how far a step's updates move
+                           the policy on its batch)
 
 and prints one row per run, the medians per policy and a RESULT line of key=value fields (the second policy's medians
 against the first's). ``--compare fill_order`` measures the cost of the reproducible mode instead: both with abort,
@@ -133,7 +135,9 @@ def run_once(out: str, policy: str, seed: int, args) -> dict:
                 linked=os.path.islink(run_dir),  # a run made elsewhere, at another time (another machine speed)
                 # a step's parts, over the steps after the first (which no overlap can shorten)
                 **{f"step_{k}": statistics.median(r[f"timing/{k}"] for r in steps[1:] or steps)
-                   for k in ("step_s", "gen_s", "old_logp_s", "update_s")})
+                   for k in ("step_s", "gen_s", "old_logp_s", "update_s")},
+                # how far a step's updates move the policy on its batch, over the same steps
+                approx_kl=statistics.median(r["actor/approx_kl"] for r in steps[1:] or steps))
 
 
 def batch_acc_shift(results: list, a: str, b: str, lag: int) -> float:
@@ -147,19 +151,14 @@ def batch_acc_shift(results: list, a: str, b: str, lag: int) -> float:
 
 
 def val_by_step(results: list, a: str, b: str) -> list:
-    """(step, a's mean, b's mean, the mean of b - a paired by seed, its standard error) at every step where both
-    policies of every seed ran a held-out validation (``trainer.val_every``); the step counts updates, so a row
-    compares the two after the same number of rollout steps (updates)."""
+    """(step, ``paired_change`` of the held-out accuracies) at every step where both policies of every seed ran a
+    held-out validation (``trainer.val_every``); the step counts updates, so a row compares the two after the same
+    number of rollout steps (updates)."""
     curves = {(r["policy"], r["seed"]): r["val"] for r in results}
     seeds = sorted({s for _, s in curves})
     common = set.intersection(*(set(c) for c in curves.values())) if curves else set()
-    rows = []
-    for step in sorted(common):
-        va, vb = ([curves[p, s][step] for s in seeds] for p in (a, b))
-        diff = [y - x for x, y in zip(va, vb)]
-        se = statistics.stdev(diff) / len(diff) ** 0.5 if len(diff) > 1 else float("nan")
-        rows.append((step, statistics.mean(va), statistics.mean(vb), statistics.mean(diff), se))
-    return rows
+    return [(step, paired_change({key: curve[step] for key, curve in curves.items()}, a, b, seeds))
+            for step in sorted(common)]
 
 
 def paired_change(acc: dict, a: str, b: str, seeds) -> dict:
@@ -276,7 +275,7 @@ def main() -> int:
                  for k in ("discarded_frac", "tokens_per_trained", "accuracy", "rl_seconds", "to_filled_s",
                            "s_per_1k_trained", "engine_idle_frac", "trained_lag_mean", "trained_tokens_per_trained",
                            "discarded_per_trained", "filtered_per_trained", "all_wrong", "step_step_s",
-                           "step_gen_s", "step_old_logp_s", "step_update_s")}
+                           "step_gen_s", "step_old_logp_s", "step_update_s", "approx_kl")}
            for pol in policies}
     acc = {pol: [r["accuracy"] for r in results if r["policy"] == pol] for pol in policies}
     for pol, m in med.items():
@@ -286,7 +285,8 @@ def main() -> int:
               f"{m['discarded_per_trained']:.2f}, filtered or left {m['filtered_per_trained']:.2f}) | held-out "
               f"{m['accuracy']:.3f} (seed range {spread:.3f}) | median step after the first {m['step_step_s']:.3f} s "
               f"(generation {m['step_gen_s']:.3f}, old log-probs {m['step_old_logp_s']:.3f}, update "
-              f"{m['step_update_s']:.3f}) | all-wrong groups filtered {m['all_wrong']:.0f}")
+              f"{m['step_update_s']:.3f}, actor/approx_kl {m['approx_kl']:.4f}) | all-wrong groups filtered "
+              f"{m['all_wrong']:.0f}")
     (name_a, a), (name_b, b) = med.items()
     # the same seed starts both policies from the same state: the per-seed ratio pairs them
     by_seed = {(r["policy"], r["seed"]): r["tokens_per_trained"] for r in results}
@@ -303,9 +303,9 @@ def main() -> int:
     shifts = ", ".join(f"lag {lag} {batch_acc_shift(results, name_a, name_b, lag):+.3f}" for lag in (0, 1, 2))
     print(f"trained batches' accuracy, {name_b} at step k minus {name_a} at step k - lag (mean over seeds and "
           f"steps): {shifts}")
-    for step, va, vb, d, se in val_by_step(results, name_a, name_b):
-        print(f"held-out after step {step} (trainer.val_every): {name_a} {va:.3f}, {name_b} {vb:.3f}, "
-              f"change {d:+.3f} +- {se:.3f}")
+    for step, c in val_by_step(results, name_a, name_b):
+        print(f"held-out after step {step} (trainer.val_every): {name_a} {c[f'accuracy_{name_a}']:.3f}, "
+              f"{name_b} {c[f'accuracy_{name_b}']:.3f}, change {c['mean_change']:+.3f} +- {c['change_se']:.3f}")
     print(f"RESULT compare={args.compare} seeds={args.seeds} responses={args.max_samples} max_steps={args.max_steps} "
           f"budget_ratio={args.budget_ratio} engine={args.engine} linked_runs={linked} "
           f"discarded_{name_a}={a['discarded_frac']:.3f} discarded_{name_b}={b['discarded_frac']:.3f} "

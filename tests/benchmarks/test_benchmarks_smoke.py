@@ -15,11 +15,16 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
+def run_benchmark(name: str, *extra: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """benchmarks/<name> --quick, its output captured (whatever its exit status)."""
+    return subprocess.run([sys.executable, str(BENCHMARKS / name), "--quick", *extra],
+                          env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=timeout)
+
+
 def run_quick_output(name: str, *extra: str, timeout: float = 600) -> tuple:
     """Runs benchmarks/<name> --quick; returns the key=value fields of its final RESULT line as strings, and its
     stdout."""
-    res = subprocess.run([sys.executable, str(BENCHMARKS / name), "--quick", *extra],
-                         env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=timeout)
+    res = run_benchmark(name, *extra, timeout=timeout)
     assert res.returncode == 0, f"{name} exited {res.returncode}:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     lines = res.stdout.strip().splitlines()
     assert lines and lines[-1].startswith("RESULT "), f"{name} did not end with a RESULT line:\n{res.stdout[-3000:]}"
@@ -137,12 +142,13 @@ def test_partial_rollouts_step_budget_and_validation_curve(tmp_path):
     for policy in ("abort", "suspend"):
         rows = [json.loads(line) for line in (tmp_path / f"{policy}_seed1" / "metrics.jsonl").open()]
         assert max(r["step"] for r in rows if r.get("kind") == "train") == 2
+    medians = [line for line in stdout.splitlines() if line.startswith("median ")]
+    assert len(medians) == 2 and all(float(line.split("actor/approx_kl ")[1].split(")")[0]) >= 0 for line in medians)
     curve = [line for line in stdout.splitlines() if line.startswith("held-out after step")]
     assert [line.split()[3] for line in curve] == ["1", "2"], stdout[-3000:]
     for line in curve:  # "... abort A, suspend S, change D +- SE": D is S - A
         a, s, d = (float(line.split(name)[1].split()[0].rstrip(",")) for name in (" abort ", " suspend ", "change "))
         assert d == pytest.approx(s - a, abs=2e-3) and 0.0 <= a <= 1.0
-    again = subprocess.run([sys.executable, str(BENCHMARKS / "partial_rollouts.py"), "--quick", "--out", str(tmp_path),
-                            "--max-samples", "100000", "--max-steps", "3"], env=dict(os.environ, OMP_NUM_THREADS="1"),
-                           capture_output=True, text=True, timeout=120)
+    again = run_benchmark("partial_rollouts.py", "--out", str(tmp_path), "--max-samples", "100000", "--max-steps", "3",
+                          timeout=120)
     assert again.returncode != 0 and "ran trainer.max_steps=2, not 3" in again.stdout + again.stderr
