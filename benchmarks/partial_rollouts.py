@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -136,6 +137,8 @@ def run_once(out: str, policy: str, seed: int, args) -> dict:
                 # a step's parts, over the steps after the first (which no overlap can shorten)
                 **{f"step_{k}": statistics.median(r[f"timing/{k}"] for r in steps[1:] or steps)
                    for k in ("step_s", "gen_s", "old_logp_s", "update_s")},
+                # runs made before the refit was timed have none
+                step_refit_s=statistics.median(r.get("timing/refit_s", math.nan) for r in steps[1:] or steps),
                 # how far a step's updates move the policy on its batch, over the same steps
                 approx_kl=statistics.median(r["actor/approx_kl"] for r in steps[1:] or steps))
 
@@ -275,7 +278,7 @@ def main() -> int:
                  for k in ("discarded_frac", "tokens_per_trained", "accuracy", "rl_seconds", "to_filled_s",
                            "s_per_1k_trained", "engine_idle_frac", "trained_lag_mean", "trained_tokens_per_trained",
                            "discarded_per_trained", "filtered_per_trained", "all_wrong", "step_step_s",
-                           "step_gen_s", "step_old_logp_s", "step_update_s", "approx_kl")}
+                           "step_gen_s", "step_old_logp_s", "step_update_s", "step_refit_s", "approx_kl")}
            for pol in policies}
     acc = {pol: [r["accuracy"] for r in results if r["policy"] == pol] for pol in policies}
     for pol, m in med.items():
@@ -285,8 +288,8 @@ def main() -> int:
               f"{m['discarded_per_trained']:.2f}, filtered or left {m['filtered_per_trained']:.2f}) | held-out "
               f"{m['accuracy']:.3f} (seed range {spread:.3f}) | median step after the first {m['step_step_s']:.3f} s "
               f"(generation {m['step_gen_s']:.3f}, old log-probs {m['step_old_logp_s']:.3f}, update "
-              f"{m['step_update_s']:.3f}, actor/approx_kl {m['approx_kl']:.4f}) | all-wrong groups filtered "
-              f"{m['all_wrong']:.0f}")
+              f"{m['step_update_s']:.3f}, refit {m['step_refit_s']:.3f}, actor/approx_kl {m['approx_kl']:.4f}) | "
+              f"all-wrong groups filtered {m['all_wrong']:.0f}")
     (name_a, a), (name_b, b) = med.items()
     # the same seed starts both policies from the same state: the per-seed ratio pairs them
     by_seed = {(r["policy"], r["seed"]): r["tokens_per_trained"] for r in results}

@@ -55,6 +55,10 @@ PARTIAL_COUNTERS = ("resumed_groups", "resumed_tokens", "stale_groups", "stale_t
 COUNTERS = ("rollout_steps", "gen_batches", "optimizer_steps", "consumed_prompts", "consumed_samples",
             "skipped_updates", "trained_samples", "trained_tokens", "generated_tokens", "aborted_tokens",
             "skipped_prompts")
+# A step's phases, logged as timing/<phase>_s: generation (in prompt order with the overlap, the wait for the round's
+# end too), rewards, the old-log-prob pass, the updates, and the refit (the trainer's time in the generator's
+# update_weights: the weights gathered, sent and loaded by the engine).
+TIMED_PHASES = ("gen", "reward", "old_logp", "update", "refit")
 
 
 @dataclass(frozen=True)
@@ -358,7 +362,7 @@ class DAPOLoop(StreamingPhase):
         resumed loop continues it (a caller uses this to checkpoint before a time limit)."""
         t_start, s = time.perf_counter(), self.settings
         self._sample_cap = None if sample_cap is None else int(sample_cap)
-        timers = dict.fromkeys(("gen", "reward", "old_logp", "update"), 0.0)
+        timers = dict.fromkeys(TIMED_PHASES, 0.0)
         generated: list = []
         tokens_before = (self.counters["generated_tokens"], self.counters["aborted_tokens"])
         idle = getattr(self.generator, "idle_seconds", None)  # engine generators only
@@ -402,7 +406,9 @@ class DAPOLoop(StreamingPhase):
             self.counters["trained_samples"] += len(batch)
             self.counters["trained_tokens"] += batch.num_tokens()
             self._park_live(timers)  # an engine takes weights only with nothing running
+            t_refit = time.perf_counter()
             self.generator.update_weights(self.policy)
+            timers["refit"] = time.perf_counter() - t_refit
             self._version += 1
             metrics["rollout/trained_tokens"] = float(batch.num_tokens())
         self._park_live(timers)  # a step that trained nothing: nothing runs past the step (checkpoints see it all)
@@ -415,7 +421,7 @@ class DAPOLoop(StreamingPhase):
         trained_groups = self.counters["trained_samples"] / s.group_size
         metrics["rollout/responses_per_trained_group"] = (self.counters["consumed_samples"] / trained_groups
                                                           if trained_groups else 0.0)
-        metrics.update({f"timing/{k}_s": timers[k] for k in ("gen", "reward", "old_logp", "update")})
+        metrics.update({f"timing/{k}_s": timers[k] for k in TIMED_PHASES})
         metrics["timing/step_s"] = step_s
         if idle_before is not None:  # the engine with no request in flight: what overlap takes back
             metrics["timing/engine_idle_s"] = idle() - idle_before

@@ -32,6 +32,7 @@ PANELS = {
         ("timing/step_s", "step time (s)"),
         ("timing/gen_s", "generation time (s)"),
         ("timing/update_s", "update time (s)"),
+        ("timing/refit_s", "refit time (s): weights to the engine"),
         ("perf/gen_tokens_per_s", "generated tokens / s"),
         ("timing/engine_idle_s", "engine idle (s): no request in flight"),
         ("timing/engine_idle_frac", "engine idle / step time"),

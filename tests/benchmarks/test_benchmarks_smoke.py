@@ -144,6 +144,7 @@ def test_partial_rollouts_step_budget_and_validation_curve(tmp_path):
         assert max(r["step"] for r in rows if r.get("kind") == "train") == 2
     medians = [line for line in stdout.splitlines() if line.startswith("median ")]
     assert len(medians) == 2 and all(float(line.split("actor/approx_kl ")[1].split(")")[0]) >= 0 for line in medians)
+    assert all(float(line.split("refit ")[1].split(",")[0]) > 0 for line in medians)  # both policies refit each step
     curve = [line for line in stdout.splitlines() if line.startswith("held-out after step")]
     assert [line.split()[3] for line in curve] == ["1", "2"], stdout[-3000:]
     for line in curve:  # "... abort A, suspend S, change D +- SE": D is S - A

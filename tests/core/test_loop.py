@@ -3,6 +3,7 @@ import copy
 import itertools
 import logging
 import threading
+import time
 
 import pytest
 import torch
@@ -201,6 +202,20 @@ def test_empty_responses_skip_the_update_instead_of_dividing_by_zero(caplog):
     assert loop.policy.calls == []
     assert m["counters/skipped_updates"] == 2 and m["counters/optimizer_steps"] == 0  # 16 samples / mini 8
     assert "without valid tokens" in caplog.text
+
+
+class SlowRefit(FakeGenerator):
+    def update_weights(self, policy):
+        time.sleep(0.05)
+
+
+def test_refit_time_is_logged_apart_from_the_other_phases():
+    m = make_loop(generator=SlowRefit()).step()
+    assert m["timing/refit_s"] >= 0.05  # the trainer's time in update_weights
+    phases = sum(m[f"timing/{k}_s"] for k in ("gen", "reward", "old_logp", "update", "refit"))
+    assert phases <= m["timing/step_s"]  # counted once, in its own phase
+    nothing_kept = make_loop(generator=SlowRefit(wrong_prompts=range(60)), ds=True, max_gen_batches=1).step()
+    assert nothing_kept["counters/optimizer_steps"] == 0 and nothing_kept["timing/refit_s"] == 0.0  # no refit
 
 
 def test_nonfinite_update_reported_by_policy_is_counted_and_logged(caplog):
