@@ -38,11 +38,12 @@ shared).
 ``--base-model``: a warmed model directory (a run's ``base_model/``), so that the runs measure RL only.
 A run folder that already holds a ``summary.json`` is reused, not rerun; linked folders (runs made at another time)
 are counted in ``linked_runs`` with a warning, since their RL times were not measured beside the other policy's.
-``--budget-ratio R`` gives the second policy R x the budget (the same RL time as the first, if R is the inverse of
-its time ratio); ``--max-steps N`` stops every run after N updates (with a ``--max-samples`` too large to stop it
-first: the same number of updates for both). With ``trainer.val_every=K`` among the overrides it prints the held-out
-accuracy of both policies after every K-th step, paired by seed. ``--reeval N``: each run's final model again on N
-held-out problems x ``--reeval-samples`` (one held-out file for all runs, written to OUT, each result cached in
+``--second-override KEY=VALUE`` (repeatable) sets a key for the second policy's runs only (a cached run that differs is
+refused). ``--budget-ratio R`` gives the second policy R x the budget (the same RL time as the first, if R is the
+inverse of its time ratio); ``--max-steps N`` stops every run after N updates (with a ``--max-samples`` too large to
+stop it first: the same number of updates for both). With ``trainer.val_every=K`` among the overrides it prints the
+held-out accuracy of both policies after every K-th step, paired by seed. ``--reeval N``: each run's final model again
+on N held-out problems x ``--reeval-samples`` (one held-out file for all runs, written to OUT, each result cached in
 RUN/reeval_N_K.json), since the run's own evaluation (128 x 2 responses) has a sampling error of ~0.03 per run, as
 large as the differences it is asked to resolve; it prints a second RESULT line (the base model's, each policy's mean
 and spread over the seeds, and the change paired by seed).
@@ -85,10 +86,29 @@ COMPARISONS = {
 }
 
 
+def second_policy(args) -> str:
+    return list(COMPARISONS[args.compare])[1]
+
+
+def policy_overrides(policy: str, args) -> list:
+    """``--second-override`` applies to the second policy's runs only (after the overrides for every run)."""
+    return list(args.second_override) if policy == second_policy(args) else []
+
+
+def check_cached(run_dir: str, ran: dict, overrides: list) -> None:
+    """Refuse a cached run whose config differs from a policy override (another --out is needed)."""
+    for item in overrides:
+        key, _, value = item.partition("=")
+        node = ran
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node != yaml.safe_load(value):
+            raise SystemExit(f"{run_dir} ran {key}={node}, not {value} (--second-override): use another --out")
+
+
 def budget(policy: str, args) -> int:
     """The response budget of ``policy``'s runs: ``--budget-ratio`` x ``--max-samples`` for the second policy."""
-    second = list(COMPARISONS[args.compare])[1]
-    return round(args.max_samples * args.budget_ratio) if policy == second else args.max_samples
+    return round(args.max_samples * args.budget_ratio) if policy == second_policy(args) else args.max_samples
 
 
 def run_once(out: str, policy: str, seed: int, args) -> dict:
@@ -99,16 +119,18 @@ def run_once(out: str, policy: str, seed: int, args) -> dict:
                  f"trainer.max_samples={budget(policy, args)}", f"trainer.max_steps={args.max_steps}",
                  "trainer.val_every=0", f"data.heldout_size={args.heldout}", f"eval.n_samples={args.eval_samples}",
                  f"trainer.plots={str(args.compare.startswith('overlap')).lower()}",  # RUN/plots/{time,staleness}.png
-                 *COMPARISONS[args.compare][policy], *args.override]
+                 *COMPARISONS[args.compare][policy], *args.override, *policy_overrides(policy, args)]
     if not os.path.exists(os.path.join(run_dir, "summary.json")):
         with open(run_dir + ".log", "w") as log:
             subprocess.run([sys.executable, "-m", "nemo_dapo.cli", "train", *overrides], cwd=ROOT, stdout=log,
                            stderr=subprocess.STDOUT, check=True)
     with open(os.path.join(run_dir, "config.yaml"), encoding="utf-8") as f:  # a cached run of another budget
-        ran = yaml.safe_load(f)["trainer"]
+        config = yaml.safe_load(f)
+    ran = config["trainer"]
     for key, want in (("max_samples", budget(policy, args)), ("max_steps", args.max_steps)):
         if ran[key] != want:
             raise SystemExit(f"{run_dir} ran trainer.{key}={ran[key]}, not {want}: use another --out")
+    check_cached(run_dir, config, policy_overrides(policy, args))
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     last = [r for r in rows if "counters/generated_tokens" in r][-1]
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
@@ -251,6 +273,9 @@ def main() -> int:
     p.add_argument("--eval-samples", type=int, default=4)
     p.add_argument("--reeval", type=int, default=0, help="re-evaluate every final model on N held-out problems")
     p.add_argument("--reeval-samples", type=int, default=4, help="samples per problem of --reeval")
+    p.add_argument("--second-override", action="append", default=[], metavar="KEY=VALUE",
+                   help="an override for the second policy's runs only (repeatable; e.g. trainer.train_batch_size=8 "
+                   "for the overlap)")
     p.add_argument("override", nargs="*", help="more key=value overrides for every run")
     args = p.parse_args()
     if args.quick:
@@ -310,7 +335,8 @@ def main() -> int:
         print(f"held-out after step {step} (trainer.val_every): {name_a} {c[f'accuracy_{name_a}']:.3f}, "
               f"{name_b} {c[f'accuracy_{name_b}']:.3f}, change {c['mean_change']:+.3f} +- {c['change_se']:.3f}")
     print(f"RESULT compare={args.compare} seeds={args.seeds} responses={args.max_samples} max_steps={args.max_steps} "
-          f"budget_ratio={args.budget_ratio} engine={args.engine} linked_runs={linked} "
+          f"budget_ratio={args.budget_ratio} second_override={','.join(args.second_override) or 'none'} "
+          f"engine={args.engine} linked_runs={linked} "
           f"discarded_{name_a}={a['discarded_frac']:.3f} discarded_{name_b}={b['discarded_frac']:.3f} "
           f"tokens_per_trained_ratio={b['tokens_per_trained'] / a['tokens_per_trained']:.3f} "
           f"tokens_per_trained_ratio_paired={paired:.3f} "

@@ -135,13 +135,17 @@ def test_partial_rollouts_quick(tmp_path):
 
 def test_partial_rollouts_step_budget_and_validation_curve(tmp_path):
     """--max-steps stops both policies after the same number of updates; trainer.val_every prints the held-out
-    accuracy of both after each validated step; a cached run of another step budget is refused."""
+    accuracy of both after each validated step; --second-override sets a key for the second policy only; a cached run
+    of another step budget, or of another second-policy key, is refused."""
     fields, stdout = run_quick_output("partial_rollouts.py", "--out", str(tmp_path), "--max-samples", "100000",
-                                      "--max-steps", "2", "trainer.val_every=1")
-    assert fields["max_steps"] == "2"
-    for policy in ("abort", "suspend"):
+                                      "--max-steps", "2", "--second-override", "eval.n_samples=2",
+                                      "trainer.val_every=1")
+    assert fields["max_steps"] == "2" and fields["second_override"] == "eval.n_samples=2"
+    for policy, n_samples in (("abort", 1), ("suspend", 2)):
         rows = [json.loads(line) for line in (tmp_path / f"{policy}_seed1" / "metrics.jsonl").open()]
         assert max(r["step"] for r in rows if r.get("kind") == "train") == 2
+        config = (tmp_path / f"{policy}_seed1" / "config.yaml").read_text()
+        assert f"n_samples: {n_samples}\n" in config
     medians = [line for line in stdout.splitlines() if line.startswith("median ")]
     assert len(medians) == 2 and all(float(line.split("actor/approx_kl ")[1].split(")")[0]) >= 0 for line in medians)
     assert all(float(line.split("refit ")[1].split(",")[0]) > 0 for line in medians)  # both policies refit each step
@@ -153,3 +157,6 @@ def test_partial_rollouts_step_budget_and_validation_curve(tmp_path):
     again = run_benchmark("partial_rollouts.py", "--out", str(tmp_path), "--max-samples", "100000", "--max-steps", "3",
                           timeout=120)
     assert again.returncode != 0 and "ran trainer.max_steps=2, not 3" in again.stdout + again.stderr
+    other = run_benchmark("partial_rollouts.py", "--out", str(tmp_path), "--max-samples", "100000", "--max-steps", "2",
+                          "--second-override", "eval.n_samples=3", timeout=120)
+    assert other.returncode != 0 and "ran eval.n_samples=2, not 3" in other.stdout + other.stderr
