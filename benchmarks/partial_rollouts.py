@@ -154,6 +154,7 @@ def run_once(out: str, policy: str, seed: int, args) -> dict:
                 steps=last["counters/rollout_steps"],
                 all_wrong=sum(r.get("filter/filtered_all_wrong", 0.0) for r in rows),
                 batch_acc=[r["train/batch_acc"] for r in steps],  # the trained batch's accuracy, step by step
+                batch_samples=statistics.median(r.get("train/batch_samples", 0.0) for r in steps),
                 val={r["step"]: r["val/accuracy"] for r in rows if "val/accuracy" in r},  # trainer.val_every > 0
                 linked=os.path.islink(run_dir),  # a run made elsewhere, at another time (another machine speed)
                 # a step's parts, over the steps after the first (which no overlap can shorten)
@@ -163,6 +164,14 @@ def run_once(out: str, policy: str, seed: int, args) -> dict:
                 step_refit_s=statistics.median(r.get("timing/refit_s", math.nan) for r in steps[1:] or steps),
                 # how far a step's updates move the policy on its batch, over the same steps
                 approx_kl=statistics.median(r["actor/approx_kl"] for r in steps[1:] or steps))
+
+
+def steps_paired(results: list, a: str, b: str) -> bool:
+    """Whether both policies train as many responses a step (the median over each run's steps, then its policy's
+    runs), so that a step of one can stand beside the same step of the other (not so with --second-override
+    trainer.train_batch_size)."""
+    sizes = [statistics.median(r["batch_samples"] for r in results if r["policy"] == p) for p in (a, b)]
+    return sizes[0] == sizes[1]
 
 
 def batch_acc_shift(results: list, a: str, b: str, lag: int) -> float:
@@ -328,10 +337,14 @@ def main() -> int:
     if linked:  # a time ratio against runs made at another time measures the machine, not the policies
         print(f"WARNING: {linked} of {len(results)} run folders are links: their RL times were not measured beside "
               "the other policy's, so the time ratios below are not same-run ratios (each run's accuracy stands)")
-    shifts = ", ".join(f"lag {lag} {batch_acc_shift(results, name_a, name_b, lag):+.3f}" for lag in (0, 1, 2))
-    print(f"trained batches' accuracy, {name_b} at step k minus {name_a} at step k - lag (mean over seeds and "
-          f"steps): {shifts}")
-    for step, c in val_by_step(results, name_a, name_b):
+    paired_steps = steps_paired(results, name_a, name_b)
+    if paired_steps:
+        shifts = ", ".join(f"lag {lag} {batch_acc_shift(results, name_a, name_b, lag):+.3f}" for lag in (0, 1, 2))
+        print(f"trained batches' accuracy, {name_b} at step k minus {name_a} at step k - lag (mean over seeds and "
+              f"steps): {shifts}")
+    else:
+        print(f"not paired step by step: {name_a} and {name_b} train different numbers of responses a step")
+    for step, c in val_by_step(results, name_a, name_b) if paired_steps else ():
         print(f"held-out after step {step} (trainer.val_every): {name_a} {c[f'accuracy_{name_a}']:.3f}, "
               f"{name_b} {c[f'accuracy_{name_b}']:.3f}, change {c['mean_change']:+.3f} +- {c['change_se']:.3f}")
     print(f"RESULT compare={args.compare} seeds={args.seeds} responses={args.max_samples} max_steps={args.max_steps} "

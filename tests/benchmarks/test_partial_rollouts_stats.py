@@ -34,3 +34,13 @@ def test_paired_change_one_seed_has_no_spread():
     c = load_benchmark().paired_change({("a", 7): 0.3, ("b", 7): 0.4}, "a", "b", [7])
     assert c["mean_change"] == pytest.approx(0.1) and c["lower"] == 0
     assert all(math.isnan(c[k]) for k in ("change_se", "seed_sd_a", "seed_sd_b"))
+
+
+def test_steps_are_paired_only_between_equal_batches():
+    steps_paired = load_benchmark().steps_paired
+    runs = [dict(policy="sync", batch_samples=128.0), dict(policy="sync", batch_samples=128.0),
+            dict(policy="overlap", batch_samples=128.0), dict(policy="overlap", batch_samples=120.0),
+            dict(policy="overlap", batch_samples=128.0)]  # one run's steps ended on a smaller partial batch
+    assert steps_paired(runs, "sync", "overlap")
+    halved = [dict(r, batch_samples=64.0) if r["policy"] == "overlap" else r for r in runs]
+    assert not steps_paired(halved, "sync", "overlap")  # --second-override trainer.train_batch_size=8
