@@ -99,6 +99,7 @@ def check_cached(run_dir: str, ran: dict, overrides: list) -> None:
     """Refuse a cached run whose config differs from a policy override (another --out is needed)."""
     for item in overrides:
         key, _, value = item.partition("=")
+        key = key.lstrip("+")  # Hydra's +key=value / ++key=value add or force a key: the same key in the config
         node = ran
         for part in key.split("."):
             node = node.get(part) if isinstance(node, dict) else None

@@ -44,3 +44,12 @@ def test_steps_are_paired_only_between_equal_batches():
     assert steps_paired(runs, "sync", "overlap")
     halved = [dict(r, batch_samples=64.0) if r["policy"] == "overlap" else r for r in runs]
     assert not steps_paired(halved, "sync", "overlap")  # --second-override trainer.train_batch_size=8
+
+
+def test_a_cached_run_of_another_second_policy_key_is_refused():
+    check_cached = load_benchmark().check_cached
+    ran = {"trainer": {"train_batch_size": 8}, "optim": {"betas": [0.8, 0.999]}}
+    check_cached("RUN", ran, ["trainer.train_batch_size=8", "optim.betas=[0.8,0.999]", "++trainer.train_batch_size=8"])
+    for override in ("trainer.train_batch_size=16", "optim.betas=[0.9,0.999]", "trainer.no_such_key=1"):
+        with pytest.raises(SystemExit, match="use another --out"):
+            check_cached("RUN", ran, [override])
