@@ -57,7 +57,8 @@ COUNTERS = ("rollout_steps", "gen_batches", "optimizer_steps", "consumed_prompts
             "skipped_prompts")
 # A step's phases, logged as timing/<phase>_s: generation (in prompt order with the overlap, the wait for the round's
 # end too), rewards, the old-log-prob pass, the updates, and the refit (the trainer's time in the generator's
-# update_weights: the weights gathered, sent and loaded by the engine).
+# update_weights: the weights gathered, sent and loaded by the engine; in the NeMo-Aligner trainer also the offloads
+# and the engine's wake of its refit phase, aligner/engine_generation.py).
 TIMED_PHASES = ("gen", "reward", "old_logp", "update", "refit")
 
 
