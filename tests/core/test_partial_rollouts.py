@@ -49,16 +49,19 @@ class PushingPolicy(FakePolicy):
         yield [("w", torch.tensor([self.pushed[-1], 0.0, 0.0, 0.0]))]
 
 
-def loop_with(on_filler_full="suspend", max_staleness=1, groups=4, seed=3, tis_cap=2.0):
+def loop_with(on_filler_full="suspend", max_staleness=1, groups=4, seed=3, tis_cap=2.0, round_tokens=None,
+              **settings):
+    """Partial rollouts through the toy engine; ``settings``: more ``make_loop`` keywords."""
     from nemo_dapo.core.loss import make_loss_fn
 
     policy = PushingPolicy()
     gen = EngineGenerator(InProcessClient(VersionedToy()), eos_id=EOS, pad_id=0)
     base = make_loop(generator=gen, policy=policy, ds=True, groups=groups, group_size=4, mini=8,
                      max_new_tokens=MAX_NEW, streaming=True, on_filler_full=on_filler_full, seed=seed,
-                     loss=make_loss_fn(eps_low=0.2, eps_high=0.28, clip_c=10.0, tis_cap=tis_cap))
+                     loss=make_loss_fn(eps_low=0.2, eps_high=0.28, clip_c=10.0, tis_cap=tis_cap), **settings)
     return DAPOLoop(policy=policy, generator=gen, reward_fn=base.reward_fn, loss_fn=base.loss_fn,
-                    prompts=base.prompts, filler=base.filler, settings=base.settings, max_staleness=max_staleness)
+                    prompts=base.prompts, filler=base.filler, settings=base.settings, max_staleness=max_staleness,
+                    round_tokens=round_tokens)
 
 
 def trained(loop, step_calls):
@@ -224,12 +227,14 @@ class BusyPolicy(PushingPolicy):
         return super().train_step(minibatch, norm=norm, loss_fn=loss_fn)
 
 
-def overlap_loop(seed=3, steps=3):
-    loop = loop_with(seed=seed)
+def overlap_loop(seed=3, steps=3, fill_order="finish", reward_fn=None, **settings):
+    """The overlap (engine steps during each update: ``BusyPolicy``), in rounds of 4 tokens in prompt order."""
+    loop = loop_with(seed=seed, fill_order=fill_order, round_tokens=4 if fill_order == "prompt" else None, **settings)
     policy = BusyPolicy(steps)
     policy.client = loop.generator.client
-    return DAPOLoop(policy=policy, generator=loop.generator, reward_fn=loop.reward_fn, loss_fn=loop.loss_fn,
-                    prompts=loop.prompts, filler=loop.filler, settings=loop.settings, max_staleness=1, overlap=True)
+    return DAPOLoop(policy=policy, generator=loop.generator, reward_fn=reward_fn or loop.reward_fn,
+                    loss_fn=loop.loss_fn, prompts=loop.prompts, filler=loop.filler, settings=loop.settings,
+                    max_staleness=1, overlap=True, round_tokens=loop.round_tokens)
 
 
 def test_overlap_generates_during_the_update_and_trains_that_work_one_version_later():
@@ -353,18 +358,7 @@ def skipping_settings() -> dict:
 
 def skipping_overlap_loop(fill_order: str):
     """The overlap with history-based prompt skipping (``skipping_settings``)."""
-    from nemo_dapo.core.loss import make_loss_fn
-
-    policy = BusyPolicy(3)
-    gen = EngineGenerator(InProcessClient(VersionedToy()), eos_id=EOS, pad_id=0)
-    policy.client = gen.client
-    base = make_loop(generator=gen, policy=policy, ds=True, groups=4, group_size=4, mini=8, max_new_tokens=MAX_NEW,
-                     streaming=True, on_filler_full="suspend", fill_order=fill_order, seed=3,
-                     loss=make_loss_fn(eps_low=0.2, eps_high=0.28, clip_c=10.0, tis_cap=2.0), **skipping_settings())
-    rounds = {"round_tokens": 4} if fill_order == "prompt" else {}
-    return DAPOLoop(policy=policy, generator=gen, reward_fn=even_prompts_solved, loss_fn=base.loss_fn,
-                    prompts=base.prompts, filler=base.filler, settings=base.settings, max_staleness=1, overlap=True,
-                    **rounds)
+    return overlap_loop(fill_order=fill_order, reward_fn=even_prompts_solved, **skipping_settings())
 
 
 @pytest.mark.parametrize("fill_order", ["finish", "prompt"])
