@@ -274,6 +274,8 @@ def test_health_wait_stops_at_once_when_a_server_dies(script, inputs, images, tm
     try:
         task = h.wait_for(lambda: _task_running(records, "nemo_dapo.engines.server", 1), timeout=120)
         assert task, "engine server 1 never started"
+        assert h.wait_for(lambda: _task_running(records, "nemo_dapo.engines.server", 0), timeout=120), \
+            "engine server 0 never started"  # its record too, before the kill (both are counted below)
         assert h.wait_for(lambda: _task_running(records, "nemo_dapo.engines.health", 0), timeout=120), \
             "the health probe never started"
         os.kill(task["pid"], signal.SIGKILL)  # engine server 1 dies while the script waits for health
