@@ -19,6 +19,8 @@ run's counters it takes
   trained lag              the trained tokens' mean weight-version lag, averaged over steps
   update size              the median over steps after the first of actor/approx_kl (how far a step's updates move
                            the policy on its batch)
+  stale mismatch           the median over steps of partial/logp_mismatch_stale (how far the weights moved between
+                           sampling the trained tokens older weights sampled and training them)
 
 and prints one row per run, the medians per policy and a RESULT line of key=value fields (the second policy's medians
 against the first's). ``--compare fill_order`` measures the cost of the reproducible mode instead: both with abort,
@@ -164,7 +166,16 @@ def run_once(out: str, policy: str, seed: int, args) -> dict:
                 # runs made before the refit was timed have none
                 step_refit_s=statistics.median(r.get("timing/refit_s", math.nan) for r in steps[1:] or steps),
                 # how far a step's updates move the policy on its batch, over the same steps
-                approx_kl=statistics.median(r["actor/approx_kl"] for r in steps[1:] or steps))
+                approx_kl=statistics.median(r["actor/approx_kl"] for r in steps[1:] or steps),
+                # how far the weights moved between sampling a trained token and training it, seen on the tokens
+                # older weights sampled (steps with none have no such line; nan when no step had any)
+                stale_mismatch=median_or_nan(r["partial/logp_mismatch_stale"] for r in steps
+                                             if "partial/logp_mismatch_stale" in r))
+
+
+def median_or_nan(values) -> float:
+    values = list(values)
+    return statistics.median(values) if values else math.nan
 
 
 def steps_paired(results: list, a: str, b: str) -> bool:
@@ -309,11 +320,12 @@ def main() -> int:
                   f"{r['tokens_per_trained']:.2f} | held-out {r['base_accuracy']:.3f} -> {r['accuracy']:.3f} | "
                   f"{r['steps']:.0f} steps, RL {r['rl_seconds']:.1f} s, to filled {r['to_filled_s']:.2f} s",
                   flush=True)
-    med = {pol: {k: statistics.median(r[k] for r in results if r["policy"] == pol)
+    med = {pol: {k: median_or_nan(r[k] for r in results if r["policy"] == pol and not math.isnan(r[k]))
                  for k in ("discarded_frac", "tokens_per_trained", "accuracy", "rl_seconds", "to_filled_s",
                            "s_per_1k_trained", "engine_idle_frac", "trained_lag_mean", "trained_tokens_per_trained",
                            "discarded_per_trained", "filtered_per_trained", "all_wrong", "step_step_s",
-                           "step_gen_s", "step_old_logp_s", "step_update_s", "step_refit_s", "approx_kl")}
+                           "step_gen_s", "step_old_logp_s", "step_update_s", "step_refit_s", "approx_kl",
+                           "stale_mismatch")}
            for pol in policies}
     acc = {pol: [r["accuracy"] for r in results if r["policy"] == pol] for pol in policies}
     for pol, m in med.items():
@@ -323,7 +335,8 @@ def main() -> int:
               f"{m['discarded_per_trained']:.2f}, filtered or left {m['filtered_per_trained']:.2f}) | held-out "
               f"{m['accuracy']:.3f} (seed range {spread:.3f}) | median step after the first {m['step_step_s']:.3f} s "
               f"(generation {m['step_gen_s']:.3f}, old log-probs {m['step_old_logp_s']:.3f}, update "
-              f"{m['step_update_s']:.3f}, refit {m['step_refit_s']:.3f}, actor/approx_kl {m['approx_kl']:.4f}) | "
+              f"{m['step_update_s']:.3f}, refit {m['step_refit_s']:.3f}, actor/approx_kl {m['approx_kl']:.2e}) | "
+              f"stale tokens' logp mismatch {m['stale_mismatch']:.4f} | "
               f"all-wrong groups filtered {m['all_wrong']:.0f}")
     (name_a, a), (name_b, b) = med.items()
     # the same seed starts both policies from the same state: the per-seed ratio pairs them

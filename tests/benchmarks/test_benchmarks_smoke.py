@@ -5,6 +5,7 @@ machine). Only deterministic quantities are asserted on: simulated response coun
 numerical agreement of the fused path with its reference.
 """
 import json
+import math
 import os
 import subprocess
 import sys
@@ -149,6 +150,9 @@ def test_partial_rollouts_step_budget_and_validation_curve(tmp_path):
     medians = [line for line in stdout.splitlines() if line.startswith("median ")]
     assert len(medians) == 2 and all(float(line.split("actor/approx_kl ")[1].split(")")[0]) >= 0 for line in medians)
     assert all(float(line.split("refit ")[1].split(",")[0]) > 0 for line in medians)  # both policies refit each step
+    # abort trains no token of older weights; suspend's, if any, moved a little between sampling and training
+    stale = {line.split()[1]: float(line.split("logp mismatch ")[1].split()[0]) for line in medians}
+    assert math.isnan(stale["abort"]) and (math.isnan(stale["suspend"]) or 0.0 <= stale["suspend"] < 1.0), medians
     curve = [line for line in stdout.splitlines() if line.startswith("held-out after step")]
     assert [line.split()[3] for line in curve] == ["1", "2"], stdout[-3000:]
     for line in curve:  # "... abort A, suspend S, change D +- SE": D is S - A
