@@ -21,6 +21,8 @@ run's counters it takes
                            the policy on its batch)
   stale mismatch           the median over steps of partial/logp_mismatch_stale (how far the weights moved between
                            sampling the trained tokens older weights sampled and training them)
+  left out                 responses algorithm.reject_logp_diff left out of the loss (actor/rejected) per trained
+                           response
 
 and prints one row per run, the medians per policy and a RESULT line of key=value fields (the second policy's medians
 against the first's). ``--compare fill_order`` measures the cost of the reproducible mode instead: both with abort,
@@ -88,6 +90,12 @@ COMPARISONS = {
 }
 
 
+def every_run(args) -> list:
+    """Keys every run sets, before the comparison's and the caller's: the streamed engine loop, and the truncated
+    importance weights that partial rollouts need (and any key that reads the sampler's log-probs)."""
+    return [f"rollout.engine={args.engine}", "rollout.streaming=true", "algorithm.tis_cap=2.0"]
+
+
 def second_policy(args) -> str:
     return list(COMPARISONS[args.compare])[1]
 
@@ -118,8 +126,8 @@ def run_once(out: str, policy: str, seed: int, args) -> dict:
     run_dir = os.path.join(out, f"{policy}_seed{seed}")
     base = [f"model.path={args.base_model}"] if args.base_model else ["warmup.max_steps=20", "warmup.min_steps=1"]
     overrides = ["--config-name", args.config_name, f"run_dir={run_dir}", *base, f"seed={seed}",
-                 f"rollout.engine={args.engine}", "rollout.streaming=true", "algorithm.tis_cap=2.0",
-                 f"trainer.max_samples={budget(policy, args)}", f"trainer.max_steps={args.max_steps}",
+                 *every_run(args), f"trainer.max_samples={budget(policy, args)}",
+                 f"trainer.max_steps={args.max_steps}",
                  "trainer.val_every=0", f"data.heldout_size={args.heldout}", f"eval.n_samples={args.eval_samples}",
                  f"trainer.plots={str(args.compare.startswith('overlap')).lower()}",  # RUN/plots/{time,staleness}.png
                  *COMPARISONS[args.compare][policy], *args.override, *policy_overrides(policy, args)]
@@ -170,7 +178,11 @@ def run_once(out: str, policy: str, seed: int, args) -> dict:
                 # how far the weights moved between sampling a trained token and training it, seen on the tokens
                 # older weights sampled (steps with none have no such line; nan when no step had any)
                 stale_mismatch=median_or_nan(r["partial/logp_mismatch_stale"] for r in steps
-                                             if "partial/logp_mismatch_stale" in r))
+                                             if "partial/logp_mismatch_stale" in r),
+                # responses algorithm.reject_logp_diff left out of the loss, per trained response (each update
+                # counts its own: with ppo_epochs > 1 a response is counted once per epoch)
+                rejected_frac=sum(r.get("actor/rejected", 0.0) * r.get("actor/updates", 0.0) for r in steps) / max(
+                    sum(r.get("train/batch_samples", 0.0) for r in steps), 1.0))
 
 
 def median_or_nan(values) -> float:
@@ -230,7 +242,7 @@ def reeval(out: str, results: list, args) -> None:
     from nemo_dapo.local.run_data import HELDOUT_SEED, make_task
     from nemo_dapo.local.run_eval import evaluate_model
 
-    cfg = load_config(args.config_name, args.override)
+    cfg = load_config(args.config_name, [*every_run(args), *args.override])  # the runs' config, for its eval keys
     if cfg.data.task != "arithmetic":
         raise SystemExit("--reeval needs the procedural task (data.task=arithmetic)")
     path = os.path.join(out, f"heldout_{args.reeval}.jsonl")
@@ -325,7 +337,7 @@ def main() -> int:
                            "s_per_1k_trained", "engine_idle_frac", "trained_lag_mean", "trained_tokens_per_trained",
                            "discarded_per_trained", "filtered_per_trained", "all_wrong", "step_step_s",
                            "step_gen_s", "step_old_logp_s", "step_update_s", "step_refit_s", "approx_kl",
-                           "stale_mismatch")}
+                           "stale_mismatch", "rejected_frac")}
            for pol in policies}
     acc = {pol: [r["accuracy"] for r in results if r["policy"] == pol] for pol in policies}
     for pol, m in med.items():
@@ -336,7 +348,7 @@ def main() -> int:
               f"{m['accuracy']:.3f} (seed range {spread:.3f}) | median step after the first {m['step_step_s']:.3f} s "
               f"(generation {m['step_gen_s']:.3f}, old log-probs {m['step_old_logp_s']:.3f}, update "
               f"{m['step_update_s']:.3f}, refit {m['step_refit_s']:.3f}, actor/approx_kl {m['approx_kl']:.2e}) | "
-              f"stale tokens' logp mismatch {m['stale_mismatch']:.4f} | "
+              f"stale tokens' logp mismatch {m['stale_mismatch']:.4f} | left out {m['rejected_frac']:.1%} | "
               f"all-wrong groups filtered {m['all_wrong']:.0f}")
     (name_a, a), (name_b, b) = med.items()
     # the same seed starts both policies from the same state: the per-seed ratio pairs them

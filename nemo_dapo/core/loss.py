@@ -47,6 +47,7 @@ METRIC_REDUCTION = {
     "entropy": "sum",  # DAPOLossFn only
     "token_prob": "sum",  # DAPOLossFn only: mean exp(logp)
     "overlong_filtered": "sum",  # DAPOLossFn with overlong_filter: rows masked out
+    "rejected": "sum",  # DAPOLossFn with reject_logp_diff: rows masked out (the weights moved on since sampling)
 }
 
 
@@ -205,14 +206,32 @@ def truncated_is_weights(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask
     """
     if not cap > 0:
         raise ValueError(f"cap must be > 0 (TIS commonly uses 2.0), got {cap}")
+    valid, log_w = _log_ratio(old_logp, engine_logp, mask)
+    w = log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp(max=cap)
+    return torch.where(valid, w, torch.zeros_like(w))
+
+
+def rejection_keep(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor,
+                   threshold: float) -> torch.Tensor:
+    """[B] bool: the rows to keep in the loss, those whose mean |log pi_old - log pi_engine| over their valid tokens
+    (``mask`` [B, T], 1 on response tokens) is at most ``threshold``; a row without a valid token is kept (it adds
+    nothing). The truncated importance weight corrects a stale response token by token; this leaves out whole the
+    responses sampled by weights the trainer's (pi_old) have moved far from.
+    """
+    if not threshold > 0:
+        raise ValueError(f"threshold must be > 0, got {threshold}")
+    valid, log_w = _log_ratio(old_logp, engine_logp, mask)
+    per_row = torch.where(valid, log_w.abs(), torch.zeros_like(log_w)).sum(-1) / valid.sum(-1).clamp(min=1)
+    return per_row <= threshold
+
+
+def _log_ratio(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor) -> tuple:
+    """(valid [B, T] bool, log pi_old - log pi_engine [B, T] in at least float32, without gradient)."""
     if old_logp.shape != engine_logp.shape or mask.shape != old_logp.shape:
         raise ValueError(f"old_logp, engine_logp and mask must share a shape, got {tuple(old_logp.shape)}, "
                          f"{tuple(engine_logp.shape)}, {tuple(mask.shape)}")
-    valid = mask.bool()
     dtype = torch.promote_types(old_logp.dtype, torch.float32)
-    log_w = (old_logp.detach().to(dtype) - engine_logp.detach().to(dtype)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    w = log_w.exp().clamp(max=cap)
-    return torch.where(valid, w, torch.zeros_like(w))
+    return mask.bool(), old_logp.detach().to(dtype) - engine_logp.detach().to(dtype)
 
 
 def logp_mismatch(engine_logp: torch.Tensor, trainer_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -259,12 +278,21 @@ class DAPOLossFn:
         return self.settings.tis_cap
 
     def loss_mask(self, inputs: LossInput) -> torch.Tensor:
-        """[B, T] float: the input's mask, with truncated rows zeroed when overlong filtering is on."""
+        """[B, T] float: the input's mask, with truncated rows zeroed when overlong filtering is on and rejected rows
+        (:func:`rejection_keep`) when ``reject_logp_diff`` is set."""
         inputs = _as_input(inputs)
         mask = inputs.mask.float()
         if self.settings.overlong_filter:
             mask = mask * overlong_filter_mask(inputs.truncated).to(mask.device).unsqueeze(-1)
+        if self.settings.reject_logp_diff is not None:
+            mask = mask * self._keep(inputs).to(mask.device, mask.dtype).unsqueeze(-1)
         return mask
+
+    def _keep(self, inputs: LossInput) -> torch.Tensor:
+        if inputs.engine_logp is None:
+            raise ValueError("reject_logp_diff needs the sampler's log-probs: the step must fill "
+                             "RolloutBatch.engine_logp before the update (or set reject_logp_diff=null)")
+        return rejection_keep(inputs.old_logp, inputs.engine_logp, inputs.mask, float(self.settings.reject_logp_diff))
 
     def normalizer(self, inputs: LossInput) -> torch.Tensor:
         """0-dim: this micro-batch's share of the global normaliser (sum it over micro-batches and ranks)."""
@@ -299,6 +327,8 @@ class DAPOLossFn:
             metrics["logp_mismatch"] = avg(_mismatch_per_token(inputs.engine_logp, inputs.old_logp, valid))
         if s.overlong_filter:
             metrics["overlong_filtered"] = inputs.truncated.float().sum()
+        if s.reject_logp_diff is not None:
+            metrics["rejected"] = (inputs.mask.bool().any(-1) & ~self._keep(inputs)).float().sum()
         return loss, metrics
 
 
@@ -310,9 +340,10 @@ def _as_input(inputs) -> LossInput:
 
 def make_loss_fn(*, eps_low: float, eps_high: float, clip_c: Optional[float] = None, agg: str = "token-mean",
                  max_new_tokens: Optional[int] = None, overlong_filter: bool = False,
-                 tis_cap: Optional[float] = None) -> DAPOLossFn:
+                 tis_cap: Optional[float] = None, reject_logp_diff: Optional[float] = None) -> DAPOLossFn:
     """The DAPO loss with the optional techniques off unless named (tests and small scripts; a run builds its loss
     from the algorithm block: core/settings.build_loss). Arguments: the fields of core/settings.LossSettings, and
     ``max_new_tokens`` the generation cap (the constant of "seq-mean-token-sum-norm")."""
     return DAPOLossFn(LossSettings(eps_low=eps_low, eps_high=eps_high, clip_c=clip_c, agg=agg,
-                                   overlong_filter=overlong_filter, tis_cap=tis_cap), max_new_tokens=max_new_tokens)
+                                   overlong_filter=overlong_filter, tis_cap=tis_cap,
+                                   reject_logp_diff=reject_logp_diff), max_new_tokens=max_new_tokens)

@@ -86,6 +86,7 @@ class LossSettings:
     agg: str
     overlong_filter: bool
     tis_cap: Optional[float]
+    reject_logp_diff: Optional[float]
 
     def __post_init__(self):
         _raise(problems({f.name: getattr(self, f.name) for f in fields(self)}), type(self).__name__)
@@ -193,6 +194,11 @@ def problems(values: Mapping[str, Any], max_new_tokens: Optional[int] = None) ->
     check("agg", lambda v: v in AGG_MODES, f"is not one of {AGG_MODES} (DAPO: token-mean)")
     check("tis_cap", lambda v: v is None or (_is_num(v) and v > 0),
           "must be > 0, or null to disable truncated importance sampling")
+    check("reject_logp_diff", lambda v: v is None or (_is_num(v) and v > 0),
+          "must be > 0, or null to keep every response (docs/async.md measured 0.05 and 0.1)")
+    if values.get("reject_logp_diff") is not None and "tis_cap" in values and values["tis_cap"] is None:
+        out.append(("reject_logp_diff", "needs tis_cap: it reads the sampler's log-probs, which a step keeps for "
+                                        "truncated importance sampling (fix: tis_cap=2.0, or reject_logp_diff=null)"))
     check("adv_eps", lambda v: _is_num(v) and v > 0, "is out of range: it must be > 0 (a small epsilon, 1e-6)")
     for name in ("overlong_filter", "scale_by_std", "dynamic_sampling.enabled", "dynamic_sampling.adaptive",
                  "dynamic_sampling.skip_history.enabled", "overlong.enabled"):

@@ -44,7 +44,7 @@ def _check_against_reference(results, tp, pp, sampler=True):
         # micro-batches trimmed to their own longest row give the same response log-probs
         assert res["trimmed_logp_max_abs_diff"] < 1e-5 and res["trimmed_entropy_max_abs_diff"] < 1e-5, res
         cases = {c["case"]: c for c in res["cases"]}
-        assert set(cases) == {"filter+dualclip", "tis"}
+        assert set(cases) == {"filter+dualclip", "tis", "tis+reject"}
         for c in cases.values():
             assert c["loss"] == pytest.approx(c["ref_loss"], rel=1e-5, abs=1e-7), c
             assert c["grad_max_abs"] > 1e-3, "the test batch must produce a gradient"
@@ -72,6 +72,8 @@ def _check_against_reference(results, tp, pp, sampler=True):
         assert f["clip_frac_low"] > 0 and f["clip_frac_high"] > 0 and f["dual_clip_frac"] > 0
         # overlong filtering removed the 3 truncated rows' tokens from the global count (45 -> 31)
         assert cases["filter+dualclip"]["metrics"]["num_tokens"] < cases["tis"]["metrics"]["num_tokens"]
+        # the rejection left about half the rows, whole, out of the loss and the global count
+        assert 0 < cases["tis+reject"]["metrics"]["num_tokens"] < cases["tis"]["metrics"]["num_tokens"]
         # entropy metric (no filtering) is the token mean of the reference entropy
         assert cases["tis"]["metrics"]["entropy"] == pytest.approx(res["ref_entropy_mean"], rel=1e-5)
         if not sampler:

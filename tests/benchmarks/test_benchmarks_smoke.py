@@ -115,15 +115,21 @@ def test_state_offload_quick():
 
 @pytest.mark.slow
 def test_partial_rollouts_quick(tmp_path):
-    r = run_quick("partial_rollouts.py", "--out", str(tmp_path))
+    # a key that reads the sampler's log-probs (it needs tis_cap, which every run sets) for every run: the
+    # re-evaluation below loads the runs' config with it too
+    keep_all = "algorithm.reject_logp_diff=10.0"
+    r = run_quick("partial_rollouts.py", "--out", str(tmp_path), keep_all)
     assert r["seeds"] == "1" and r["engine"] == "local" and r["linked_runs"] == "0"
     for key in ("discarded_abort", "discarded_suspend"):
         assert 0.0 <= float(r[key]) <= 1.0
     assert float(r["tokens_per_trained_ratio"]) > 0
     for key in ("accuracy_abort", "accuracy_suspend"):
         assert 0.0 <= float(r[key]) <= 1.0
+    rows = [json.loads(line) for line in (tmp_path / "suspend_seed1" / "metrics.jsonl").open()]
+    logged = [row["actor/rejected"] for row in rows if "actor/rejected" in row]
+    assert logged and not any(logged)  # logged by every trained step; a threshold of 10 leaves nothing out
     # --reeval on the same --out: the cached runs' final models on more held-out problems
-    e = run_quick("partial_rollouts.py", "--out", str(tmp_path), "--reeval", "24", "--reeval-samples", "2")
+    e = run_quick("partial_rollouts.py", "--out", str(tmp_path), "--reeval", "24", "--reeval-samples", "2", keep_all)
     assert e["reeval_problems"] == "24" and e["reeval_samples"] == "2" and 0.0 <= float(e["accuracy_base"]) <= 1.0
     abort, suspend = float(e["accuracy_abort"]), float(e["accuracy_suspend"])
     for acc in (abort, suspend):  # avg@2 over 24 problems: a multiple of 1/48 (printed to 4 decimals)
@@ -153,6 +159,7 @@ def test_partial_rollouts_step_budget_and_validation_curve(tmp_path):
     # abort trains no token of older weights; suspend's, if any, moved a little between sampling and training
     stale = {line.split()[1]: float(line.split("logp mismatch ")[1].split()[0]) for line in medians}
     assert math.isnan(stale["abort"]) and (math.isnan(stale["suspend"]) or 0.0 <= stale["suspend"] < 1.0), medians
+    assert all("| left out 0.0% |" in line for line in medians)  # algorithm.reject_logp_diff is off
     curve = [line for line in stdout.splitlines() if line.startswith("held-out after step")]
     assert [line.split()[3] for line in curve] == ["1", "2"], stdout[-3000:]
     for line in curve:  # "... abort A, suspend S, change D +- SE": D is S - A

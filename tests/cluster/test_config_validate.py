@@ -218,6 +218,7 @@ BAD = [
     (DENSE, ["model.dapo.algorithm.clip_c=1.0"], "model.dapo.algorithm.clip_c"),
     (DENSE, ["model.dapo.algorithm.agg=seq-mean"], "model.dapo.algorithm.agg"),
     (DENSE, ["model.dapo.algorithm.tis_cap=0"], "model.dapo.algorithm.tis_cap"),
+    (DENSE, ["model.dapo.algorithm.reject_logp_diff=0.05"], "model.dapo.algorithm.reject_logp_diff=0.05 needs tis_cap"),
     (DENSE, ["+trainer.dapo.group_size=8"], "model.dapo.algorithm.group_size instead"),
     (DENSE, ["+model.dapo.eps_high=0.3"], "model.dapo.algorithm.eps_high instead"),
     (DENSE, ["model.dapo.sampling_params.temperature=0"], "model.dapo.sampling_params.temperature"),

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nemo_dapo.core.loss import (AGG_MODES, METRIC_REDUCTION, DAPOLossFn, dapo_policy_loss, logp_mismatch,
-                                 loss_normalizer, make_loss_fn, truncated_is_weights)
+                                 loss_normalizer, make_loss_fn, rejection_keep, truncated_is_weights)
 from nemo_dapo.core.settings import LossSettings, build_loss
 from nemo_dapo.core.types import LossFn, LossInput, RolloutBatch
 
@@ -294,6 +294,54 @@ def test_loss_fn_tis_and_seq_mode():
     assert m["num_tokens"].item() == 6  # ... while the num_tokens metric still counts tokens
 
 
+def test_rejection_keep_matches_a_row_by_row_reference():
+    """The vectorised rejection against a plain loop: a row stays when the mean |old - engine| log-prob difference
+    over its valid tokens is at most the threshold; a row without a valid token stays."""
+    gen = torch.Generator().manual_seed(5)
+    old = -torch.rand(12, 7, generator=gen) * 3
+    engine = old + torch.randn(12, 7, generator=gen) * 0.1
+    mask = (torch.rand(12, 7, generator=gen) > 0.3).float()
+    mask[4] = 0.0
+    engine = torch.where(mask.bool(), engine, torch.full_like(engine, -99.0))  # padding is never read
+    for threshold in (0.02, 0.05, 0.08, 0.2):
+        want = []
+        for r in range(12):
+            diffs = [abs(float(old[r, t]) - float(engine[r, t])) for t in range(7) if mask[r, t] > 0]
+            want.append(not diffs or sum(diffs) / len(diffs) <= threshold)
+        assert rejection_keep(old, engine, mask, threshold).tolist() == want
+    assert 0 < sum(rejection_keep(old, engine, mask, 0.08).tolist()) < 12  # the thresholds split the rows
+    with pytest.raises(ValueError, match="threshold"):
+        rejection_keep(old, engine, mask, 0.0)
+
+
+def test_loss_fn_rejection_leaves_whole_rows_out_of_the_loss_and_its_normaliser():
+    """With reject_logp_diff, a response the sampler scored far from the trainer's old log-probs adds no token to
+    the loss, its gradient or the token count: the loss is the one of the batch without that row."""
+    inputs = loss_input([False, False, False])
+    far = inputs.engine_logp.clone()
+    far[1] = -3.0 * inputs.mask[1]  # row 1: |old - engine| = 2 a token; rows 0 and 2: 0.5
+    inputs = dataclasses.replace(inputs, engine_logp=far)
+    fn = make_loss_fn(**CLIP, tis_cap=2.0, reject_logp_diff=1.0)
+    assert fn.normalizer(inputs).item() == 3  # row 1's 3 tokens are not counted
+    logp = torch.full((3, 3), -0.9, requires_grad=True)
+    loss, m = fn(logp, None, inputs, fn.normalizer(inputs))
+    loss.backward()
+    without = dataclasses.replace(inputs, mask=inputs.mask * torch.tensor([[1.0], [0.0], [1.0]]))
+    plain = make_loss_fn(**CLIP, tis_cap=2.0)
+    logp2 = torch.full((3, 3), -0.9, requires_grad=True)
+    want, _ = plain(logp2, None, without, plain.normalizer(without))
+    want.backward()
+    assert loss.item() == pytest.approx(want.item()) and torch.equal(logp.grad, logp2.grad)
+    assert logp.grad[1].abs().sum() == 0 and logp.grad[0].abs().sum() > 0
+    assert m["rejected"].item() == 1 and METRIC_REDUCTION["rejected"] == "sum"
+    keep_all = make_loss_fn(**CLIP, tis_cap=2.0, reject_logp_diff=2.5)
+    assert keep_all.normalizer(inputs).item() == 6 and keep_all(logp, None, inputs, 6.0)[1]["rejected"].item() == 0
+    with pytest.raises(ValueError, match="reject_logp_diff needs the sampler's log-probs"):
+        fn.normalizer(loss_input([False] * 3, engine=False))
+    with pytest.raises(ValueError, match="reject_logp_diff"):
+        make_loss_fn(**CLIP, tis_cap=2.0, reject_logp_diff=-1.0)
+
+
 def test_loss_input_of_a_rollout_batch_gives_the_same_loss_and_gradient():
     """LossInput.of (the core layout) and the adapter for a RolloutBatch micro-batch feed the loss the same rows."""
     inputs = loss_input([False, True, False])
@@ -324,7 +372,8 @@ def test_the_loss_is_a_loss_fn_holding_its_settings_as_built():
         toy_option: bool = False
 
     settings = WithToyOption(eps_low=0.2, eps_high=0.28, clip_c=None, agg="seq-mean-token-sum-norm",
-                             overlong_filter=False, tis_cap=None, toy_option=True)
+                             overlong_filter=False, tis_cap=None, reject_logp_diff=None,
+                             toy_option=True)
     fn = build_loss(settings, max_new_tokens=8)
     assert isinstance(fn, LossFn) and isinstance(fn, DAPOLossFn)
     assert fn.settings is settings and fn.settings.toy_option and fn.max_new_tokens == 8

@@ -50,7 +50,7 @@ class PushingPolicy(FakePolicy):
 
 
 def loop_with(on_filler_full="suspend", max_staleness=1, groups=4, seed=3, tis_cap=2.0, round_tokens=None,
-              **settings):
+              reject_logp_diff=None, **settings):
     """Partial rollouts through the toy engine; ``settings``: more ``make_loop`` keywords."""
     from nemo_dapo.core.loss import make_loss_fn
 
@@ -58,7 +58,8 @@ def loop_with(on_filler_full="suspend", max_staleness=1, groups=4, seed=3, tis_c
     gen = EngineGenerator(InProcessClient(VersionedToy()), eos_id=EOS, pad_id=0)
     base = make_loop(generator=gen, policy=policy, ds=True, groups=groups, group_size=4, mini=8,
                      max_new_tokens=MAX_NEW, streaming=True, on_filler_full=on_filler_full, seed=seed,
-                     loss=make_loss_fn(eps_low=0.2, eps_high=0.28, clip_c=10.0, tis_cap=tis_cap), **settings)
+                     loss=make_loss_fn(eps_low=0.2, eps_high=0.28, clip_c=10.0, tis_cap=tis_cap,
+                                       reject_logp_diff=reject_logp_diff), **settings)
     return DAPOLoop(policy=policy, generator=gen, reward_fn=base.reward_fn, loss_fn=base.loss_fn,
                     prompts=base.prompts, filler=base.filler, settings=base.settings, max_staleness=max_staleness,
                     round_tokens=round_tokens)
@@ -235,6 +236,28 @@ def overlap_loop(seed=3, steps=3, fill_order="finish", reward_fn=None, **setting
     return DAPOLoop(policy=policy, generator=loop.generator, reward_fn=reward_fn or loop.reward_fn,
                     loss_fn=loop.loss_fn, prompts=loop.prompts, filler=loop.filler, settings=loop.settings,
                     max_staleness=1, overlap=True, round_tokens=loop.round_tokens)
+
+
+def test_the_overlap_logs_the_responses_the_loss_left_out_as_counted_in_the_trained_mini_batches():
+    """algorithm.reject_logp_diff through the step loop: the toy engine's log-probs say which weights drew a token
+    (0.01 a version below the fake trainer's), so the responses that later weights sampled are left out, and each
+    step logs actor/rejected, the mean over its updates of the rows the loss left out of each mini-batch."""
+    from nemo_dapo.core.loss import rejection_keep
+
+    loop = overlap_loop(fill_order="prompt", reject_logp_diff=0.005)
+    total = rejected = 0
+    for _ in range(3):
+        calls = len(loop.policy.calls)
+        m = loop.step()
+        counts = []
+        for mb in trained(loop, calls):
+            valid = mb.response_mask.bool().any(-1)
+            keep = rejection_keep(mb.old_logp, mb.engine_logp, mb.response_mask, 0.005)
+            counts.append(int((valid & ~keep).sum()))
+            total += int(valid.sum())
+        assert m["actor/rejected"] == pytest.approx(sum(counts) / len(counts))
+        rejected += sum(counts)
+    assert 0 < rejected < total  # the first version's responses stay, later ones go
 
 
 def test_overlap_generates_during_the_update_and_trains_that_work_one_version_later():

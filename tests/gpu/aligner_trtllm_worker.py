@@ -52,7 +52,7 @@ def tiny_cfg(tok_dir: str):
                  "eod_mask_loss": False},
         "optim": {"name": "fused_adam", "lr": 1e-4},
         "dapo": {"algorithm": {"eps_low": 0.2, "eps_high": 0.28, "clip_c": 10.0, "agg": "token-mean",
-                               "overlong_filter": False, "tis_cap": None},
+                               "overlong_filter": False, "tis_cap": None, "reject_logp_diff": None},
                  "rollout_micro_batch_size": 4,
                  "forward_micro_batch_size": 4, "sampling_params": {"temperature": 1.0, "top_k": 0, "top_p": 1.0,
                                                                     "repetition_penalty": 1.0, "end_strings": [],

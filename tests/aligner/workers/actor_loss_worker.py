@@ -34,7 +34,7 @@ from nemo_dapo.megatron.reduction import DPReducer  # noqa: E402
 from nemo_dapo.aligner.trainer import ActorPolicy  # noqa: E402
 from nemo_dapo.core.loop import _POLICY_METRIC_REDUCTION  # noqa: E402
 from nemo_dapo.core.metrics import reduce_over_ranks  # noqa: E402
-from nemo_dapo.core.loss import dapo_policy_loss, truncated_is_weights  # noqa: E402
+from nemo_dapo.core.loss import dapo_policy_loss, rejection_keep, truncated_is_weights  # noqa: E402
 from nemo_dapo.core.types import RolloutBatch  # noqa: E402
 
 TP, PP = int(os.environ.get("TP", "1")), int(os.environ.get("PP", "1"))
@@ -118,13 +118,16 @@ def full_vocab_logp(tokens: torch.Tensor, vocab_limit=None) -> tuple:
     return out[0], out[1]
 
 
-def reference_grads(packed: dict, loss_kw: dict, tis_cap) -> tuple:
+def reference_grads(packed: dict, loss_kw: dict, tis_cap, reject=None) -> tuple:
     """Core loss on the full batch in one micro-batch (gathered vocab); returns (loss, grads) after DP reduction."""
     tokens = packed["response_tokens"]
     s = tokens.shape[1]
     padded = split_ready(tokens)
     attn, _, pos = actor.get_ltor_masks_and_position_ids(padded)
     mask = packed["mask"] * (packed["is_end"][:, None] if loss_kw["overlong_filter"] else 1.0)
+    if reject is not None:  # whole rows out, decided on the full batch
+        keep = rejection_keep(packed["prev_logprobs"], packed["engine_logprobs"], packed["mask"], reject)
+        mask = mask * keep[:, None]
     holder = {}
 
     def fwd(it, model):
@@ -193,16 +196,24 @@ def actor_update(local: dict, loss_fn) -> tuple:
     return loss, metrics, {n: p.grad.detach().clone() for n, p in actor.named_parameters() if p.grad is not None}
 
 
-def run_case(name: str, loss_kw: dict, tis_cap, batch: RolloutBatch, ref_lp: torch.Tensor) -> dict:
+def run_case(name: str, loss_kw: dict, tis_cap, batch: RolloutBatch, ref_lp: torch.Tensor, reject=False) -> dict:
+    """``reject``: also leave out the rows whose mean |old - engine| log-prob difference is above the batch's median
+    (reject_logp_diff halfway between the two middle rows', so that no row sits on the threshold)."""
     g = torch.Generator().manual_seed(11)
     noise = torch.randn(batch.response_ids.shape, generator=g) * 0.9
     batch.old_logp = (ref_lp + noise) * batch.response_mask  # ratios spread over ~[0.15, 6]: every clip fires
     batch.engine_logp = (ref_lp + 0.3 * torch.randn(batch.response_ids.shape, generator=g)) * batch.response_mask
+    threshold = None
+    if reject:
+        m = batch.response_mask
+        per_row = ((batch.old_logp - batch.engine_logp).abs() * m).sum(-1) / m.sum(-1).clamp(min=1)
+        mid = per_row.sort().values[len(per_row) // 2 - 1:len(per_row) // 2 + 1]
+        threshold = float(mid.mean())
     packed_full = pack_rollout(batch, EOS)
-    ref, ref_grads = reference_grads(packed_full, loss_kw, tis_cap)
+    ref, ref_grads = reference_grads(packed_full, loss_kw, tis_cap, threshold)
 
     loss_fn = make_loss_fn(eps_low=loss_kw["eps_low"], eps_high=loss_kw["eps_high"], clip_c=loss_kw["clip_c"],
-                           overlong_filter=loss_kw["overlong_filter"], tis_cap=tis_cap)
+                           overlong_filter=loss_kw["overlong_filter"], tis_cap=tis_cap, reject_logp_diff=threshold)
     local = pack_rollout(batch.select(share_of(batch)), EOS)
     loss, metrics, grads = actor_update(local, loss_fn)
     assert grads.keys() == ref_grads.keys() and grads, (sorted(grads), sorted(ref_grads))
@@ -262,6 +273,8 @@ result = {"rank": RANK, "tp": TP, "pp": PP, "dp": DP, "sp": SP, "seq_len": int(p
 base = {"eps_low": 0.2, "eps_high": 0.28, "clip_c": 3.0}
 result["cases"].append(run_case("filter+dualclip", dict(base, overlong_filter=True), None, batch, ref_lp))
 result["cases"].append(run_case("tis", dict(base, clip_c=None, overlong_filter=False), 2.0, batch, ref_lp))
+result["cases"].append(run_case("tis+reject", dict(base, clip_c=None, overlong_filter=False), 2.0, batch, ref_lp,
+                                reject=True))
 
 with open(os.path.join(os.environ["OUT_DIR"], f"rank{RANK}.json"), "w") as f:
     json.dump(result, f, indent=1)
