@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from nemo_dapo.core.overlong import overlong_filter_mask
-from nemo_dapo.core.settings import LossSettings
+from nemo_dapo.core.settings import TIS_LEVELS, LossSettings
 from nemo_dapo.core.types import LossInput, RolloutBatch
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -197,16 +197,23 @@ def loss_normalizer(mask: torch.Tensor, agg: str = "token-mean") -> torch.Tensor
 
 
 def truncated_is_weights(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor,
-                         cap: float) -> torch.Tensor:
-    """[B, T] truncated importance weights min(pi_trainer / pi_engine, cap) of the sampled tokens, 0 on padding.
+                         cap: float, level: str = "token") -> torch.Tensor:
+    """[B, T] truncated importance weights of the sampled tokens, 0 on padding. No gradient flows through them.
 
-    The engine sampled the tokens with its own numerics; the trainer's old_logp is the "behaviour" policy the loss
-    assumes, so the sampling-distribution correction is pi_old(trainer) / pi_engine, capped to bound its variance.
-    No gradient flows through the weights.
+    The engine sampled the tokens with its own numerics, or with older weights (partial rollouts, the overlap); the
+    trainer's old_logp is the "behaviour" policy the loss assumes, so the sampling-distribution correction is
+    pi_old(trainer) / pi_engine, capped to bound its variance. ``level`` "token": each token's own ratio,
+    min(pi_old / pi_engine, cap). "sequence": one weight per row on each of its valid tokens, the ratio of the whole
+    response's probabilities, min(prod_t pi_old / pi_engine, cap): the reward comes at the end, so a response that
+    older weights sampled is reweighted as a whole (which responses the batch holds), not only token by token.
     """
     if not cap > 0:
         raise ValueError(f"cap must be > 0 (TIS commonly uses 2.0), got {cap}")
+    if level not in TIS_LEVELS:
+        raise ValueError(f"level must be one of {TIS_LEVELS}, got {level!r}")
     valid, log_w = _log_ratio(old_logp, engine_logp, mask)
+    if level == "sequence":
+        log_w = torch.where(valid, log_w, torch.zeros_like(log_w)).sum(-1, keepdim=True).expand_as(log_w)
     w = log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().clamp(max=cap)
     return torch.where(valid, w, torch.zeros_like(w))
 
@@ -306,7 +313,8 @@ class DAPOLossFn:
         mask = self.loss_mask(inputs)
         is_weights = None
         if s.tis_cap is not None:
-            is_weights = truncated_is_weights(inputs.old_logp, inputs.engine_logp, mask, float(s.tis_cap))
+            is_weights = truncated_is_weights(inputs.old_logp, inputs.engine_logp, mask, float(s.tis_cap),
+                                              s.tis_level)
         token_mode = s.agg == "token-mean"
         loss, metrics = dapo_policy_loss(
             logp, inputs.old_logp, inputs.advantages, mask, eps_low=float(s.eps_low), eps_high=float(s.eps_high),
@@ -340,10 +348,11 @@ def _as_input(inputs) -> LossInput:
 
 def make_loss_fn(*, eps_low: float, eps_high: float, clip_c: Optional[float] = None, agg: str = "token-mean",
                  max_new_tokens: Optional[int] = None, overlong_filter: bool = False,
-                 tis_cap: Optional[float] = None, reject_logp_diff: Optional[float] = None) -> DAPOLossFn:
+                 tis_cap: Optional[float] = None, tis_level: str = "token",
+                 reject_logp_diff: Optional[float] = None) -> DAPOLossFn:
     """The DAPO loss with the optional techniques off unless named (tests and small scripts; a run builds its loss
     from the algorithm block: core/settings.build_loss). Arguments: the fields of core/settings.LossSettings, and
     ``max_new_tokens`` the generation cap (the constant of "seq-mean-token-sum-norm")."""
     return DAPOLossFn(LossSettings(eps_low=eps_low, eps_high=eps_high, clip_c=clip_c, agg=agg,
-                                   overlong_filter=overlong_filter, tis_cap=tis_cap,
+                                   overlong_filter=overlong_filter, tis_cap=tis_cap, tis_level=tis_level,
                                    reject_logp_diff=reject_logp_diff), max_new_tokens=max_new_tokens)

@@ -24,6 +24,8 @@ from typing import Any, Mapping, Optional, get_type_hints
 # assert the copies agree.
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 BUDGET_POLICIES = ("raise", "train_partial", "unbounded")
+# What one truncated importance weight covers (core/loss.truncated_is_weights): a token, or a whole response.
+TIS_LEVELS = ("token", "sequence")
 # The most skips in a row of history-based prompt skipping (core/prompt_history.py): with it every prompt is
 # generated again within MAX_SKIPS + 1 epochs, a bound a run reaches; 10**12 would mean "skip forever".
 MAX_SKIPS = 100
@@ -86,6 +88,7 @@ class LossSettings:
     agg: str
     overlong_filter: bool
     tis_cap: Optional[float]
+    tis_level: str
     reject_logp_diff: Optional[float]
 
     def __post_init__(self):
@@ -194,6 +197,10 @@ def problems(values: Mapping[str, Any], max_new_tokens: Optional[int] = None) ->
     check("agg", lambda v: v in AGG_MODES, f"is not one of {AGG_MODES} (DAPO: token-mean)")
     check("tis_cap", lambda v: v is None or (_is_num(v) and v > 0),
           "must be > 0, or null to disable truncated importance sampling")
+    check("tis_level", lambda v: v in TIS_LEVELS, f"is not one of {TIS_LEVELS} (token: each token's own weight)")
+    if values.get("tis_level") == "sequence" and "tis_cap" in values and values["tis_cap"] is None:
+        out.append(("tis_level", "weights nothing without tis_cap: the sequence-level weight is truncated at it "
+                                 "(fix: tis_cap=2.0, or tis_level=token)"))
     check("reject_logp_diff", lambda v: v is None or (_is_num(v) and v > 0),
           "must be > 0, or null to keep every response (docs/async.md measured 0.05 and 0.1)")
     if values.get("reject_logp_diff") is not None and "tis_cap" in values and values["tis_cap"] is None:

@@ -44,7 +44,7 @@ def _check_against_reference(results, tp, pp, sampler=True):
         # micro-batches trimmed to their own longest row give the same response log-probs
         assert res["trimmed_logp_max_abs_diff"] < 1e-5 and res["trimmed_entropy_max_abs_diff"] < 1e-5, res
         cases = {c["case"]: c for c in res["cases"]}
-        assert set(cases) == {"filter+dualclip", "tis", "tis+reject"}
+        assert set(cases) == {"filter+dualclip", "tis", "tis+reject", "tis-seq"}
         for c in cases.values():
             assert c["loss"] == pytest.approx(c["ref_loss"], rel=1e-5, abs=1e-7), c
             assert c["grad_max_abs"] > 1e-3, "the test batch must produce a gradient"
@@ -74,6 +74,8 @@ def _check_against_reference(results, tp, pp, sampler=True):
         assert cases["filter+dualclip"]["metrics"]["num_tokens"] < cases["tis"]["metrics"]["num_tokens"]
         # the rejection left about half the rows, whole, out of the loss and the global count
         assert 0 < cases["tis+reject"]["metrics"]["num_tokens"] < cases["tis"]["metrics"]["num_tokens"]
+        # one weight per response moves the loss off the per-token one (the same rows, tokens and ratios)
+        assert cases["tis-seq"]["ref_loss"] != pytest.approx(cases["tis"]["ref_loss"], rel=1e-3)
         # entropy metric (no filtering) is the token mean of the reference entropy
         assert cases["tis"]["metrics"]["entropy"] == pytest.approx(res["ref_entropy_mean"], rel=1e-5)
         if not sampler:

@@ -227,6 +227,59 @@ def test_truncated_is_weights_and_mismatch():
         truncated_is_weights(old, engine, mask, cap=0.0)
 
 
+def test_sequence_level_is_weights_match_a_row_by_row_reference():
+    """tis_level "sequence": each valid token of a row carries min(prod over the row's valid tokens of
+    pi_old / pi_engine, cap); padding gets 0 and is never read; a one-token row has its token-level weight."""
+    gen = torch.Generator().manual_seed(7)
+    old = -torch.rand(10, 6, generator=gen) * 3
+    engine = old + torch.randn(10, 6, generator=gen) * 0.4
+    mask = (torch.rand(10, 6, generator=gen) > 0.3).float()
+    mask[3], mask[5] = 0.0, torch.tensor([0.0, 0, 1, 0, 0, 0])
+    engine = torch.where(mask.bool(), engine, torch.full_like(engine, -99.0))
+    for cap in (0.7, 2.0, 50.0):
+        w = truncated_is_weights(old, engine, mask, cap, level="sequence")
+        for r in range(10):
+            ratio = math.prod(math.exp(float(old[r, t] - engine[r, t])) for t in range(6) if mask[r, t] > 0)
+            for t in range(6):
+                want = min(ratio, cap) if mask[r, t] > 0 else 0.0
+                assert float(w[r, t]) == pytest.approx(want, rel=1e-5), (cap, r, t)
+    token = truncated_is_weights(old, engine, mask, 2.0)
+    torch.testing.assert_close(truncated_is_weights(old, engine, mask, 2.0, "sequence")[5], token[5])
+    assert not torch.allclose(truncated_is_weights(old, engine, mask, 2.0, "sequence"), token)
+    with pytest.raises(ValueError, match="level"):
+        truncated_is_weights(old, engine, mask, 2.0, level="prefix")
+
+
+def test_sequence_level_weights_give_the_target_policy_gradient_exactly():
+    """The score-function identity the sequence level rests on: with responses drawn from a behaviour policy mu and
+    a reward at the end, sum_y mu(y) w(y) R(y) grad log pi(y) = grad E_pi[R] when w(y) = pi(y) / mu(y) (the cap
+    above every ratio). Every 2-token response over a 3-token vocabulary is enumerated, pi's second token depends on
+    its first, and the loss's gradient (ratio 1: logp = old_logp) is compared with autograd of E_pi[R]. Token-level
+    weights give another vector: they correct each token's own probability, not which responses the batch holds."""
+    gen = torch.Generator().manual_seed(3)
+    theta1 = torch.randn(3, generator=gen, requires_grad=True)  # pi's first-token logits
+    theta2 = torch.randn(3, 3, generator=gen, requires_grad=True)  # pi's second-token logits, row = first token
+    mu1, mu2 = torch.randn(3, generator=gen).softmax(-1), torch.randn(3, 3, generator=gen).softmax(-1)
+    reward = torch.randn(3, 3, generator=gen)
+    ys = [(a, b) for a in range(3) for b in range(3)]
+    p1, p2 = theta1.log_softmax(-1), theta2.log_softmax(-1)
+    exact = torch.autograd.grad(sum(float(reward[a, b]) * (p1[a] + p2[a, b]).exp() for a, b in ys),
+                                (theta1, theta2), retain_graph=True)
+    logp = torch.stack([torch.stack([p1[a], p2[a, b]]) for a, b in ys])  # [9, 2]
+    engine = torch.tensor([[mu1[a].log(), mu2[a, b].log()] for a, b in ys])
+    mu = engine.sum(-1).exp()  # each response's behaviour probability: the expectation, enumerated
+    mask = torch.ones(9, 2)
+    grads = {}
+    for level in ("sequence", "token"):
+        w = truncated_is_weights(logp.detach(), engine, mask, 1e6, level)
+        loss, _ = dapo_policy_loss(logp, logp.detach(), reward.flatten() * mu, mask, **CLIP, num_tokens=1,
+                                   is_weights=w)
+        grads[level] = torch.autograd.grad(-loss, (theta1, theta2), retain_graph=True)
+    for got, want in zip(grads["sequence"], exact):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert not all(torch.allclose(g, e, atol=1e-3) for g, e in zip(grads["token"], exact))
+
+
 def test_is_weights_scale_each_token():
     old = torch.zeros(1, 3)
     logp = torch.zeros(1, 3, requires_grad=True)
@@ -287,6 +340,11 @@ def test_loss_fn_tis_and_seq_mode():
     w = math.exp(0.5)  # pi_old / pi_engine = exp(-1 + 1.5), under the cap
     assert loss.item() == pytest.approx(-w * (2 * 1.0 - 3 * 0.5 + 2.0) / 6)
     assert m["is_weight_mean"].item() == pytest.approx(w)
+    fn = make_loss_fn(**CLIP, tis_cap=2.0, tis_level="sequence")  # one weight a row: exp(0.5 x its tokens)
+    loss, m = fn(logp, None, inputs, fn.normalizer(inputs))
+    w_rows = [min(math.exp(0.5 * n), 2.0) for n in (2, 3, 1)]  # rows 0 and 1 reach the cap
+    assert loss.item() == pytest.approx(-(w_rows[0] * 2 * 1.0 - w_rows[1] * 3 * 0.5 + w_rows[2] * 2.0) / 6)
+    assert m["is_weight_mean"].item() == pytest.approx((2 * w_rows[0] + 3 * w_rows[1] + w_rows[2]) / 6)
     fn = make_loss_fn(**CLIP, agg="seq-mean-token-mean")
     assert fn.normalizer(inputs).item() == 3  # the seq-* normaliser counts sequences ...
     loss, m = fn(logp, None, inputs, 3.0)
@@ -372,7 +430,7 @@ def test_the_loss_is_a_loss_fn_holding_its_settings_as_built():
         toy_option: bool = False
 
     settings = WithToyOption(eps_low=0.2, eps_high=0.28, clip_c=None, agg="seq-mean-token-sum-norm",
-                             overlong_filter=False, tis_cap=None, reject_logp_diff=None,
+                             overlong_filter=False, tis_cap=None, tis_level="token", reject_logp_diff=None,
                              toy_option=True)
     fn = build_loss(settings, max_new_tokens=8)
     assert isinstance(fn, LossFn) and isinstance(fn, DAPOLossFn)

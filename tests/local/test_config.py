@@ -104,6 +104,8 @@ def test_overrides_set_add_and_delete():
     ("algorithm.eps_low=1.5", r"algorithm.eps_low"),
     ("algorithm.reject_logp_diff=0", r"'algorithm.reject_logp_diff' = 0.0 must be > 0"),
     ("algorithm.reject_logp_diff=0.05", r"'algorithm.reject_logp_diff' = 0.05 needs tis_cap"),
+    ("algorithm.tis_level=seq", r"'algorithm.tis_level' = 'seq' is not one of \('token', 'sequence'\)"),
+    ("algorithm.tis_level=sequence", r"'algorithm.tis_level' = 'sequence' weights nothing without tis_cap"),
     ("algorithm.overlong.l_cache=100", r"'algorithm.overlong.l_cache' = 100 must be an integer in \(0, l_max=\d+\)"),
     ("trainer.mini_batch_size=0", r"'trainer.mini_batch_size' must be >= 1"),
     ("~trainer.max_steps", r"'trainer.max_steps' has no value"),

@@ -225,7 +225,7 @@ def quiet_nemo() -> None:
 # model.dapo.algorithm of conf/gpt_dapo_actor.yaml at test sizes (G = 4, a short generation cap)
 ALGORITHM_DEFAULTS = {
     "group_size": 4, "eps_low": 0.2, "eps_high": 0.28, "clip_c": 10.0, "agg": "token-mean", "overlong_filter": False,
-    "tis_cap": None, "reject_logp_diff": None, "adv_eps": 1e-6, "scale_by_std": True,
+    "tis_cap": None, "tis_level": "token", "reject_logp_diff": None, "adv_eps": 1e-6, "scale_by_std": True,
     "dynamic_sampling": {"enabled": True, "max_gen_batches": 8, "on_budget_exhausted": "train_partial", "max_age": 1,
                          "adaptive": False, "gen_batch_size": 3, "max_gen_batch_size": None, "prior_pass_rate": 0.5,
                          "prior_weight": 8.0, "pass_rate_memory": 0.7, "safety": 1.1,

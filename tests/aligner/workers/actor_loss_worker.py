@@ -118,7 +118,7 @@ def full_vocab_logp(tokens: torch.Tensor, vocab_limit=None) -> tuple:
     return out[0], out[1]
 
 
-def reference_grads(packed: dict, loss_kw: dict, tis_cap, reject=None) -> tuple:
+def reference_grads(packed: dict, loss_kw: dict, tis_cap, reject=None, tis_level="token") -> tuple:
     """Core loss on the full batch in one micro-batch (gathered vocab); returns (loss, grads) after DP reduction."""
     tokens = packed["response_tokens"]
     s = tokens.shape[1]
@@ -138,7 +138,7 @@ def reference_grads(packed: dict, loss_kw: dict, tis_cap, reject=None) -> tuple:
             lp_all = torch.log_softmax(gather_from_tensor_model_parallel_region(logits).float(), -1)[:, :s - 1]
             logp = lp_all.gather(-1, tokens[:, 1:, None]).squeeze(-1)
             w = None if tis_cap is None else truncated_is_weights(packed["prev_logprobs"], packed["engine_logprobs"],
-                                                                  mask, tis_cap)
+                                                                  mask, tis_cap, tis_level)
             loss, m = dapo_policy_loss(logp, packed["prev_logprobs"], packed["advantages"], mask,
                                        eps_low=loss_kw["eps_low"], eps_high=loss_kw["eps_high"],
                                        clip_c=loss_kw["clip_c"], num_tokens=mask.sum(), is_weights=w)
@@ -196,9 +196,11 @@ def actor_update(local: dict, loss_fn) -> tuple:
     return loss, metrics, {n: p.grad.detach().clone() for n, p in actor.named_parameters() if p.grad is not None}
 
 
-def run_case(name: str, loss_kw: dict, tis_cap, batch: RolloutBatch, ref_lp: torch.Tensor, reject=False) -> dict:
+def run_case(name: str, loss_kw: dict, tis_cap, batch: RolloutBatch, ref_lp: torch.Tensor, reject=False,
+             tis_level="token") -> dict:
     """``reject``: also leave out the rows whose mean |old - engine| log-prob difference is above the batch's median
-    (reject_logp_diff halfway between the two middle rows', so that no row sits on the threshold)."""
+    (reject_logp_diff halfway between the two middle rows', so that no row sits on the threshold). ``tis_level``:
+    the loss key of that name (sequence: one weight per row, so the rows must reach the loss unpacked)."""
     g = torch.Generator().manual_seed(11)
     noise = torch.randn(batch.response_ids.shape, generator=g) * 0.9
     batch.old_logp = (ref_lp + noise) * batch.response_mask  # ratios spread over ~[0.15, 6]: every clip fires
@@ -210,10 +212,11 @@ def run_case(name: str, loss_kw: dict, tis_cap, batch: RolloutBatch, ref_lp: tor
         mid = per_row.sort().values[len(per_row) // 2 - 1:len(per_row) // 2 + 1]
         threshold = float(mid.mean())
     packed_full = pack_rollout(batch, EOS)
-    ref, ref_grads = reference_grads(packed_full, loss_kw, tis_cap, threshold)
+    ref, ref_grads = reference_grads(packed_full, loss_kw, tis_cap, threshold, tis_level)
 
     loss_fn = make_loss_fn(eps_low=loss_kw["eps_low"], eps_high=loss_kw["eps_high"], clip_c=loss_kw["clip_c"],
-                           overlong_filter=loss_kw["overlong_filter"], tis_cap=tis_cap, reject_logp_diff=threshold)
+                           overlong_filter=loss_kw["overlong_filter"], tis_cap=tis_cap, tis_level=tis_level,
+                           reject_logp_diff=threshold)
     local = pack_rollout(batch.select(share_of(batch)), EOS)
     loss, metrics, grads = actor_update(local, loss_fn)
     assert grads.keys() == ref_grads.keys() and grads, (sorted(grads), sorted(ref_grads))
@@ -275,6 +278,8 @@ result["cases"].append(run_case("filter+dualclip", dict(base, overlong_filter=Tr
 result["cases"].append(run_case("tis", dict(base, clip_c=None, overlong_filter=False), 2.0, batch, ref_lp))
 result["cases"].append(run_case("tis+reject", dict(base, clip_c=None, overlong_filter=False), 2.0, batch, ref_lp,
                                 reject=True))
+result["cases"].append(run_case("tis-seq", dict(base, clip_c=None, overlong_filter=False), 2.0, batch, ref_lp,
+                                tis_level="sequence"))
 
 with open(os.path.join(os.environ["OUT_DIR"], f"rank{RANK}.json"), "w") as f:
     json.dump(result, f, indent=1)
