@@ -287,19 +287,21 @@ class DAPOLossFn:
     def loss_mask(self, inputs: LossInput) -> torch.Tensor:
         """[B, T] float: the input's mask, with truncated rows zeroed when overlong filtering is on and rejected rows
         (:func:`rejection_keep`) when ``reject_logp_diff`` is set."""
-        inputs = _as_input(inputs)
-        mask = inputs.mask.float()
+        return self._mask_and_keep(_as_input(inputs))[0]
+
+    def _mask_and_keep(self, inputs: LossInput) -> tuple:
+        """(the loss mask [B, T] float, the rows ``reject_logp_diff`` keeps [B] bool, or None when it is off)."""
+        mask, keep = inputs.mask.float(), None
         if self.settings.overlong_filter:
             mask = mask * overlong_filter_mask(inputs.truncated).to(mask.device).unsqueeze(-1)
         if self.settings.reject_logp_diff is not None:
-            mask = mask * self._keep(inputs).to(mask.device, mask.dtype).unsqueeze(-1)
-        return mask
-
-    def _keep(self, inputs: LossInput) -> torch.Tensor:
-        if inputs.engine_logp is None:
-            raise ValueError("reject_logp_diff needs the sampler's log-probs: the step must fill "
-                             "RolloutBatch.engine_logp before the update (or set reject_logp_diff=null)")
-        return rejection_keep(inputs.old_logp, inputs.engine_logp, inputs.mask, float(self.settings.reject_logp_diff))
+            if inputs.engine_logp is None:
+                raise ValueError("reject_logp_diff needs the sampler's log-probs: the step must fill "
+                                 "RolloutBatch.engine_logp before the update (or set reject_logp_diff=null)")
+            keep = rejection_keep(inputs.old_logp, inputs.engine_logp, inputs.mask,
+                                  float(self.settings.reject_logp_diff))
+            mask = mask * keep.to(mask.device, mask.dtype).unsqueeze(-1)
+        return mask, keep
 
     def normalizer(self, inputs: LossInput) -> torch.Tensor:
         """0-dim: this micro-batch's share of the global normaliser (sum it over micro-batches and ranks)."""
@@ -310,7 +312,7 @@ class DAPOLossFn:
         if s.tis_cap is not None and inputs.engine_logp is None:
             raise ValueError("the micro-batch has no engine_logp; the step must fill RolloutBatch.engine_logp "
                              "before the update (or disable TIS: tis_cap=None)")
-        mask = self.loss_mask(inputs)
+        mask, keep = self._mask_and_keep(inputs)
         is_weights = None
         if s.tis_cap is not None:
             is_weights = truncated_is_weights(inputs.old_logp, inputs.engine_logp, mask, float(s.tis_cap),
@@ -335,8 +337,8 @@ class DAPOLossFn:
             metrics["logp_mismatch"] = avg(_mismatch_per_token(inputs.engine_logp, inputs.old_logp, valid))
         if s.overlong_filter:
             metrics["overlong_filtered"] = inputs.truncated.float().sum()
-        if s.reject_logp_diff is not None:
-            metrics["rejected"] = (inputs.mask.bool().any(-1) & ~self._keep(inputs)).float().sum()
+        if keep is not None:
+            metrics["rejected"] = (inputs.mask.bool().any(-1) & ~keep).float().sum()
         return loss, metrics
 
 
