@@ -23,6 +23,8 @@ run's counters it takes
                            sampling the trained tokens older weights sampled and training them)
   left out                 responses algorithm.reject_logp_diff left out of the loss (actor/rejected) per trained
                            response
+  capped                   the mean over steps of actor/is_capped (the share of trained tokens whose importance
+                           weight algorithm.tis_cap truncated: how far the correction is from exact)
 
 and prints one row per run, the medians per policy and a RESULT line of key=value fields (the second policy's medians
 against the first's). ``--compare fill_order`` measures the cost of the reproducible mode instead: both with abort,
@@ -179,6 +181,8 @@ def run_once(out: str, policy: str, seed: int, args) -> dict:
                 # older weights sampled (steps with none have no such line; nan when no step had any)
                 stale_mismatch=median_or_nan(r["partial/logp_mismatch_stale"] for r in steps
                                              if "partial/logp_mismatch_stale" in r),
+                # the share of trained tokens whose importance weight tis_cap truncated (nan without TIS)
+                capped_frac=mean_or_nan(r["actor/is_capped"] for r in steps if "actor/is_capped" in r),
                 # responses algorithm.reject_logp_diff left out of the loss, per trained response (each update
                 # counts its own: with ppo_epochs > 1 a response is counted once per epoch)
                 rejected_frac=sum(r.get("actor/rejected", 0.0) * r.get("actor/updates", 0.0) for r in steps) / max(
@@ -188,6 +192,11 @@ def run_once(out: str, policy: str, seed: int, args) -> dict:
 def median_or_nan(values) -> float:
     values = list(values)
     return statistics.median(values) if values else math.nan
+
+
+def mean_or_nan(values) -> float:
+    values = list(values)
+    return statistics.mean(values) if values else math.nan
 
 
 def steps_paired(results: list, a: str, b: str) -> bool:
@@ -337,7 +346,7 @@ def main() -> int:
                            "s_per_1k_trained", "engine_idle_frac", "trained_lag_mean", "trained_tokens_per_trained",
                            "discarded_per_trained", "filtered_per_trained", "all_wrong", "step_step_s",
                            "step_gen_s", "step_old_logp_s", "step_update_s", "step_refit_s", "approx_kl",
-                           "stale_mismatch", "rejected_frac")}
+                           "stale_mismatch", "rejected_frac", "capped_frac")}
            for pol in policies}
     acc = {pol: [r["accuracy"] for r in results if r["policy"] == pol] for pol in policies}
     for pol, m in med.items():
@@ -349,6 +358,7 @@ def main() -> int:
               f"(generation {m['step_gen_s']:.3f}, old log-probs {m['step_old_logp_s']:.3f}, update "
               f"{m['step_update_s']:.3f}, refit {m['step_refit_s']:.3f}, actor/approx_kl {m['approx_kl']:.2e}) | "
               f"stale tokens' logp mismatch {m['stale_mismatch']:.4f} | left out {m['rejected_frac']:.1%} | "
+              f"capped {m['capped_frac']:.1%} | "
               f"all-wrong groups filtered {m['all_wrong']:.0f}")
     (name_a, a), (name_b, b) = med.items()
     # the same seed starts both policies from the same state: the per-seed ratio pairs them

@@ -43,6 +43,7 @@ METRIC_REDUCTION = {
     "ratio_max": "max",  # -inf when the micro-batch has no valid token
     "num_tokens": "sum",  # valid tokens of this micro-batch (local count)
     "is_weight_mean": "sum",  # DAPOLossFn with TIS only
+    "is_capped": "sum",  # DAPOLossFn with TIS only: share of tokens whose weight tis_cap truncated (its bias)
     "logp_mismatch": "sum",  # DAPOLossFn with engine_logp present: mean |exp(engine - trainer) - 1|
     "entropy": "sum",  # DAPOLossFn only
     "token_prob": "sum",  # DAPOLossFn only: mean exp(logp)
@@ -333,6 +334,7 @@ class DAPOLossFn:
             metrics["entropy"] = avg(entropy)
         if is_weights is not None:
             metrics["is_weight_mean"] = avg(is_weights)
+            metrics["is_capped"] = avg((is_weights >= float(s.tis_cap)).float())
         if inputs.engine_logp is not None:
             metrics["logp_mismatch"] = avg(_mismatch_per_token(inputs.engine_logp, inputs.old_logp, valid))
         if s.overlong_filter:

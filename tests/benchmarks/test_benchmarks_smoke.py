@@ -128,6 +128,8 @@ def test_partial_rollouts_quick(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "suspend_seed1" / "metrics.jsonl").open()]
     logged = [row["actor/rejected"] for row in rows if "actor/rejected" in row]
     assert logged and not any(logged)  # logged by every trained step; a threshold of 10 leaves nothing out
+    capped = [row["actor/is_capped"] for row in rows if "actor/is_capped" in row]  # every run sets tis_cap
+    assert len(capped) == len(logged) and all(0.0 <= c <= 1.0 for c in capped)
     # --reeval on the same --out: the cached runs' final models on more held-out problems
     e = run_quick("partial_rollouts.py", "--out", str(tmp_path), "--reeval", "24", "--reeval-samples", "2", keep_all)
     assert e["reeval_problems"] == "24" and e["reeval_samples"] == "2" and 0.0 <= float(e["accuracy_base"]) <= 1.0

@@ -340,11 +340,13 @@ def test_loss_fn_tis_and_seq_mode():
     w = math.exp(0.5)  # pi_old / pi_engine = exp(-1 + 1.5), under the cap
     assert loss.item() == pytest.approx(-w * (2 * 1.0 - 3 * 0.5 + 2.0) / 6)
     assert m["is_weight_mean"].item() == pytest.approx(w)
+    assert m["is_capped"].item() == 0
     fn = make_loss_fn(**CLIP, tis_cap=2.0, tis_level="sequence")  # one weight a row: exp(0.5 x its tokens)
     loss, m = fn(logp, None, inputs, fn.normalizer(inputs))
     w_rows = [min(math.exp(0.5 * n), 2.0) for n in (2, 3, 1)]  # rows 0 and 1 reach the cap
     assert loss.item() == pytest.approx(-(w_rows[0] * 2 * 1.0 - w_rows[1] * 3 * 0.5 + w_rows[2] * 2.0) / 6)
     assert m["is_weight_mean"].item() == pytest.approx((2 * w_rows[0] + 3 * w_rows[1] + w_rows[2]) / 6)
+    assert m["is_capped"].item() == pytest.approx(5 / 6)  # the tokens of rows 0 and 1
     fn = make_loss_fn(**CLIP, agg="seq-mean-token-mean")
     assert fn.normalizer(inputs).item() == 3  # the seq-* normaliser counts sequences ...
     loss, m = fn(logp, None, inputs, 3.0)
