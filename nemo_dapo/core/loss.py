@@ -43,7 +43,7 @@ METRIC_REDUCTION = {
     "ratio_max": "max",  # -inf when the micro-batch has no valid token
     "num_tokens": "sum",  # valid tokens of this micro-batch (local count)
     "is_weight_mean": "sum",  # DAPOLossFn with TIS only
-    "is_capped": "sum",  # DAPOLossFn with TIS only: share of tokens whose weight tis_cap truncated (its bias)
+    "is_capped": "sum",  # DAPOLossFn with TIS only: share of tokens whose weight tis_cap truncated
     "logp_mismatch": "sum",  # DAPOLossFn with engine_logp present: mean |exp(engine - trainer) - 1|
     "entropy": "sum",  # DAPOLossFn only
     "token_prob": "sum",  # DAPOLossFn only: mean exp(logp)
