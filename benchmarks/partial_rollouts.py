@@ -179,24 +179,20 @@ def run_once(out: str, policy: str, seed: int, args) -> dict:
                 approx_kl=statistics.median(r["actor/approx_kl"] for r in steps[1:] or steps),
                 # how far the weights moved between sampling a trained token and training it, seen on the tokens
                 # older weights sampled (steps with none have no such line; nan when no step had any)
-                stale_mismatch=median_or_nan(r["partial/logp_mismatch_stale"] for r in steps
-                                             if "partial/logp_mismatch_stale" in r),
+                stale_mismatch=or_nan(statistics.median, (r["partial/logp_mismatch_stale"] for r in steps
+                                                          if "partial/logp_mismatch_stale" in r)),
                 # the share of trained tokens whose importance weight tis_cap truncated (nan without TIS)
-                capped_frac=mean_or_nan(r["actor/is_capped"] for r in steps if "actor/is_capped" in r),
+                capped_frac=or_nan(statistics.mean, (r["actor/is_capped"] for r in steps if "actor/is_capped" in r)),
                 # responses algorithm.reject_logp_diff left out of the loss, per trained response (each update
                 # counts its own: with ppo_epochs > 1 a response is counted once per epoch)
                 rejected_frac=sum(r.get("actor/rejected", 0.0) * r.get("actor/updates", 0.0) for r in steps) / max(
                     sum(r.get("train/batch_samples", 0.0) for r in steps), 1.0))
 
 
-def median_or_nan(values) -> float:
+def or_nan(stat, values) -> float:
+    """``stat`` (statistics.median, statistics.mean) of ``values``, nan when there are none."""
     values = list(values)
-    return statistics.median(values) if values else math.nan
-
-
-def mean_or_nan(values) -> float:
-    values = list(values)
-    return statistics.mean(values) if values else math.nan
+    return stat(values) if values else math.nan
 
 
 def steps_paired(results: list, a: str, b: str) -> bool:
@@ -341,7 +337,7 @@ def main() -> int:
                   f"{r['tokens_per_trained']:.2f} | held-out {r['base_accuracy']:.3f} -> {r['accuracy']:.3f} | "
                   f"{r['steps']:.0f} steps, RL {r['rl_seconds']:.1f} s, to filled {r['to_filled_s']:.2f} s",
                   flush=True)
-    med = {pol: {k: median_or_nan(r[k] for r in results if r["policy"] == pol and not math.isnan(r[k]))
+    med = {pol: {k: or_nan(statistics.median, (r[k] for r in results if r["policy"] == pol and not math.isnan(r[k])))
                  for k in ("discarded_frac", "tokens_per_trained", "accuracy", "rl_seconds", "to_filled_s",
                            "s_per_1k_trained", "engine_idle_frac", "trained_lag_mean", "trained_tokens_per_trained",
                            "discarded_per_trained", "filtered_per_trained", "all_wrong", "step_step_s",
