@@ -173,3 +173,16 @@ def test_partial_rollouts_step_budget_and_validation_curve(tmp_path):
     other = run_benchmark("partial_rollouts.py", "--out", str(tmp_path), "--max-samples", "100000", "--max-steps", "2",
                           "--second-override", "eval.n_samples=3", timeout=120)
     assert other.returncode != 0 and "ran eval.n_samples=2, not 3" in other.stdout + other.stderr
+
+
+def test_update_attribution_quick(tmp_path):
+    r = run_quick("update_attribution.py", "--out", str(tmp_path))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    steps = [row["counters/optimizer_steps"] for row in rows if "counters/optimizer_steps" in row]
+    assert int(r["updates"]) == steps[-1] == len(list((tmp_path / "updates").glob("*.pt")))  # one per optimizer step
+    assert float(r["probe_start"]) <= 0 and float(r["probe_end"]) <= 0  # mean log-probabilities
+    assert float(r["split_residual"]) < 1e-4  # the recorded AdamW steps are the parts' sum (the policy's optimizer)
+    # --final on a partial_rollouts-style folder: POLICY_seedN/final_model
+    (tmp_path / "sync_seed1").symlink_to(tmp_path / "run", target_is_directory=True)
+    f = run_quick("update_attribution.py", "--out", str(tmp_path), "--final")
+    assert f["runs_sync"] == "1" and int(f["swapped_over_0.5_sync"]) <= int(f["swapped_over_0.05_sync"]) <= 1

@@ -1,22 +1,13 @@
 """The paired summary of benchmarks/partial_rollouts.py --reeval against a hand-computed case."""
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 
-PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "partial_rollouts.py"
-
-
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("partial_rollouts_benchmark", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.support.benchmark_module import load_benchmark
 
 
 def test_paired_change_matches_hand_computation():
-    paired_change = load_benchmark().paired_change
+    paired_change = load_benchmark("partial_rollouts").paired_change
     acc = {("sync", 1): 0.50, ("sync", 2): 0.70, ("sync", 3): 0.60,
            ("overlap", 1): 0.40, ("overlap", 2): 0.75, ("overlap", 3): 0.50}
     c = paired_change(acc, "sync", "overlap", range(1, 4))
@@ -31,13 +22,13 @@ def test_paired_change_matches_hand_computation():
 
 
 def test_paired_change_one_seed_has_no_spread():
-    c = load_benchmark().paired_change({("a", 7): 0.3, ("b", 7): 0.4}, "a", "b", [7])
+    c = load_benchmark("partial_rollouts").paired_change({("a", 7): 0.3, ("b", 7): 0.4}, "a", "b", [7])
     assert c["mean_change"] == pytest.approx(0.1) and c["lower"] == 0
     assert all(math.isnan(c[k]) for k in ("change_se", "seed_sd_a", "seed_sd_b"))
 
 
 def test_steps_are_paired_only_between_equal_batches():
-    steps_paired = load_benchmark().steps_paired
+    steps_paired = load_benchmark("partial_rollouts").steps_paired
     runs = [dict(policy="sync", batch_samples=128.0), dict(policy="sync", batch_samples=128.0),
             dict(policy="overlap", batch_samples=128.0), dict(policy="overlap", batch_samples=120.0),
             dict(policy="overlap", batch_samples=128.0)]  # one run's steps ended on a smaller partial batch
@@ -47,7 +38,7 @@ def test_steps_are_paired_only_between_equal_batches():
 
 
 def test_a_cached_run_of_another_second_policy_key_is_refused():
-    check_cached = load_benchmark().check_cached
+    check_cached = load_benchmark("partial_rollouts").check_cached
     ran = {"trainer": {"train_batch_size": 8}, "optim": {"betas": [0.8, 0.999]}}
     check_cached("RUN", ran, ["trainer.train_batch_size=8", "optim.betas=[0.8,0.999]", "++trainer.train_batch_size=8"])
     for override in ("trainer.train_batch_size=16", "optim.betas=[0.9,0.999]", "trainer.no_such_key=1"):
