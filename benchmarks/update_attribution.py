@@ -219,37 +219,67 @@ def analyse(out: str, op: str, n: int) -> None:
           f"first_swapped_version={swapped_at[0] if swapped_at else 'none'}")
 
 
-def final_models(out: str, op: str, n: int) -> None:
-    """The probe on the final model of every run in a ``benchmarks/partial_rollouts.py`` folder: the mean
-    probability of restating the first operator as another one, beside the run's cached re-evaluated accuracy."""
+def largest_stale_mismatch(run_dir: str) -> float:
+    """The largest ``partial/logp_mismatch_stale`` over a run's trained steps (nan if it logged none)."""
+    largest = math.nan
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        for line in f:
+            x = json.loads(line).get("partial/logp_mismatch_stale")
+            if x is not None and x == x and not x <= largest:
+                largest = x
+    return largest
+
+
+def reevaluated(run_dir: str) -> float:
+    """The run's cached ``partial_rollouts.py --reeval`` accuracy (nan if none)."""
+    cached = sorted(glob.glob(os.path.join(run_dir, "reeval_*.json")))
+    if not cached:
+        return math.nan
+    with open(cached[-1], encoding="utf-8") as f:
+        res = json.load(f)
+    return next((v for k, v in res.items() if k.startswith("avg@")), math.nan)
+
+
+def final_models(out: str, op: str, n: int, spike: float, baseline: str) -> None:
+    """The probe on the final model of every run in a ``benchmarks/partial_rollouts.py`` folder (the mean
+    probability of restating the first operator as another one), beside the run's largest stale-token log-prob
+    mismatch and its cached re-evaluated accuracy; with two policies, the mean change against ``baseline`` (paired by
+    seed) over the pairs where a run's largest mismatch passed ``spike``, and over the others."""
     from nemo_dapo.models.decoder import load_model
 
-    runs = sorted(glob.glob(os.path.join(out, "*_seed*", "final_model")),
-                  key=lambda p: (os.path.basename(os.path.dirname(p)).rsplit("_seed", 1)[0],
-                                 int(os.path.dirname(p).rsplit("_seed", 1)[1])))
-    if not runs:
+    finals = glob.glob(os.path.join(out, "*_seed*", "final_model"))
+    if not finals:
         raise SystemExit(f"{out} holds no POLICY_seedN/final_model")
-    probe, counts = None, {}
-    for final in runs:
+    probe, runs = None, {}
+    for final in finals:
         run_dir = os.path.dirname(final)
+        policy, seed = os.path.basename(run_dir).rsplit("_seed", 1)
         probe = probe or Probe(run_dir, op, n)
         probe.model = load_model(final).eval()
         with torch.no_grad():
             swap = float(1 - probe.logprobs().exp().mean())
-        cached = sorted(glob.glob(os.path.join(run_dir, "reeval_*.json")))
-        acc = {}
-        if cached:
-            with open(cached[-1], encoding="utf-8") as f:
-                acc = json.load(f)
-        policy, seed = os.path.basename(run_dir).rsplit("_seed", 1)
-        accuracy = next((f"{v:.4f}" for k, v in acc.items() if k.startswith("avg@")), "n/a")
-        print(f"{policy:8s} seed {seed}: swapped {swap:.3f} (re-evaluated accuracy {accuracy})")
-        c = counts.setdefault(policy, [0, 0, 0])
-        c[0] += 1
-        c[1] += swap > 0.05
-        c[2] += swap > 0.5
-    print("RESULT " + " ".join(f"runs_{p}={c[0]} swapped_over_0.05_{p}={c[1]} swapped_over_0.5_{p}={c[2]}"
-                               for p, c in sorted(counts.items())))
+        runs[policy, int(seed)] = dict(swap=swap, mismatch=largest_stale_mismatch(run_dir), acc=reevaluated(run_dir))
+    fields = []
+    for policy in sorted({p for p, _ in runs}):
+        mine = [(seed, r) for (p, seed), r in sorted(runs.items()) if p == policy]
+        for seed, r in mine:
+            print(f"{policy:8s} seed {seed}: swapped {r['swap']:.3f}, largest stale mismatch {r['mismatch']:.3f} "
+                  f"(re-evaluated accuracy {r['acc']:.4f})")
+        fields += [f"runs_{policy}={len(mine)}",
+                   f"swapped_over_0.05_{policy}={sum(r['swap'] > 0.05 for _, r in mine)}",
+                   f"swapped_over_0.5_{policy}={sum(r['swap'] > 0.5 for _, r in mine)}",
+                   f"stale_mismatch_over_{spike:g}_{policy}={sum(r['mismatch'] > spike for _, r in mine)}"]
+    policies = sorted({p for p, _ in runs})
+    if len(policies) == 2:
+        a = baseline if baseline in policies else policies[0]
+        b = policies[1] if a == policies[0] else policies[0]
+        seeds = sorted(s for p, s in runs if p == a and (b, s) in runs)
+        for name, keep in (("spiked", True), ("other", False)):
+            pairs = [runs[b, s]["acc"] - runs[a, s]["acc"] for s in seeds
+                     if any(runs[p, s]["mismatch"] > spike for p in (a, b)) == keep]  # nan: never
+            mean = sum(pairs) / len(pairs) if pairs else math.nan
+            fields += [f"pairs_{name}={len(pairs)}", f"change_{b}_minus_{a}_{name}={mean:+.4f}"]
+    print("RESULT " + " ".join(fields))
 
 
 def main() -> int:
@@ -263,9 +293,12 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="a 2-step tiny_cpu run from a short warm-up")
     p.add_argument("--final", action="store_true", help="no run: the probe on the final models of the runs in OUT "
                    "(a benchmarks/partial_rollouts.py --out folder)")
+    p.add_argument("--spike", type=float, default=5.0, help="--final: a run whose partial/logp_mismatch_stale "
+                   "passed this counts as spiked")
+    p.add_argument("--baseline", default="sync", help="--final: the policy the other is compared with")
     args = p.parse_args(argv)
     if args.final:
-        final_models(args.out, args.op, args.problems)
+        final_models(args.out, args.op, args.problems, args.spike, args.baseline)
         return 0
     if args.quick:
         train_args = ["warmup.max_steps=20", "warmup.min_steps=1", "trainer.max_steps=2", "trainer.val_every=0",

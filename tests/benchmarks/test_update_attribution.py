@@ -76,3 +76,20 @@ def test_swapped_rows_counts_first_operator_restated_as_another():
                 response_mask=response_mask)
     assert swapped_rows(rows, tok, "-") == (3, 1)
     assert swapped_rows(rows, tok, "+") == (1, 1)
+
+
+def test_largest_stale_mismatch_and_reevaluated_read_a_run_folder(tmp_path):
+    import json
+    import math
+
+    ua = load_benchmark("update_attribution")
+    rows = [{"kind": "eval", "step": 0}, {"kind": "train", "partial/logp_mismatch_stale": 0.02},
+            {"kind": "train", "partial/logp_mismatch_stale": float("nan")},
+            {"kind": "train", "partial/logp_mismatch_stale": 7.5}, {"kind": "train"}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert ua.largest_stale_mismatch(str(tmp_path)) == 7.5
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"kind": "train"}) + "\n")  # no stale tokens ever
+    assert math.isnan(ua.largest_stale_mismatch(str(tmp_path)))
+    assert math.isnan(ua.reevaluated(str(tmp_path)))
+    (tmp_path / "reeval_1024_4.json").write_text(json.dumps({"avg@4": 0.4375, "pass@4": 0.7}))
+    assert ua.reevaluated(str(tmp_path)) == 0.4375
