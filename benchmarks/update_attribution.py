@@ -56,6 +56,8 @@ def record_updates(out: str, train_args: list) -> None:
 
     def recording(loop, batch, share):
         result = inner(loop, batch, share)
+        if "lr" not in result:  # a mini-batch without valid tokens: no optimizer step was taken
+            return result
         policy = loop.policy
         if loop.reducer.world_size != 1 or not hasattr(policy, "optimizer"):
             raise SystemExit("update_attribution records a single-rank run of the local policy only")
