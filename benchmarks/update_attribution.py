@@ -132,7 +132,6 @@ class Probe:
         if not grad:
             return float(value)
         value.backward()
-        value = value.detach()
         return float(value), {n: p.grad.detach().clone() for n, p in self.model.named_parameters()}
 
 
@@ -188,16 +187,14 @@ def analyse(out: str, op: str, n: int) -> None:
         raise SystemExit(f"{out}/updates holds no recorded update")
     probe = Probe(os.path.join(out, "run"), op, n)
     weights = {k: v.clone() for k, v in probe.model.state_dict().items()}  # the run's start
-    start = probe(weights)
-    prev_adam, by_version, residual = None, {}, 0.0
+    value, grad = probe(weights, grad=True)  # at each step's start: the previous step's end
+    start, prev_adam, by_version, residual = value, None, {}, 0.0
     for f in files:
         step = torch.load(f, weights_only=False)
-        value, grad = probe(weights, grad=True)
         total, momentum, own, decay = first_order_parts(grad, weights, step, prev_adam)
         residual = max(residual, abs(total - momentum - own - decay))
         v = by_version.setdefault(step["version"], dict(before=value, change=0.0, first=0.0, momentum=0.0, own=0.0,
                                                         decay=0.0, rows=0, swapped=0))
-        v["change"] += probe(step["weights"]) - value
         for key, x in (("first", total), ("momentum", momentum), ("own", own), ("decay", decay)):
             v[key] += x
         rows, swapped = swapped_rows(step["rows"], probe.tokenizer, op)
@@ -205,13 +202,16 @@ def analyse(out: str, op: str, n: int) -> None:
         v["swapped"] += swapped
         weights = step["weights"]
         prev_adam = prev_adam if step.get("skipped") else step["adam"]
+        after, grad = probe(weights, grad=True)
+        v["change"] += after - value
+        value = after
     print(f"probe: mean log P(restating the first operator {op!r} | prompt + first number) over "
           f"{len(probe.inputs)} held-out problems (P: its exp)")
     print("version  log P before  P before  change  1st order  momentum  own gradient  decay  responses  swapped")
     for ver, v in sorted(by_version.items()):
         print(f"{ver:7d}  {v['before']:12.3f}  {math.exp(v['before']):8.3f}  {v['change']:+6.3f}  {v['first']:+9.3f}"
               f"  {v['momentum']:+8.3f}  {v['own']:+12.3f}  {v['decay']:+5.3f}  {v['rows']:9d}  {v['swapped']:7d}")
-    end = probe(weights)
+    end = value
     fall = [v for v in by_version.values() if v["change"] < 0]
     swapped_at = [ver for ver, v in sorted(by_version.items()) if v["swapped"]]
     print(f"RESULT updates={len(files)} probe_start={start:.4f} probe_end={end:.4f} "
@@ -223,13 +223,9 @@ def analyse(out: str, op: str, n: int) -> None:
 
 def largest_stale_mismatch(run_dir: str) -> float:
     """The largest ``partial/logp_mismatch_stale`` over a run's trained steps (nan if it logged none)."""
-    largest = math.nan
     with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
-        for line in f:
-            x = json.loads(line).get("partial/logp_mismatch_stale")
-            if x is not None and x == x and not x <= largest:
-                largest = x
-    return largest
+        values = [json.loads(line).get("partial/logp_mismatch_stale") for line in f]
+    return max((x for x in values if x is not None and not math.isnan(x)), default=math.nan)
 
 
 def reevaluated(run_dir: str) -> float:
