@@ -361,14 +361,10 @@ class DAPOLoop(StreamingPhase):
         the update (``"update"``); it must answer the same on every rank. True ends the step there and returns
         None: the groups generated so far stay in the filler, so ``state_dict()`` holds the partial step and a
         resumed loop continues it (a caller uses this to checkpoint before a time limit)."""
-        t_start, s = time.perf_counter(), self.settings
+        marks = self._marks()
         self._sample_cap = None if sample_cap is None else int(sample_cap)
         timers = dict.fromkeys(TIMED_PHASES, 0.0)
         generated: list = []
-        tokens_before = (self.counters["generated_tokens"], self.counters["aborted_tokens"])
-        idle = getattr(self.generator, "idle_seconds", None)  # engine generators only
-        idle_before = idle() if callable(idle) else None
-        skipped_before = self.counters["skipped_prompts"]
         if not self.filler.ready():  # (a step resumed with its batch full counted them before its checkpoint)
             self._count_ahead()
         while not self.filler.ready():
@@ -378,58 +374,76 @@ class DAPOLoop(StreamingPhase):
         if should_stop is not None and should_stop("update"):
             self._park_live()
             return None
-        t_needed = timers.pop("filled_at", time.perf_counter()) - t_start
+        t_needed = timers.pop("filled_at", time.perf_counter()) - marks["t"]
         groups = self.filler.take()
-        stats = self.filler.step_stats()
-        metrics = {f"filter/{k}": float(v) for k, v in stats.items()}
-        metrics.update(generation_metrics(generated, s))
+        metrics = {f"filter/{k}": float(v) for k, v in self.filler.step_stats().items()}
+        metrics.update(generation_metrics(generated, self.settings))
         self.counters["rollout_steps"] += 1
-        if not groups:
-            log.warning("rollout step %d: no informative group kept (train_partial); update skipped",
-                        self.counters["rollout_steps"])
-        elif len(groups) * s.group_size < self.reducer.world_size:
-            log.warning("rollout step %d: %d kept groups are too few to share between %d ranks; update skipped",
-                        self.counters["rollout_steps"], len(groups), self.reducer.world_size)
-        else:
-            batch = RolloutBatch.cat([g.payload for g in groups])
-            batch.rewards = torch.cat([g.rewards for g in groups]).float()
-            batch.acc = torch.cat([g.acc for g in groups]).float()
-            metrics["train/batch_acc"] = float(batch.acc.mean())
-            metrics["train/batch_reward"] = float(batch.rewards.mean())
-            metrics["train/batch_samples"] = float(len(batch))
-            metrics["train/batch_tokens"] = float(batch.num_tokens())
-            if batch.token_version is not None:
-                metrics.update(staleness_metrics(batch, self._version))
-            sleep = None if self.overlap else getattr(self.generator, "sleep", None)
-            if callable(sleep):  # an engine frees its KV cache (and maybe weights) while the trainer trains
-                sleep()
-            metrics.update(self._update(batch, timers))
-            self.counters["trained_samples"] += len(batch)
-            self.counters["trained_tokens"] += batch.num_tokens()
-            self._park_live(timers)  # an engine takes weights only with nothing running
-            t_refit = time.perf_counter()
-            self.generator.update_weights(self.policy)
-            timers["refit"] = time.perf_counter() - t_refit
-            self._version += 1
-            metrics["rollout/trained_tokens"] = float(batch.num_tokens())
+        if self._trainable(groups):
+            metrics.update(self._train_groups(groups, timers))
         self._park_live(timers)  # a step that trained nothing: nothing runs past the step (checkpoints see it all)
-        step_s = time.perf_counter() - t_start
-        metrics.update(rollout_metrics(self.counters, tokens_before, timers, t_needed))
-        metrics["rollout/skipped_prompts"] = float(self.counters["skipped_prompts"] - skipped_before)
+        metrics.update(self._step_metrics(marks, timers, t_needed, metrics.get("response/tokens", 0.0)))
+        return metrics
+
+    def _marks(self) -> dict:
+        """What a step's metrics count from: its start time, token and skip counters, the engine's idle clock."""
+        idle = getattr(self.generator, "idle_seconds", None)  # engine generators only
+        return dict(t=time.perf_counter(), tokens=(self.counters["generated_tokens"], self.counters["aborted_tokens"]),
+                    skipped=self.counters["skipped_prompts"], idle=idle() if callable(idle) else None)
+
+    def _step_metrics(self, marks: dict, timers: dict, t_needed: float, gen_tokens: float) -> dict:
+        """rollout/*, partial/*, timing/*, perf/* and counters/* of the step begun at ``marks`` (``_marks``)."""
+        step_s = time.perf_counter() - marks["t"]
+        metrics = rollout_metrics(self.counters, marks["tokens"], timers, t_needed)
+        metrics["rollout/skipped_prompts"] = float(self.counters["skipped_prompts"] - marks["skipped"])
         if self._partial_mode():
             metrics.update(self._partial_metrics())
         # The cost of a trained group so far: responses generated (kept or not) per group that reached an update.
-        trained_groups = self.counters["trained_samples"] / s.group_size
+        trained_groups = self.counters["trained_samples"] / self.settings.group_size
         metrics["rollout/responses_per_trained_group"] = (self.counters["consumed_samples"] / trained_groups
                                                           if trained_groups else 0.0)
         metrics.update({f"timing/{k}_s": timers[k] for k in TIMED_PHASES})
         metrics["timing/step_s"] = step_s
-        if idle_before is not None:  # the engine with no request in flight: what overlap takes back
-            metrics["timing/engine_idle_s"] = idle() - idle_before
+        if marks["idle"] is not None:  # the engine with no request in flight: what overlap takes back
+            metrics["timing/engine_idle_s"] = self.generator.idle_seconds() - marks["idle"]
             metrics["timing/engine_idle_frac"] = metrics["timing/engine_idle_s"] / step_s if step_s > 0 else 0.0
-        gen_tokens = metrics.get("response/tokens", 0.0)
         metrics["perf/gen_tokens_per_s"] = gen_tokens / timers["gen"] if timers["gen"] > 0 else 0.0
         metrics.update({f"counters/{k}": float(v) for k, v in self.counters.items()})
+        return metrics
+
+    def _trainable(self, groups: list) -> bool:
+        """Whether the kept groups make an update (a warning says why not)."""
+        if not groups:
+            log.warning("rollout step %d: no informative group kept (train_partial); update skipped",
+                        self.counters["rollout_steps"])
+            return False
+        if len(groups) * self.settings.group_size < self.reducer.world_size:
+            log.warning("rollout step %d: %d kept groups are too few to share between %d ranks; update skipped",
+                        self.counters["rollout_steps"], len(groups), self.reducer.world_size)
+            return False
+        return True
+
+    def _train_groups(self, groups: list, timers: dict) -> dict:
+        """Phase 2 on the kept groups: the training batch, its update, and the refit (the next weight version)."""
+        batch = RolloutBatch.cat([g.payload for g in groups])
+        batch.rewards = torch.cat([g.rewards for g in groups]).float()
+        batch.acc = torch.cat([g.acc for g in groups]).float()
+        metrics = {"train/batch_acc": float(batch.acc.mean()), "train/batch_reward": float(batch.rewards.mean()),
+                   "train/batch_samples": float(len(batch)), "train/batch_tokens": float(batch.num_tokens())}
+        if batch.token_version is not None:
+            metrics.update(staleness_metrics(batch, self._version))
+        sleep = None if self.overlap else getattr(self.generator, "sleep", None)
+        if callable(sleep):  # an engine frees its KV cache (and maybe weights) while the trainer trains
+            sleep()
+        metrics.update(self._update(batch, timers))
+        self.counters["trained_samples"] += len(batch)
+        self.counters["trained_tokens"] += batch.num_tokens()
+        self._park_live(timers)  # an engine takes weights only with nothing running
+        t_refit = time.perf_counter()
+        self.generator.update_weights(self.policy)
+        timers["refit"] = time.perf_counter() - t_refit
+        self._version += 1
+        metrics["rollout/trained_tokens"] = float(batch.num_tokens())
         return metrics
 
     # ---- resume ---------------------------------------------------------------------------------------------------
