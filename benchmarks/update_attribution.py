@@ -229,13 +229,20 @@ def largest_stale_mismatch(run_dir: str) -> float:
 
 
 def reevaluated(run_dir: str) -> float:
-    """The run's cached ``partial_rollouts.py --reeval`` accuracy (nan if none)."""
-    cached = sorted(glob.glob(os.path.join(run_dir, "reeval_*.json")))
-    if not cached:
-        return math.nan
-    with open(cached[-1], encoding="utf-8") as f:
-        res = json.load(f)
-    return next((v for k, v in res.items() if k.startswith("avg@")), math.nan)
+    """The run's cached ``partial_rollouts.py --reeval`` accuracy: the largest re-evaluation (problems, then samples)
+    of this run's final model; nan if none (a cache of another model does not count, as in partial_rollouts.py)."""
+    sizes = []
+    for path in glob.glob(os.path.join(run_dir, "reeval_*_*.json")):
+        n, k = os.path.basename(path)[len("reeval_"):-len(".json")].split("_")
+        if n.isdigit() and k.isdigit():
+            sizes.append((int(n), int(k), path))
+    final = os.path.realpath(os.path.join(run_dir, "final_model"))
+    for n, k, path in sorted(sizes, reverse=True):
+        with open(path, encoding="utf-8") as f:
+            res = json.load(f)
+        if os.path.realpath(res.get("model") or "") == final:
+            return res.get(f"avg@{k}", math.nan)
+    return math.nan
 
 
 def final_models(out: str, op: str, n: int, spike: float, baseline: str) -> None:

@@ -91,5 +91,9 @@ def test_largest_stale_mismatch_and_reevaluated_read_a_run_folder(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"kind": "train"}) + "\n")  # no stale tokens ever
     assert math.isnan(ua.largest_stale_mismatch(str(tmp_path)))
     assert math.isnan(ua.reevaluated(str(tmp_path)))
-    (tmp_path / "reeval_1024_4.json").write_text(json.dumps({"avg@4": 0.4375, "pass@4": 0.7}))
-    assert ua.reevaluated(str(tmp_path)) == 0.4375
+    final = str(tmp_path / "final_model")
+    (tmp_path / "reeval_512_2.json").write_text(json.dumps({"model": final, "avg@2": 0.5}))
+    (tmp_path / "reeval_1024_4.json").write_text(json.dumps({"model": final, "avg@4": 0.4375, "pass@4": 0.7}))
+    assert ua.reevaluated(str(tmp_path)) == 0.4375  # the largest, not the last name in string order
+    (tmp_path / "reeval_1024_4.json").write_text(json.dumps({"model": "/elsewhere/final_model", "avg@4": 0.4375}))
+    assert ua.reevaluated(str(tmp_path)) == 0.5  # a cache of another model is not this run's
