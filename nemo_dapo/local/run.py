@@ -196,8 +196,9 @@ def train(cfg: Config, *, allow_config_change: bool = False, resume_diverged: bo
         raise
 
 
-def _train_locked(cfg: Config, stop: StopSignals, allow_config_change: bool, resume_diverged: bool, t_start: float,
-                  threads: int) -> dict:
+def _resume_point(cfg: Config, allow_config_change: bool, resume_diverged: bool):
+    """(checkpoint, its state, divergence records, the finished run's summary or None) for ``cfg.resume``; refuses
+    a changed config or a diverged run unless allowed. ``resume=never`` clears what the previous run wrote."""
     ckpt, state = pick_checkpoint(_ckpt_dir(cfg)) if cfg.resume == "auto" else (None, None)
     diverged = check_diverged(cfg.run_dir, state, ckpt, resume_diverged=resume_diverged) if cfg.resume == "auto" \
         else []
@@ -206,37 +207,52 @@ def _train_locked(cfg: Config, stop: StopSignals, allow_config_change: bool, res
         check_resume_config(state.get("config"), current, ckpt, allow_change=allow_config_change)
         done = finished_summary(cfg.run_dir, state, state.get("config"), current)
         if done is not None:
-            log.info("run %s in %s is finished (rollout step %d, held-out accuracy %.3f -> %.3f); nothing changed. "
-                     "To train it further raise trainer.max_steps / trainer.max_samples / trainer.max_time_s; to "
-                     "start over set resume=never or another run_dir", cfg.name, cfg.run_dir, done["rollout_steps"],
-                     done["base_accuracy"], done["final_accuracy"])
-            return done
+            return ckpt, state, diverged, done
     if cfg.resume == "never":
         _start_over(cfg)
+    return ckpt, state, diverged, None
+
+
+def _open_run(run: LocalRun, cfg: Config, ckpt, state, diverged: list) -> tuple:
+    """Restore ``state`` into ``run`` (or evaluate the base model) and open the metrics logger; returns
+    (logger, the base evaluation's metrics)."""
+    base_eval = None
+    if state is not None:
+        check_model_shapes(state["loop"]["policy"]["model"], run.model.state_dict(), ckpt,
+                           has_config=state.get("config") is not None)
+        base_eval = run.load_state_dict(state)
+        log.info("resumed from %s (rollout step %d)", ckpt, run.step)
+    run.health["diverged"] = diverged
+    _write_config(cfg)
+    if diverged:  # continued with --resume-diverged: it stays marked, as resumed
+        record_divergence(cfg.run_dir, diverged)
+    logger = RunLogger(cfg.run_dir, resume_step=run.step if base_eval else None,
+                       tensorboard=cfg.trainer.tensorboard, total_steps=cfg.trainer.max_steps,
+                       total_samples=cfg.trainer.max_samples)
+    if base_eval is None:
+        base = run.evaluate(cfg.eval.n_samples)
+        base_eval = base.summary("eval/")
+        logger.write("eval", 0, base_eval)
+        log.info("base model: held-out accuracy %.3f on %d problems x %d samples (%.0fs)", base.accuracy,
+                 len(run.heldout), cfg.eval.n_samples, base.seconds)
+    return logger, base_eval
+
+
+def _train_locked(cfg: Config, stop: StopSignals, allow_config_change: bool, resume_diverged: bool, t_start: float,
+                  threads: int) -> dict:
+    ckpt, state, diverged, done = _resume_point(cfg, allow_config_change, resume_diverged)
+    if done is not None:
+        log.info("run %s in %s is finished (rollout step %d, held-out accuracy %.3f -> %.3f); nothing changed. "
+                 "To train it further raise trainer.max_steps / trainer.max_samples / trainer.max_time_s; to "
+                 "start over set resume=never or another run_dir", cfg.name, cfg.run_dir, done["rollout_steps"],
+                 done["base_accuracy"], done["final_accuracy"])
+        return done
     log.info("run %s in %s (torch threads: %d)", cfg.name, cfg.run_dir, threads)
     run = logger = None
     try:
         run = LocalRun(cfg)
-        base_eval = None
-        if state is not None:
-            check_model_shapes(state["loop"]["policy"]["model"], run.model.state_dict(), ckpt,
-                               has_config=state.get("config") is not None)
-            base_eval = run.load_state_dict(state)
-            log.info("resumed from %s (rollout step %d)", ckpt, run.step)
-        run.health["diverged"] = diverged
+        logger, base_eval = _open_run(run, cfg, ckpt, state, diverged)
         del state
-        _write_config(cfg)
-        if diverged:  # continued with --resume-diverged: it stays marked, as resumed
-            record_divergence(cfg.run_dir, diverged)
-        logger = RunLogger(cfg.run_dir, resume_step=run.step if base_eval else None,
-                           tensorboard=cfg.trainer.tensorboard, total_steps=cfg.trainer.max_steps,
-                           total_samples=cfg.trainer.max_samples)
-        if base_eval is None:
-            base = run.evaluate(cfg.eval.n_samples)
-            base_eval = base.summary("eval/")
-            logger.write("eval", 0, base_eval)
-            log.info("base model: held-out accuracy %.3f on %d problems x %d samples (%.0fs)", base.accuracy,
-                     len(run.heldout), cfg.eval.n_samples, base.seconds)
         t_rl = time.time()
         stop.defer(True)
         _train_steps(run, logger, base_eval, t_start, stop)
@@ -257,6 +273,12 @@ def _train_locked(cfg: Config, stop: StopSignals, allow_config_change: bool, res
             logger.close()
         if run is not None:
             run.close()
+    return _finish(run, cfg, base_eval, final_eval, t_start, rl_seconds, threads)
+
+
+def _finish(run: LocalRun, cfg: Config, base_eval: dict, final_eval: dict, t_start: float, rl_seconds: float,
+            threads: int) -> dict:
+    """summary.json, the closing console line and the plots; returns the summary."""
     summary = _summary(run, base_eval, final_eval, wall_seconds=time.time() - t_start, rl_seconds=rl_seconds,
                        threads=threads)
     write_json(os.path.join(cfg.run_dir, "summary.json"), summary)
