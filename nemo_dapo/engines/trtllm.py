@@ -103,15 +103,7 @@ class TRTLLMEngine:
         if min(prompt_budget, response_budget, max_batch_size, max_num_tokens) < 1:
             raise EngineError(f"engine {name!r}: prompt_budget, response_budget, max_batch_size and max_num_tokens "
                               "must be >= 1")
-        ckpt = read_checkpoint(self.model_dir, name)
-        self._config, self._shapes, self._eos, self._tied = ckpt.config, ckpt.shapes, ckpt.eos_ids, ckpt.tied
-        if not self._eos:
-            raise EngineError(f"engine {name!r}: config.json of {self.model_dir!r} has no eos_token_id; TensorRT-LLM "
-                              "needs an end id when it runs without a tokenizer")
-        cfg_dtype = self._config.get("torch_dtype") or self._config.get("dtype") or "bfloat16"
-        self._dtype = _DTYPES.get(cfg_dtype if dtype == "auto" else dtype)
-        if self._dtype is None:
-            raise EngineError(f"engine {name!r}: dtype {dtype!r} (config: {cfg_dtype!r}); use one of {sorted(_DTYPES)}")
+        self._read_model(dtype)
         # max_utilization admits a request at its current context and pauses one if KV blocks run out;
         # TRT-LLM's default (guaranteed_no_evict) reserves KV up to max_tokens for every request, so with a 20k cap
         # and a ~6k mean length about 3x fewer requests run at once (`nemo-dapo plan` prints the difference).
@@ -131,38 +123,18 @@ class TRTLLMEngine:
         self._sleep_tags = {1: ["kv_cache"], 2: ["kv_cache", "model"], **{int(k): list(v) for k, v in
                                                                             (sleep_tags or {}).items()}}
         self._poll_s, self._abort_wait_s, self._submit_timeout_s = poll_s, abort_wait_s, submit_timeout_s
-        try:
-            import tensorrt_llm
-            from tensorrt_llm import LLM, SamplingParams
-            from tensorrt_llm.llmapi import CapacitySchedulerPolicy, KvCacheConfig, SchedulerConfig
-        except ImportError as e:
-            raise EngineError(f"engine {name!r}: tensorrt_llm is not importable ({e}); run the engine server in the "
-                              "TensorRT-LLM release container") from e
-        self._version, self._SamplingParams = getattr(tensorrt_llm, "__version__", "?"), SamplingParams
         args = dict(model=self.model_dir, backend="pytorch", skip_tokenizer_init=True, dtype=dtype,
                     tensor_parallel_size=int(tensor_parallel_size),
                     moe_expert_parallel_size=int(moe_expert_parallel_size),
                     max_seq_len=self._max_seq_len, max_input_len=self._max_input_len,
                     max_batch_size=self._max_batch_size, max_num_tokens=int(max_num_tokens),
-                    kv_cache_config=KvCacheConfig(free_gpu_memory_fraction=float(free_gpu_memory_fraction),
-                                                  enable_block_reuse=bool(enable_block_reuse)),
-                    scheduler_config=SchedulerConfig(
-                        capacity_scheduler_policy=getattr(CapacitySchedulerPolicy, policy)),
                     orchestrator_type="ray", ray_worker_extension_cls=WORKER_EXTENSION, cuda_graph_config=None)
         if enable_sleep:
             args["enable_sleep"] = True
         if allreduce_strategy is not None:
             args["allreduce_strategy"] = str(allreduce_strategy)
-        clash = sorted(set(llm_kwargs or {}) & set(args))
-        if clash:
-            raise EngineError(f"engine {name!r}: llm_kwargs {clash} are set by the adapter; use its own options")
-        try:
-            self._llm = LLM(**args, **(llm_kwargs or {}))
-        except (TypeError, ValueError) as e:
-            raise EngineError(f"engine {name!r}: TensorRT-LLM {self._version} rejected the LLM arguments: {e}") from e
-        except ImportError as e:  # ray (optional in TensorRT-LLM) is imported when the Ray executor starts
-            raise EngineError(f"engine {name!r}: a TensorRT-LLM dependency is not importable ({e}); the engine image "
-                              "must provide it (containers/Dockerfile.engine installs and checks ray)") from e
+        self._llm = self._start_llm(args, policy, float(free_gpu_memory_fraction), bool(enable_block_reuse),
+                                    llm_kwargs or {})
         self._done: queue.Queue = queue.Queue()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="trtllm-results")
@@ -171,6 +143,44 @@ class TRTLLMEngine:
         self._pending: dict = {}  # fused group -> {name: device tensors}, waiting for the rest of the group
         self._received: set = set()
         self._updating, self._broken, self._asleep = False, None, False
+
+    def _read_model(self, dtype: str) -> None:
+        """The checkpoint's config, tensor shapes and EOS ids, and the weights' dtype (``dtype`` or config.json's)."""
+        name = self.name
+        ckpt = read_checkpoint(self.model_dir, name)
+        self._config, self._shapes, self._eos, self._tied = ckpt.config, ckpt.shapes, ckpt.eos_ids, ckpt.tied
+        if not self._eos:
+            raise EngineError(f"engine {name!r}: config.json of {self.model_dir!r} has no eos_token_id; TensorRT-LLM "
+                              "needs an end id when it runs without a tokenizer")
+        cfg_dtype = self._config.get("torch_dtype") or self._config.get("dtype") or "bfloat16"
+        self._dtype = _DTYPES.get(cfg_dtype if dtype == "auto" else dtype)
+        if self._dtype is None:
+            raise EngineError(f"engine {name!r}: dtype {dtype!r} (config: {cfg_dtype!r}); use one of {sorted(_DTYPES)}")
+
+    def _start_llm(self, args: dict, policy: str, kv_fraction: float, block_reuse: bool, llm_kwargs: dict):
+        """``LLM(**args, kv_cache_config=..., scheduler_config=..., **llm_kwargs)``; its errors as EngineError."""
+        name = self.name
+        try:
+            import tensorrt_llm
+            from tensorrt_llm import LLM, SamplingParams
+            from tensorrt_llm.llmapi import CapacitySchedulerPolicy, KvCacheConfig, SchedulerConfig
+        except ImportError as e:
+            raise EngineError(f"engine {name!r}: tensorrt_llm is not importable ({e}); run the engine server in the "
+                              "TensorRT-LLM release container") from e
+        self._version, self._SamplingParams = getattr(tensorrt_llm, "__version__", "?"), SamplingParams
+        kv = KvCacheConfig(free_gpu_memory_fraction=kv_fraction, enable_block_reuse=block_reuse)
+        scheduler = SchedulerConfig(capacity_scheduler_policy=getattr(CapacitySchedulerPolicy, policy))
+        args = dict(args, kv_cache_config=kv, scheduler_config=scheduler)
+        clash = sorted(set(llm_kwargs) & set(args))
+        if clash:
+            raise EngineError(f"engine {name!r}: llm_kwargs {clash} are set by the adapter; use its own options")
+        try:
+            return LLM(**args, **llm_kwargs)
+        except (TypeError, ValueError) as e:
+            raise EngineError(f"engine {name!r}: TensorRT-LLM {self._version} rejected the LLM arguments: {e}") from e
+        except ImportError as e:  # ray (optional in TensorRT-LLM) is imported when the Ray executor starts
+            raise EngineError(f"engine {name!r}: a TensorRT-LLM dependency is not importable ({e}); the engine image "
+                              "must provide it (containers/Dockerfile.engine installs and checks ray)") from e
 
     def info(self) -> dict:
         return {"engine": "trtllm", "name": self.name, "model": self.model_dir, "trtllm_version": self._version,
