@@ -125,7 +125,16 @@ def budget(policy: str, args) -> int:
 
 
 def run_once(out: str, policy: str, seed: int, args) -> dict:
+    """One run of ``policy`` at ``seed`` (trained unless its folder holds a finished run of the same budget) and
+    its measures."""
     run_dir = os.path.join(out, f"{policy}_seed{seed}")
+    ensure_run(run_dir, policy, seed, args)
+    return dict(policy=policy, seed=seed, **run_measures(run_dir),
+                linked=os.path.islink(run_dir))  # a run made elsewhere, at another time (another machine speed)
+
+
+def ensure_run(run_dir: str, policy: str, seed: int, args) -> None:
+    """Train ``run_dir`` unless it holds a finished run; refuse a cached one of another budget or overrides."""
     base = [f"model.path={args.base_model}"] if args.base_model else ["warmup.max_steps=20", "warmup.min_steps=1"]
     overrides = ["--config-name", args.config_name, f"run_dir={run_dir}", *base, f"seed={seed}",
                  *every_run(args), f"trainer.max_samples={budget(policy, args)}",
@@ -144,15 +153,21 @@ def run_once(out: str, policy: str, seed: int, args) -> dict:
         if ran[key] != want:
             raise SystemExit(f"{run_dir} ran trainer.{key}={ran[key]}, not {want}: use another --out")
     check_cached(run_dir, config, policy_overrides(policy, args))
-    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+
+
+def run_measures(run_dir: str) -> dict:
+    """A finished run's measures, from its metrics.jsonl and summary.json (per trained response where named so)."""
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
     last = [r for r in rows if "counters/generated_tokens" in r][-1]
-    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
+        summary = json.load(f)
     generated, trained = last["counters/generated_tokens"], last["counters/trained_samples"]
     discarded = last["counters/aborted_tokens"] + last.get("partial/stale_tokens", 0.0) + \
         last.get("partial/suspended_tokens", 0.0)
     steps = [r for r in rows if "timing/step_s" in r]
     trained_tokens = last["counters/trained_tokens"]
-    return dict(policy=policy, seed=seed, generated_tokens=generated, trained_responses=trained,
+    return dict(generated_tokens=generated, trained_responses=trained,
                 trained_tokens_per_trained=trained_tokens / trained, discarded_per_trained=discarded / trained,
                 filtered_per_trained=(generated - trained_tokens - discarded) / trained,
                 rl_seconds=sum(r["timing/step_s"] for r in steps),
@@ -169,7 +184,6 @@ def run_once(out: str, policy: str, seed: int, args) -> dict:
                 batch_acc=[r["train/batch_acc"] for r in steps],  # the trained batch's accuracy, step by step
                 batch_samples=statistics.median(r.get("train/batch_samples", 0.0) for r in steps),
                 val={r["step"]: r["val/accuracy"] for r in rows if "val/accuracy" in r},  # trainer.val_every > 0
-                linked=os.path.islink(run_dir),  # a run made elsewhere, at another time (another machine speed)
                 # a step's parts, over the steps after the first (which no overlap can shorten)
                 **{f"step_{k}": statistics.median(r[f"timing/{k}"] for r in steps[1:] or steps)
                    for k in ("step_s", "gen_s", "old_logp_s", "update_s")},
@@ -286,7 +300,7 @@ def reeval(out: str, results: list, args) -> None:
           f"seed_sd_{a}={c[f'seed_sd_{a}']:.4f} seed_sd_{b}={c[f'seed_sd_{b}']:.4f}")
 
 
-def main() -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--base-model", help="warmed base model directory (required unless --quick)")
     p.add_argument("--quick", action="store_true", help="1 seed, 256 responses (unless --max-samples), 16 held-out "
@@ -315,7 +329,7 @@ def main() -> int:
                    help="an override for the second policy's runs only (repeatable; e.g. trainer.train_batch_size=8 "
                    "for the overlap)")
     p.add_argument("override", nargs="*", help="more key=value overrides for every run")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.quick:
         args.seeds, args.heldout, args.eval_samples = 1, 16, 1
     elif not args.base_model:
@@ -323,11 +337,15 @@ def main() -> int:
     args.max_samples = args.max_samples or (256 if args.quick else 2560)
     args.out = args.out or os.path.join(ROOT, "runs", "partial_rollouts" if args.compare == "on_filler_full"
                                         else args.compare)  # runs/fill_order, runs/overlap
+    return args
+
+
+def run_all(args: argparse.Namespace) -> list:
+    """Every seed's runs of both policies (reused where their folders hold a finished run), one line each."""
     os.makedirs(args.out, exist_ok=True)
-    policies = COMPARISONS[args.compare]
     results = []
     for seed in range(1, args.seeds + 1):
-        for policy in policies:
+        for policy in COMPARISONS[args.compare]:
             r = run_once(args.out, policy, seed, args)
             if not args.base_model:  # --quick: every later run starts from the first run's warm-up
                 args.base_model = os.path.join(args.out, f"{policy}_seed{seed}", "base_model")
@@ -337,13 +355,26 @@ def main() -> int:
                   f"{r['tokens_per_trained']:.2f} | held-out {r['base_accuracy']:.3f} -> {r['accuracy']:.3f} | "
                   f"{r['steps']:.0f} steps, RL {r['rl_seconds']:.1f} s, to filled {r['to_filled_s']:.2f} s",
                   flush=True)
-    med = {pol: {k: or_nan(statistics.median, (r[k] for r in results if r["policy"] == pol and not math.isnan(r[k])))
-                 for k in ("discarded_frac", "tokens_per_trained", "accuracy", "rl_seconds", "to_filled_s",
-                           "s_per_1k_trained", "engine_idle_frac", "trained_lag_mean", "trained_tokens_per_trained",
-                           "discarded_per_trained", "filtered_per_trained", "all_wrong", "step_step_s",
-                           "step_gen_s", "step_old_logp_s", "step_update_s", "step_refit_s", "approx_kl",
-                           "stale_mismatch", "rejected_frac", "capped_frac")}
-           for pol in policies}
+    return results
+
+
+MEDIAN_KEYS = ("discarded_frac", "tokens_per_trained", "accuracy", "rl_seconds", "to_filled_s", "s_per_1k_trained",
+               "engine_idle_frac", "trained_lag_mean", "trained_tokens_per_trained", "discarded_per_trained",
+               "filtered_per_trained", "all_wrong", "step_step_s", "step_gen_s", "step_old_logp_s", "step_update_s",
+               "step_refit_s", "approx_kl", "stale_mismatch", "rejected_frac", "capped_frac")
+
+
+def medians(results: list, policies) -> dict:
+    """policy -> the median over its seeds of each per-run measure in MEDIAN_KEYS (NaN where no run has it)."""
+    return {pol: {k: or_nan(statistics.median, (r[k] for r in results if r["policy"] == pol and not math.isnan(r[k])))
+                  for k in MEDIAN_KEYS}
+            for pol in policies}
+
+
+def report(results: list, args: argparse.Namespace) -> None:
+    """The median lines, the per-seed comparison, the step-paired lines and the RESULT line."""
+    policies = COMPARISONS[args.compare]
+    med = medians(results, policies)
     acc = {pol: [r["accuracy"] for r in results if r["policy"] == pol] for pol in policies}
     for pol, m in med.items():
         spread = (max(acc[pol]) - min(acc[pol])) if acc[pol] else 0.0
@@ -393,7 +424,15 @@ def main() -> int:
           f"accuracy_{name_a}={a['accuracy']:.3f} accuracy_{name_b}={b['accuracy']:.3f} "
           f"engine_idle_{name_a}={a['engine_idle_frac']:.3f} engine_idle_{name_b}={b['engine_idle_frac']:.3f} "
           f"trained_lag_{name_a}={a['trained_lag_mean']:.3f} trained_lag_{name_b}={b['trained_lag_mean']:.3f}")
-    json.dump(results, open(os.path.join(args.out, "results.json"), "w"), indent=1)
+
+
+
+def main() -> int:
+    args = parse_args()
+    results = run_all(args)
+    report(results, args)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
     if args.reeval:
         reeval(args.out, results, args)
     return 0
