@@ -182,11 +182,23 @@ def problems(values: Mapping[str, Any], max_new_tokens: Optional[int] = None) ->
     message follows ``<key> = <value>`` in the validators' output. ``max_new_tokens``: the generation cap, which
     ``overlong.l_max: null`` stands for (None: a null l_max bounds nothing)."""
     out = []
+    _loss_problems(values, out)
+    _sampling_problems(values, out)
+    _overlong_problems(values, out, max_new_tokens)
+    return out
 
+
+def _checker(values: Mapping[str, Any], out: list):
+    """check(name, ok, message): appends (name, message) when ``values`` has ``name`` and ``ok`` rejects it."""
     def check(name, ok, message):
         if name in values and not ok(values[name]):
             out.append((name, message))
+    return check
 
+
+def _loss_problems(values: Mapping[str, Any], out: list) -> None:
+    """The loss's keys: group size, clip, aggregation, importance weights, advantage epsilon."""
+    check = _checker(values, out)
     check("group_size", lambda v: _is_int(v) and v >= 2,
           "must be an integer >= 2: with 1 response per prompt every group advantage is 0 and nothing trains "
           "(fix: 16, the paper's G)")
@@ -207,6 +219,11 @@ def problems(values: Mapping[str, Any], max_new_tokens: Optional[int] = None) ->
         out.append(("reject_logp_diff", "needs tis_cap: it reads the sampler's log-probs, which a step keeps for "
                                         "truncated importance sampling (fix: tis_cap=2.0, or reject_logp_diff=null)"))
     check("adv_eps", lambda v: _is_num(v) and v > 0, "is out of range: it must be > 0 (a small epsilon, 1e-6)")
+
+
+def _sampling_problems(values: Mapping[str, Any], out: list) -> None:
+    """The switches and dynamic sampling's keys (over-sampling, carry-over, prompt skipping)."""
+    check = _checker(values, out)
     for name in ("overlong_filter", "scale_by_std", "dynamic_sampling.enabled", "dynamic_sampling.adaptive",
                  "dynamic_sampling.skip_history.enabled", "overlong.enabled"):
         check(name, lambda v: isinstance(v, bool), "must be true or false")
@@ -230,6 +247,11 @@ def problems(values: Mapping[str, Any], max_new_tokens: Optional[int] = None) ->
           f"must be an integer in [1, {MAX_SKIPS}]: the skips in a row after which a prompt is generated again, so "
           f"every prompt is generated at least once every max_skips + 1 epochs (a larger value would skip it for "
           "the whole run)")
+
+
+def _overlong_problems(values: Mapping[str, Any], out: list, max_new_tokens: Optional[int]) -> None:
+    """Overlong reward shaping's keys; l_cache must fit below l_max (null: ``max_new_tokens``)."""
+    check = _checker(values, out)
     ov = "overlong."
     check(ov + "penalty_factor", lambda v: _is_num(v) and v >= 0, "is out of range: it must be >= 0")
     check(ov + "l_max", lambda v: v is None or (_is_int(v) and v >= 1), "must be an integer >= 1 or null")
@@ -240,7 +262,6 @@ def problems(values: Mapping[str, Any], max_new_tokens: Optional[int] = None) ->
         check(ov + "l_cache", lambda v: _is_int(v) and 0 < v < bound,
               f"must be an integer in (0, l_max={l_max}): the buffer before the cap where the soft penalty ramps "
               "(paper: 4096 of 20480)")
-    return out
 
 
 def _raise(found: list, where: str) -> None:
