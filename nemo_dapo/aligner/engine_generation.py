@@ -516,9 +516,6 @@ def build_engine_generator(actor, cfg, *, hf_config=None, world: Optional[int] =
     engines start from the trainer's (possibly resumed) weights. ``cfg``: the whole run config."""
     from megatron.core import parallel_state as mcore_ps
 
-    from nemo_dapo.engines.client import EngineClient
-    from nemo_dapo.engines.generator import EngineGenerator
-
     srv = server_settings(cfg)
     engine_name = cfg.trainer.dapo.rollout_engine
     world = dist.get_world_size() if world is None else world
@@ -527,6 +524,23 @@ def build_engine_generator(actor, cfg, *, hf_config=None, world: Optional[int] =
                           engine_gpus=int(srv["tensor_parallel_size"]) * int(srv["pipeline_parallel_size"]))
     mp_group = mcore_ps.get_model_parallel_group()
     separate = srv["placement"] == "separate"
+    owners = _engine_owners(layout, mp_group, separate)
+    hf_config = _engine_hf_config(srv) if hf_config is None else hf_config
+    actor.valid_vocab = int(hf_config.vocab_size)  # the HF-shaped engine has no vocabulary-padding rows
+    owns = rank in owners if separate else layout.is_owner(rank)
+    engine = _connect_engine(actor, srv, engine_name, layout, rank, separate) if owns else None
+    dtype = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[srv["dtype"]]
+    offload = training_state_offload(actor) if offload_enabled(actor.cfg) else None
+    gen = AlignerEngineGenerator(actor, engine, owners=owners, mp_group=mp_group, hf_config=hf_config, dtype=dtype,
+                                 pad_id=actor.tokenizer.eos_id, training_offload=offload)
+    gen.push_initial_weights()
+    if offload is not None:  # the first push's offload is not a rollout step's
+        offload.pop_stats()
+    return gen
+
+
+def _engine_owners(layout: EngineLayout, mp_group, separate: bool) -> list:
+    """The global ranks of this model-parallel group that own an engine; every rank raises if any group has none."""
     if separate:  # one engine per data-parallel replica, on GPUs of its own; the replica's first rank owns it
         owners = [min(dist.get_process_group_ranks(mp_group))]
     else:
@@ -538,40 +552,40 @@ def build_engine_generator(actor, cfg, *, hf_config=None, world: Optional[int] =
                          f"{layout.engine_gpus} GPUs, {layout.gpus_per_node} per node): make "
                          "engine_server.tensor_parallel_size x pipeline_parallel_size "
                          "<= model.tensor_model_parallel_size")
-    if hf_config is None:
-        from transformers import AutoConfig
+    return owners
 
-        if not srv["hf_model_dir"]:
-            raise ValueError("trainer.dapo.engine_server.hf_model_dir is not set: give the Hugging Face directory the "
-                             "engines load (its config.json names the weights the trainer sends)")
 
-        hf_config = AutoConfig.from_pretrained(srv["hf_model_dir"])
-    actor.valid_vocab = int(hf_config.vocab_size)  # the HF-shaped engine has no vocabulary-padding rows
-    engine = None
-    owns = rank in owners if separate else layout.is_owner(rank)
-    if owns:
-        template = os.environ.get(srv["address_env"]) or srv["address"]
-        if separate:
-            address = separate_address(template, mcore_ps.get_data_parallel_rank(),
-                                       mcore_ps.get_data_parallel_world_size(), layout.engines_per_node,
-                                       int(srv["base_port"]), rank)
-        else:
-            address = layout.address(rank, template, int(srv["base_port"]))
-        authkey = os.environ.get(srv["authkey_env"], "").encode() or None
-        client = EngineClient(address, authkey=authkey, name=f"{engine_name}@{address}",
-                              connect_timeout_s=float(srv["connect_timeout_s"]),
-                              request_timeout_s=float(srv["request_timeout_s"]))
-        log.info("rank %d owns engine %s at %s (%s)", rank, engine_name, address, client.info)
-        tok = actor.tokenizer
-        top_k = int(required(actor.cfg, "dapo.sampling_params.top_k", "model"))
-        engine = EngineGenerator(client, eos_id=tok.eos_id, pad_id=tok.eos_id, top_k=top_k,
-                                 bucket_bytes=int(srv["bucket_mb"]) << 20, sleep_level=int(srv["sleep_level"]),
-                                 weight_transport=srv["weight_transport"])
-    dtype = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[srv["dtype"]]
-    offload = training_state_offload(actor) if offload_enabled(actor.cfg) else None
-    gen = AlignerEngineGenerator(actor, engine, owners=owners, mp_group=mp_group, hf_config=hf_config, dtype=dtype,
-                                 pad_id=actor.tokenizer.eos_id, training_offload=offload)
-    gen.push_initial_weights()
-    if offload is not None:  # the first push's offload is not a rollout step's
-        offload.pop_stats()
-    return gen
+def _engine_hf_config(srv: dict):
+    """The Hugging Face config of the directory the engines load (it names the weights the trainer sends)."""
+    from transformers import AutoConfig
+
+    if not srv["hf_model_dir"]:
+        raise ValueError("trainer.dapo.engine_server.hf_model_dir is not set: give the Hugging Face directory the "
+                         "engines load (its config.json names the weights the trainer sends)")
+    return AutoConfig.from_pretrained(srv["hf_model_dir"])
+
+
+def _connect_engine(actor, srv: dict, engine_name: str, layout: EngineLayout, rank: int, separate: bool):
+    """This owner rank's EngineGenerator, connected to its server (address from the layout, key from the env)."""
+    from megatron.core import parallel_state as mcore_ps
+
+    from nemo_dapo.engines.client import EngineClient
+    from nemo_dapo.engines.generator import EngineGenerator
+
+    template = os.environ.get(srv["address_env"]) or srv["address"]
+    if separate:
+        address = separate_address(template, mcore_ps.get_data_parallel_rank(),
+                                   mcore_ps.get_data_parallel_world_size(), layout.engines_per_node,
+                                   int(srv["base_port"]), rank)
+    else:
+        address = layout.address(rank, template, int(srv["base_port"]))
+    authkey = os.environ.get(srv["authkey_env"], "").encode() or None
+    client = EngineClient(address, authkey=authkey, name=f"{engine_name}@{address}",
+                          connect_timeout_s=float(srv["connect_timeout_s"]),
+                          request_timeout_s=float(srv["request_timeout_s"]))
+    log.info("rank %d owns engine %s at %s (%s)", rank, engine_name, address, client.info)
+    tok = actor.tokenizer
+    top_k = int(required(actor.cfg, "dapo.sampling_params.top_k", "model"))
+    return EngineGenerator(client, eos_id=tok.eos_id, pad_id=tok.eos_id, top_k=top_k,
+                           bucket_bytes=int(srv["bucket_mb"]) << 20, sleep_level=int(srv["sleep_level"]),
+                           weight_transport=srv["weight_transport"])
