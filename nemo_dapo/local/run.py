@@ -213,9 +213,9 @@ def _resume_point(cfg: Config, allow_config_change: bool, resume_diverged: bool)
     return ckpt, state, diverged, None
 
 
-def _open_run(run: LocalRun, cfg: Config, ckpt, state, diverged: list) -> tuple:
-    """Restore ``state`` into ``run`` (or evaluate the base model) and open the metrics logger; returns
-    (logger, the base evaluation's metrics)."""
+def _restore(run: LocalRun, cfg: Config, ckpt, state, diverged: list) -> Optional[dict]:
+    """Load ``state`` (None: a new run) into ``run`` and write the run's config; returns the base evaluation's
+    metrics a resumed run logged, or None."""
     base_eval = None
     if state is not None:
         check_model_shapes(state["loop"]["policy"]["model"], run.model.state_dict(), ckpt,
@@ -226,16 +226,16 @@ def _open_run(run: LocalRun, cfg: Config, ckpt, state, diverged: list) -> tuple:
     _write_config(cfg)
     if diverged:  # continued with --resume-diverged: it stays marked, as resumed
         record_divergence(cfg.run_dir, diverged)
-    logger = RunLogger(cfg.run_dir, resume_step=run.step if base_eval else None,
-                       tensorboard=cfg.trainer.tensorboard, total_steps=cfg.trainer.max_steps,
-                       total_samples=cfg.trainer.max_samples)
-    if base_eval is None:
-        base = run.evaluate(cfg.eval.n_samples)
-        base_eval = base.summary("eval/")
-        logger.write("eval", 0, base_eval)
-        log.info("base model: held-out accuracy %.3f on %d problems x %d samples (%.0fs)", base.accuracy,
-                 len(run.heldout), cfg.eval.n_samples, base.seconds)
-    return logger, base_eval
+    return base_eval
+
+
+def _evaluate_base(run: LocalRun, cfg: Config, logger: RunLogger) -> dict:
+    base = run.evaluate(cfg.eval.n_samples)
+    base_eval = base.summary("eval/")
+    logger.write("eval", 0, base_eval)
+    log.info("base model: held-out accuracy %.3f on %d problems x %d samples (%.0fs)", base.accuracy,
+             len(run.heldout), cfg.eval.n_samples, base.seconds)
+    return base_eval
 
 
 def _train_locked(cfg: Config, stop: StopSignals, allow_config_change: bool, resume_diverged: bool, t_start: float,
@@ -251,8 +251,13 @@ def _train_locked(cfg: Config, stop: StopSignals, allow_config_change: bool, res
     run = logger = None
     try:
         run = LocalRun(cfg)
-        logger, base_eval = _open_run(run, cfg, ckpt, state, diverged)
+        base_eval = _restore(run, cfg, ckpt, state, diverged)
         del state
+        logger = RunLogger(cfg.run_dir, resume_step=run.step if base_eval else None,
+                           tensorboard=cfg.trainer.tensorboard, total_steps=cfg.trainer.max_steps,
+                           total_samples=cfg.trainer.max_samples)
+        if base_eval is None:
+            base_eval = _evaluate_base(run, cfg, logger)
         t_rl = time.time()
         stop.defer(True)
         _train_steps(run, logger, base_eval, t_start, stop)
