@@ -426,7 +426,6 @@ def report(results: list, args: argparse.Namespace) -> None:
           f"trained_lag_{name_a}={a['trained_lag_mean']:.3f} trained_lag_{name_b}={b['trained_lag_mean']:.3f}")
 
 
-
 def main() -> int:
     args = parse_args()
     results = run_all(args)
