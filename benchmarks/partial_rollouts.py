@@ -274,7 +274,10 @@ def reeval(out: str, results: list, args) -> None:
                     cfg.rollout.max_new_tokens)
 
     def avg_at_k(model_dir: str, cache: str, seed: int) -> float:
-        old = json.load(open(cache)) if os.path.exists(cache) else {"model": None}
+        old = {"model": None}
+        if os.path.exists(cache):
+            with open(cache, encoding="utf-8") as f:
+                old = json.load(f)
         if old["model"] and os.path.realpath(old["model"]) == os.path.realpath(model_dir) and all(
                 old[key] == value for key, value in sampling.items()):
             return old[f"avg@{k}"]
