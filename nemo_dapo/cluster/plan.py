@@ -11,7 +11,8 @@ or torch, so ``nemo-dapo plan`` runs anywhere. The pieces:
 * ``plan_engine_server.py``: the engine servers' layout and the three colocated phases (train with the engine
   asleep, refit with the KV asleep, generate), the results-gather buffer, concurrency, refit and sleep / wake time.
 * ``plan_generation.py``: decode steps from the bytes each GPU reads (its weight shard + the KV it attends over) at
-  its memory bandwidth, and the generation time of one step under static, in-flight and streaming engines.
+  its memory bandwidth, or, for an engine without CUDA graphs (``plan.cuda_graphs``), the host's kernel launches
+  where they take longer, and the generation time of one step under static, in-flight and streaming engines.
 * ``plan_async.py``: the same step under partial rollouts and the disaggregated one-step-off layout (trainer
   nodes vs engine nodes, the network refit, the overlap bounded by ``plan.async.max_staleness``).
 * ``plan_calibration.py``: the same planner run on published runs (benchmarks/calibration/); the error band it
@@ -32,7 +33,7 @@ import sys
 
 from nemo_dapo.cluster.plan_async import layouts, settings as async_settings
 from nemo_dapo.cluster.plan_assumptions import (ASSUMPTION_RANGES, ASSUMPTIONS, DEFAULT_ASSUMPTIONS,
-                                               LOGPROB_HFU_RATIO)
+                                               EAGER_LAYER_MS_RANGE, LOGPROB_HFU_RATIO)
 from nemo_dapo.cluster.plan_engine_server import (concurrency, gather_buffer_bytes, server_layout, server_overhead,
                                                  server_phases)
 from nemo_dapo.cluster.plan_generation import (MODEL_LABELS, PlanError, ResponseLengths,
@@ -80,10 +81,15 @@ def assumption_problems(cfg: dict) -> list:
 
 def input_problems(cfg: dict) -> list:
     """Inputs that make any estimate meaningless (parallel sizes and node counts that are not integers >= 1,
-    assumptions out of range): ``nemo-dapo plan`` refuses them before planning."""
-    from nemo_dapo.cluster.config_validate import sizes
+    assumptions out of range, a ``plan.cuda_graphs`` that is not a boolean): ``nemo-dapo plan`` refuses them before
+    planning."""
+    from nemo_dapo.cluster.config_validate import select, sizes
 
-    return sizes(cfg)["bad"] + assumption_problems(cfg)
+    graphs = select(cfg, "plan.cuda_graphs")
+    bad = [] if graphs is None or isinstance(graphs, bool) else [
+        f"plan.cuda_graphs={graphs!r} must be true, false or null (null: the engine's own, "
+        "nemo_dapo/core/engine_registry.py); fix: set one of those"]
+    return sizes(cfg)["bad"] + assumption_problems(cfg) + bad
 
 
 def _need(value, key: str):
@@ -151,6 +157,9 @@ def make_plan(cfg: dict) -> dict:
     plan = {"gpu": gpu, "gpu_key": gpu_key, "arch": arch, "layout": layout, "assume": a, "phases": phases,
             "budget": budget, "fits": all(sum(p.values()) <= budget for p in phases.values()), "gen": gen}
     plan["time"] = _step_time(cfg, plan)
+    if not gen["graphs"] and plan["time"]["gen"]:
+        high = {**plan, "assume": {**a, "eager_layer_ms": EAGER_LAYER_MS_RANGE[1]}}
+        plan["time"]["eager_high"] = (EAGER_LAYER_MS_RANGE[1], _step_time(cfg, high)["total"])
     plan["async"] = async_settings(cfg)
     plan["layouts"] = layouts(cfg, plan, plan["async"], training_state=training_state, bubble=_pipeline_bubble,
                               step_fn=decode_step_fn(plan))
@@ -209,6 +218,8 @@ def _memory_phases(cfg: dict, arch: Arch, layout: Layout, a: dict, *, gpu: Gpu, 
            "batch": select(cfg, "model.dapo.rollout_micro_batch_size"),
            "max_seq": trt.get("max_input_len", 0) + select(cfg, "model.dapo.length_params.max_length"),
            "offloaded": offloaded}
+    graphs = select(cfg, "plan.cuda_graphs")
+    gen["graphs"] = engine_registry.ENGINES[gen["engine"]].cuda_graphs if graphs is None else graphs
     if engine_registry.is_served(gen["engine"]):
         srv = server_layout(cfg, arch, layout.world)
         mp = layout.tp * layout.pp * layout.cp
@@ -245,7 +256,8 @@ def decode_step_fn(plan: dict):
     return lambda b, ctx: decode_step_seconds(arch, gpu, gen_tp=g["tp"], gen_pp=g["pp"], batch=b, context=ctx,
                                               efficiency=a["decode_efficiency"], floor_s=floor,
                                               overhead_s=a["decode_step_overhead_ms"] / 1e3,
-                                              allreduce_s=a["allreduce_us"] / 1e6)
+                                              allreduce_s=a["allreduce_us"] / 1e6,
+                                              launch_s=0.0 if g["graphs"] else a["eager_layer_ms"] / 1e3)
 
 
 def _generation(cfg: dict, plan: dict, *, generated: float, l_max: int, oversample: float) -> dict:

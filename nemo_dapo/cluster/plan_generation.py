@@ -75,19 +75,22 @@ def _engine_constants(arch: Arch, gen_tp: int, gen_pp: int) -> tuple:
 
 def decode_step_seconds(arch: Arch, gpu: Gpu, *, gen_tp: int, gen_pp: int, batch: float, context: float,
                         efficiency: float, floor_s: float = 0.0, overhead_s: float = 0.0,
-                        allreduce_s: float = 0.0) -> float:
+                        allreduce_s: float = 0.0, launch_s: float = 0.0) -> float:
     """Seconds per decode step of ``batch`` sequences at mean KV length ``context``: each pipeline stage reads its
     bytes (its weight shard, for MoE only the experts the batch touches, plus the KV it attends over) at
-    ``efficiency`` x HBM bandwidth, or is compute-bound, whichever is slower; the stages run in sequence. Plus a
-    fixed ``overhead_s`` per step (scheduling, sampling, kernel launches) and, with TP > 1, two all-reduces per
-    layer of ``allreduce_s`` each; never below ``floor_s``."""
+    ``efficiency`` x HBM bandwidth, or is compute-bound, whichever is slower; the stages run in sequence. An engine
+    without CUDA graphs launches each layer's kernels from the host, ``launch_s`` per layer, while the GPU runs the
+    ones already launched: a stage takes the longer of the two (0: graphs, the launches hidden). Plus a fixed
+    ``overhead_s`` per step (scheduling, sampling) and, with TP > 1, two all-reduces per layer of ``allreduce_s``
+    each; never below ``floor_s``."""
     weights, kv_per_token, expert_bytes, active = _engine_constants(arch, gen_tp, gen_pp)
     if arch.is_moe:  # a batch touches 1 - (1 - k/E)^batch of the experts of each layer
         touched = 1.0 - (1.0 - arch.moe_router_topk / arch.num_moe_experts) ** batch
         weights -= expert_bytes * (1.0 - touched)
     stage_bytes = weights + batch * context * kv_per_token
     flops = batch * (2 * active + arch.attention_flops_per_token(2 * context)) / (gen_tp * gen_pp)
-    stage = max(stage_bytes / (efficiency * gpu.hbm_tb_s * 1e12), flops / (0.5 * gpu.bf16_tflops * 1e12))
+    stage = max(stage_bytes / (efficiency * gpu.hbm_tb_s * 1e12), flops / (0.5 * gpu.bf16_tflops * 1e12),
+                math.ceil(arch.num_layers / gen_pp) * launch_s)
     comm = 2 * arch.num_layers * allreduce_s if gen_tp > 1 else 0.0
     return max(floor_s, gen_pp * stage + overhead_s + comm)
 

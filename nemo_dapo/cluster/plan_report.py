@@ -41,7 +41,22 @@ def _format_time(plan: dict, band) -> list:
                             gpus_per_engine=g["tp"] * g["pp"], ceiling=t["ceiling"], oversample=t["oversample"],
                             pass_rate=t["pass_rate"], total=t["total"])
     out[-1] += _band_text(band)
-    return lines + out
+    return lines + out + _eager_lines(plan)
+
+
+def _eager_lines(plan: dict) -> list:
+    """What decoding without CUDA graphs costs in this plan, and the step at the top of the published range."""
+    if "eager_high" not in plan["time"]:
+        return []
+    g, a, arch = plan["gen"], plan["assume"], plan["arch"]
+    layers = -(-arch.num_layers // g["pp"])
+    high_ms, high_s = plan["time"]["eager_high"]
+    per_layer = a["eager_layer_ms"]
+    text = (f"no CUDA graphs ({g['engine']}: nemo_dapo/core/engine_registry.py, or plan.cuda_graphs): the host "
+            f"launches {layers} layers x {per_layer} ms = {layers * per_layer:.1f} ms of kernels a decode step "
+            f"(plan.assume.eager_layer_ms), longer than the GPU's work at small batches (the tail); at {high_ms} ms a "
+            f"layer, the top of the published range, the step is {high_s:.0f} s ({high_s / 60:.0f} min)")
+    return textwrap.wrap(text, 117, initial_indent="  ", subsequent_indent="      ")
 
 
 def _band_text(band) -> str:

@@ -32,7 +32,8 @@ class EngineSpec:
     (cluster/engine_options.py ``read_server``, plus ``num_engines``); None: the cluster launcher has none.
     ``plan``: one of ``PLAN_MODELS``; None: ``nemo-dapo plan`` does not size it. ``install``: the fix named when the
     engine cannot start. ``cpu``: a ``rollout.engine`` of the CPU job. ``engine_seed``: the adapter takes an
-    engine-wide ``seed`` option (the CPU job passes its run seed)."""
+    engine-wide ``seed`` option (the CPU job passes its run seed). ``cuda_graphs``: on GPUs the engine decodes with
+    CUDA graphs (``nemo-dapo plan`` hides the host's kernel launches); False: its adapter runs the model eagerly."""
 
     name: str
     adapter: Optional[str]
@@ -41,6 +42,7 @@ class EngineSpec:
     install: str
     cpu: bool = False
     engine_seed: bool = False
+    cuda_graphs: bool = True
 
     def __post_init__(self):
         if not self.name.isidentifier():
@@ -64,9 +66,13 @@ ENGINES = {spec.name: spec for spec in (
     # NeMo-Aligner's static TensorRT-LLM engine inside the trainer (dense models only; DESIGN.md decision 8)
     EngineSpec("legacy", adapter=None, options=None, plan="static",
                install="run the trainer in the NeMo container (NeMo-Aligner's TensorRT-LLM export)"),
+    # cuda_graphs: the pinned release cannot refit a graph-captured model (engines/trtllm.py, cuda_graph_config=None)
     EngineSpec("trtllm", adapter="nemo_dapo.engines.trtllm:TRTLLMEngine",
                options="nemo_dapo.cluster.engine_options:trtllm_options", plan="inflight",
-               install="run the server in the engine image built from containers/Dockerfile.engine"),
+               install="run the server in the engine image built from containers/Dockerfile.engine",
+               cuda_graphs=False),
+    # cuda_graphs: vLLM as the planner's calibration runs used it (benchmarks/calibration/); our adapter's own
+    # enforce_eager defaults to True (it serves the CPU job), so a GPU run of it passes enforce_eager=False
     EngineSpec("vllm", adapter="nemo_dapo.engines.vllm:VLLMEngine",
                options="nemo_dapo.cluster.engine_options:vllm_options", plan="inflight",
                install="run the server with the python of the venv made by `bash scripts/install.sh VENV engine-vllm`",

@@ -430,7 +430,7 @@ def test_trtllm_step_is_below_the_legacy_one_for_every_recipe():
 def test_32b_h100_paged_kv_beats_reserved_kv_beats_static_batches():
     """KV admitted at the context (engine_server.capacity_scheduler=max_utilization, the base config's value, which
     the launcher passes to the engine) against TensorRT-LLM's own default guaranteed_no_evict and the legacy path.
-    The calibrated planner puts the paged step at ~28 min: above the 25 min target (README; planner notes)."""
+    The calibrated planner puts the paged step at ~31 min: above the 25 min target (README; planner notes)."""
     paged = plan_of("qwen2.5-32b_h100")["time"]
     reserved = plan_of("qwen2.5-32b_h100", f"{ES}.capacity_scheduler=guaranteed_no_evict")["time"]
     legacy = plan_of("qwen2.5-32b_h100", "trainer.dapo.rollout_engine=legacy")["time"]

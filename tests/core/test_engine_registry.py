@@ -75,8 +75,14 @@ def test_a_new_engine_is_one_row(monkeypatch, tmp_path):
     plan = after["plan"]
     assert plan["gen"]["engine"] == TOY and plan["gen"]["server"]["tp"] == srv["tensor_parallel_size"]
     assert plan["time"]["generation"] == plan["time"]["gen"]["inflight"]  # the row's plan model is the one selected
-    # the same layout as trtllm's, the engine that reads the same engine_server block with the same model
-    trtllm = seen_by_every_reader(cluster_cfg("trtllm"), tmp_path)["plan"]
+    # the same layout as trtllm's, the engine that reads the same engine_server block with the same model; the row's
+    # cuda_graphs (default True) is what differs: trtllm's row says False
+    trtllm_cfg = cluster_cfg("trtllm")
+    trtllm = seen_by_every_reader(trtllm_cfg, tmp_path)["plan"]
+    assert plan["gen"]["graphs"] and not trtllm["gen"]["graphs"]
+    assert plan["time"]["total"] < trtllm["time"]["total"]
+    trtllm_cfg["plan"]["cuda_graphs"] = True
+    trtllm = seen_by_every_reader(trtllm_cfg, tmp_path)["plan"]
     assert plan["time"]["total"] == pytest.approx(trtllm["time"]["total"])
 
 
