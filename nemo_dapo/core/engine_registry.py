@@ -72,7 +72,9 @@ ENGINES = {spec.name: spec for spec in (
                install="run the server in the engine image built from containers/Dockerfile.engine",
                cuda_graphs=False),
     # cuda_graphs: vLLM as the planner's calibration runs used it (benchmarks/calibration/); our adapter's own
-    # enforce_eager defaults to True (it serves the CPU job), so a GPU run of it passes enforce_eager=False
+    # enforce_eager defaults to True (it serves the CPU job), so a GPU run of it passes enforce_eager=False (vLLM
+    # 0.32's layerwise reload, which the adapter refits with, copies into the original storage: captured graphs stay
+    # valid, model_loader/reload/layerwise.py)
     EngineSpec("vllm", adapter="nemo_dapo.engines.vllm:VLLMEngine",
                options="nemo_dapo.cluster.engine_options:vllm_options", plan="inflight",
                install="run the server with the python of the venv made by `bash scripts/install.sh VENV engine-vllm`",
