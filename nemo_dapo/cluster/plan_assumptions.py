@@ -4,6 +4,10 @@ the range a ``plan.assume.*`` override must lie in. The one place these defaults
 """
 from __future__ import annotations
 
+# the published range of eager_layer_ms (its reason below); a plan of an engine without CUDA graphs also prints its
+# step at the top of it
+EAGER_LAYER_MS_RANGE = (0.25, 0.8)
+
 # (default, reason). One set for every recipe and for every calibration row; the calibrated ones were chosen on
 # benchmarks/calibration/ (the published runs there) and are checked there by tests/cluster/test_plan_calibration.py.
 ASSUMPTIONS = {
@@ -21,11 +25,12 @@ ASSUMPTIONS = {
                                      "the verl row's generation is mostly the 28.7k steps of its longest response"),
     "allreduce_us": (15.0, "GUESS: latency of one small NVLink all-reduce (2 per layer per decode step at TP > 1)"),
     "decode_step_floor_ms": (None, "null: no floor (the step follows bytes / bandwidth + overhead)"),
-    "eager_layer_ms": (0.25, "GUESS: host time to launch one layer's kernels in a decode step of an engine without "
-                             "CUDA graphs (plan.cuda_graphs); the GPU runs meanwhile, so a stage takes the longer of "
-                             "the two. Published eager / graph decode pairs give 0.25 (sglang PR 1401: Llama-3-8B at "
-                             "batch 1, 9.3 against 7.1 ms a step) to 0.8 ms (verl's eager vLLM Qwen3-30B-A3B row at "
-                             "its guessed mean length)"),
+    "eager_layer_ms": (EAGER_LAYER_MS_RANGE[0], "GUESS: host time to launch one layer's kernels in a decode step "
+                       "of an engine without CUDA graphs (plan.cuda_graphs); the GPU runs meanwhile, so a stage takes "
+                       "the longer of the two. The low end of what published eager / graph decode pairs give: "
+                       f"{EAGER_LAYER_MS_RANGE[0]} (sglang PR 1401: Llama-3-8B at batch 1, 9.3 against 7.1 ms a step) "
+                       f"to {EAGER_LAYER_MS_RANGE[1]} ms (verl's eager vLLM Qwen3-30B-A3B row at its guessed mean "
+                       "length)"),
     "refit_gb_per_s": (5.0, "GUESS: legacy engine weight refit per GPU (convert + trt.Refitter)"),
     "handover_gb_per_s": (5.0, "GUESS: engine servers: HF-named gather over TP/PP/EP + shared-memory handover"),
     "sleep_wake_s": (5.0, "GUESS: engine servers: one sleep + wake of a colocated engine"),
@@ -52,7 +57,4 @@ ASSUMPTION_RANGES = {
     "pcie_gb_per_s": (0, False, None),
     "engine_workspace_gb": (0, True, None), "cuda_reserved_gb": (0, True, None), "usable_fraction": (0, False, 1),
 }
-# the published range of eager_layer_ms (ASSUMPTIONS): a plan of an engine without CUDA graphs also prints its step
-# at the top of it
-EAGER_LAYER_MS_RANGE = (0.25, 0.8)
 LOGPROB_HFU_RATIO = 0.5  # logprob_hfu when null: this share of the update's HFU (ASSUMPTIONS["logprob_hfu"])
