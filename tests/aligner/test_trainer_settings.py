@@ -121,14 +121,21 @@ def test_training_steps_names_the_bound_that_holds(caplog):
 
 
 def test_recipes_train_for_the_reference_step_count():
-    """~6k optimizer updates (REFERENCE.md: ~375 rollout steps at 512 / 512 x 16 updates) on de-duplicated data."""
+    """~6k optimizer updates (REFERENCE.md: ~375 rollout steps at 512 / 512 x 16 updates) on de-duplicated data:
+    every cluster recipe's max_steps binds there (not one epoch's ~33 steps), and its multi-hour steps are each
+    checkpointed."""
+    from pathlib import Path
+
     from nemo_dapo.aligner.trainer import training_steps
 
-    for name in ("qwen2.5-32b_h100", "qwen2.5-32b_h20"):
+    names = sorted(p.stem for p in Path("conf/recipes").glob("*.yaml") if not p.stem.startswith("tiny_cpu"))
+    assert len(names) == 10
+    for name in names:
         t = OmegaConf.load(f"conf/recipes/{name}.yaml").trainer.dapo
-        steps, _ = training_steps(17000, int(t.prompts_per_step), t.max_epochs, t.max_steps)
-        assert 320 <= steps <= 400, (name, steps)
-        assert int(t.save_interval) == 1, "a multi-hour step must be checkpointed every step"
+        steps, why = training_steps(17000, int(t.prompts_per_step), t.get("max_epochs", 1), t.max_steps)
+        assert 320 <= steps <= 400 and steps == int(t.max_steps), (name, steps, why)
+        assert int(t.get("save_interval", t.val_check_interval)) == 1, \
+            f"{name}: a multi-hour step must be checkpointed every step"
 
 
 # ---- progress and the time budget ---------------------------------------------------------------------------------
