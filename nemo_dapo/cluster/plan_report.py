@@ -137,6 +137,34 @@ def format_layouts(plan: dict, band) -> list:
     return lines
 
 
+def format_run(plan: dict) -> list:
+    """Report lines: the whole run's wall time and GPU-hours, as the recipe runs and in the fastest layout."""
+    from nemo_dapo.cluster.plan_async import LAYOUT_LABELS
+
+    steps, epochs, world = plan["run"]["max_steps"], plan["run"]["max_epochs"], plan["layout"].world
+    head = "whole run (est.; rollout steps only: validation, checkpoints and the first step's cold start not counted)"
+    if not isinstance(steps, int) or isinstance(steps, bool):
+        text = f"trainer.dapo.max_steps={steps!r} is not an integer: not estimated (fix: rollout steps, or -1)"
+        return ["", head, f"  {text}"]
+    if steps < 1:
+        text = (f"trainer.dapo.max_steps={steps}: the run ends after max_epochs={epochs} passes over the prompts, a "
+                "length the plan does not know (the steps times the step above)")
+        return ["", head, *textwrap.wrap(text, 117, initial_indent="  ", subsequent_indent="      ")]
+    fine = {k: r for k, r in plan["layouts"].items() if "refused" not in r}
+    best = min(fine, key=lambda k: fine[k]["step"])
+
+    def hours(step_s: float) -> str:
+        return f"{steps * step_s / 3600:.0f} h, {steps * step_s / 3600 * world / 1e3:.1f}k GPU-hours"
+
+    text = (f"{steps} rollout steps (trainer.dapo.max_steps; max_epochs={epochs} may end it sooner) on {world} GPUs: "
+            f"{hours(fine['colocated']['step'])} as the recipe runs")
+    if "eager_high" in plan["time"]:
+        text += f" ({hours(plan['time']['eager_high'][1])} at {plan['time']['eager_high'][0]} ms a layer)"
+    if best != "colocated":
+        text += f"; {hours(fine[best]['step'])} with {LAYOUT_LABELS[best]} (the fastest)"
+    return ["", head, *textwrap.wrap(text, 117, initial_indent="  ", subsequent_indent="      ")]
+
+
 def _layout_band(key: str, band) -> str:
     if band is None:
         return ""
@@ -185,7 +213,7 @@ def format_plan(plan: dict, title: str = "", band=None) -> str:
     lines.append(f"  {'total':<31}" + "".join(f"  {gb(sum(p.values()))}" for p in phases.values())
                  + f"   budget {gb(plan['budget']).strip()} ({a['usable_fraction']:.0%} of {gpu.memory_gb:.0f})"
                  f" -> {verdict}")
-    lines += [*_format_time(plan, band), *format_layouts(plan, band), "",
+    lines += [*_format_time(plan, band), *format_layouts(plan, band), *format_run(plan), "",
               "assumptions (plan.assume.*; one set for every recipe and calibration row):"]
     for key, value in a.items():
         lines += textwrap.wrap(f"{key}={value}: {ASSUMPTIONS[key][1]}", 117, initial_indent="  ",

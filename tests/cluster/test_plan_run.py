@@ -1,0 +1,44 @@
+"""`nemo-dapo plan`'s whole-run line: the rollout steps the recipe runs times the step, in hours and GPU-hours."""
+import argparse
+
+import pytest
+
+from nemo_dapo.cluster import plan as P
+from tests.cluster.test_plan import plan_of
+
+
+def printed(*argv, capsys) -> str:
+    ap = argparse.ArgumentParser()
+    P.add_cli(ap.add_subparsers())
+    args = ap.parse_args(["plan", *argv])
+    assert args.func(args) == 0
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_the_whole_run_is_the_recipes_steps_times_the_step(capsys):
+    plan = plan_of("qwen2.5-32b_h100")
+    steps, rows = 375, plan["layouts"]  # the recipe's trainer.dapo.max_steps
+    assert plan["run"] == {"max_steps": steps, "max_epochs": 12}
+    sync, partial, high = rows["colocated"]["step"], rows["colocated_partial"]["step"], plan["time"]["eager_high"][1]
+    assert partial == min(r["step"] for r in rows.values() if "step" in r)  # the fastest on this recipe
+    out = printed("qwen2.5-32b_h100", capsys=capsys)
+    assert (f"375 rollout steps (trainer.dapo.max_steps; max_epochs=12 may end it sooner) on 128 GPUs: "
+            f"{steps * sync / 3600:.0f} h, {steps * sync / 3600 * 128 / 1e3:.1f}k GPU-hours as the recipe runs "
+            f"({steps * high / 3600:.0f} h, {steps * high / 3600 * 128 / 1e3:.1f}k GPU-hours at 0.8 ms a layer); "
+            f"{steps * partial / 3600:.0f} h, {steps * partial / 3600 * 128 / 1e3:.1f}k GPU-hours with colocated + "
+            "partial rollouts (the fastest)") in out
+    # by hand for this recipe: 375 x 1860 s = 194 h, x 128 GPUs = 24.8k GPU-hours (docs/cluster.md quotes these)
+    assert steps * sync / 3600 == pytest.approx(194, abs=0.5)
+
+
+def test_the_whole_run_scales_with_max_steps_and_names_what_it_cannot_know(capsys):
+    out = printed("qwen2.5-32b_h100", "trainer.dapo.max_steps=750", "plan.cuda_graphs=true", capsys=capsys)
+    sync = plan_of("qwen2.5-32b_h100", "plan.cuda_graphs=true")["layouts"]["colocated"]["step"]
+    assert f"750 rollout steps (trainer.dapo.max_steps; max_epochs=12 may end it sooner) on 128 GPUs: " \
+           f"{750 * sync / 3600:.0f} h" in out
+    assert "at 0.8 ms a layer" not in out  # graphs: no launch-cost range
+    out = printed("qwen2.5-32b_h100", "trainer.dapo.max_steps=-1", capsys=capsys)
+    assert "trainer.dapo.max_steps=-1: the run ends after max_epochs=12 passes over the prompts, a length the plan " \
+           "does not know" in out
+    out = printed("qwen2.5-32b_h100", "trainer.dapo.max_steps=abc", capsys=capsys)
+    assert "trainer.dapo.max_steps='abc' is not an integer: not estimated (fix: rollout steps, or -1)" in out
