@@ -161,7 +161,8 @@ def make_plan(cfg: dict) -> dict:
         high = {**plan, "assume": {**a, "eager_layer_ms": EAGER_LAYER_MS_RANGE[1]}}
         plan["time"]["eager_high"] = (EAGER_LAYER_MS_RANGE[1], _step_time(cfg, high)["total"])
     plan["async"] = async_settings(cfg)
-    plan["run"] = {k: select(cfg, f"trainer.dapo.{k}") for k in ("max_steps", "max_epochs")}
+    plan["run"] = {**{k: select(cfg, f"trainer.dapo.{k}") for k in ("max_steps", "max_epochs", "save_interval")},
+                   "save_top_k": select(cfg, "exp_manager.checkpoint_callback_params.save_top_k")}
     plan["layouts"] = layouts(cfg, plan, plan["async"], training_state=training_state, bubble=_pipeline_bubble,
                               step_fn=decode_step_fn(plan))
     return plan

@@ -137,12 +137,16 @@ def format_layouts(plan: dict, band) -> list:
     return lines
 
 
+CHECKPOINT_BYTES_PER_PARAM = 2 + 12  # bf16 weights + Adam's fp32 master weights, m and v (plan_model.py)
+
+
 def format_run(plan: dict) -> list:
     """Report lines: the whole run's wall time and GPU-hours, as the recipe runs and in the fastest layout."""
     from nemo_dapo.cluster.plan_async import LAYOUT_LABELS
 
     steps, epochs, world = plan["run"]["max_steps"], plan["run"]["max_epochs"], plan["layout"].world
-    head = "whole run (est.; rollout steps only: validation, checkpoints and the first step's cold start not counted)"
+    head = ("whole run (est.; rollout steps only: validation, checkpoint writes and the first step's cold start not "
+            "counted)")
     if not isinstance(steps, int) or isinstance(steps, bool):
         text = f"trainer.dapo.max_steps={steps!r} is not an integer: not estimated (fix: rollout steps, or -1)"
         return ["", head, f"  {text}"]
@@ -162,7 +166,21 @@ def format_run(plan: dict) -> list:
         text += f" ({hours(plan['time']['eager_high'][1])} at {plan['time']['eager_high'][0]} ms a layer)"
     if best != "colocated":
         text += f"; {hours(fine[best]['step'])} with {LAYOUT_LABELS[best]} (the fastest)"
-    return ["", head, *textwrap.wrap(text, 117, initial_indent="  ", subsequent_indent="      ")]
+    return ["", head, *textwrap.wrap(text, 117, initial_indent="  ", subsequent_indent="      "),
+            *_checkpoint_lines(plan)]
+
+
+def _checkpoint_lines(plan: dict) -> list:
+    """The size of one checkpoint (bf16 weights + Adam's fp32 master weights and moments: 2 + 12 bytes a parameter,
+    plan_model.py's optimizer bytes) and what the kept ones hold on disk."""
+    run, size = plan["run"], CHECKPOINT_BYTES_PER_PARAM * plan["arch"].total_params()
+    top_k = run["save_top_k"]
+    kept = (f"save_top_k={top_k} best + the latest: up to {(top_k + 1) * size / 1e12:.1f} TB on disk"
+            if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 0 else f"save_top_k={top_k!r}")
+    text = (f"each checkpoint {size / 1e12:.2f} TB ({CHECKPOINT_BYTES_PER_PARAM} bytes a parameter: bf16 weights, "
+            f"fp32 master weights and Adam moments), written every trainer.dapo.save_interval={run['save_interval']} "
+            f"steps; {kept}")
+    return textwrap.wrap(text, 117, initial_indent="  ", subsequent_indent="      ")
 
 
 def _layout_band(key: str, band) -> str:
