@@ -186,3 +186,11 @@ def test_update_attribution_quick(tmp_path):
     (tmp_path / "sync_seed1").symlink_to(tmp_path / "run", target_is_directory=True)
     f = run_quick("update_attribution.py", "--out", str(tmp_path), "--final")
     assert f["runs_sync"] == "1" and int(f["swapped_over_0.5_sync"]) <= int(f["swapped_over_0.05_sync"]) <= 1
+
+
+def test_eager_launch_fits_a_line_over_the_layer_count():
+    """The CPU has no CUDA graphs: the baseline's fields are nan there, the eager slope a positive time per layer."""
+    fields, out = run_quick_output("eager_launch.py")
+    assert fields["device"] == "cpu" and 0 < float(fields["eager_ms_per_layer"]) < 100
+    assert all(math.isnan(float(fields[k])) for k in ("graph_ms_per_layer", "graph_fixed_ms", "ratio"))
+    assert "  2 layers: eager" in out and "  4 layers: eager" in out

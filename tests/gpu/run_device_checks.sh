@@ -15,9 +15,10 @@
 # Pass 1 ($OUT/gpu_checks.log) runs every check, with the pinned transformers when it imports, else with the
 # machine's own. Pass 2 ($OUT/gpu_checks_tf_image.log) repeats the conversion and local-backend checks with the
 # machine's own transformers, to record what a newer release changes. $OUT/results.txt collects the RESULT lines.
-# $OUT/state_offload.log holds the benchmark (~90 s: it checks every byte of 8 GB after each round trip). The exit
-# status is pass 1's, else the benchmark's. Everything stays under 10 minutes (timeouts 300 s + 180 s + 90 s; this
-# release's checks took 213-257 s on one H200).
+# $OUT/state_offload.log holds the benchmark (~90 s: it checks every byte of 8 GB after each round trip),
+# $OUT/eager_launch.log the eager decode step's host time per layer against a CUDA graph's (a measurement). The exit
+# status is pass 1's, else the offload benchmark's. Everything stays under 10 minutes (timeouts 300 s + 180 s + 60 s +
+# 90 s; the previous release's checks took 213-257 s on one H200).
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/gpu_checks}
@@ -80,6 +81,10 @@ PYTHONPATH=$PINNED timeout 180 python3 benchmarks/state_offload.py 2>&1 | tee "$
 bench_rc=$?  # non-zero: a round trip changed a byte, the memory was not freed, or the time ran out
 note "== state_offload.py exit status $bench_rc"
 [ "$rc" -eq 0 ] && rc=$bench_rc
+# the host's time per layer of an eager decode step against a CUDA graph's (plan.assume.eager_layer_ms); a measurement,
+# never a failure
+PYTHONPATH=$PINNED timeout 60 python3 benchmarks/eager_launch.py 2>&1 | tee "$OUT/eager_launch.log"
+note "== eager_launch.py exit status $?"
 
 if [ "$PINNED" != "$BASE" ]; then
     LOG=$LOG2
@@ -91,5 +96,6 @@ if [ "$PINNED" != "$BASE" ]; then
     note "== pass 2 exit status $?"
 fi
 # pytest's progress dots can precede a RESULT on its line
-grep -ho "RESULT .*" "$OUT/gpu_checks.log" "$OUT/state_offload.log" "$LOG2" 2>/dev/null >"$OUT/results.txt"
+grep -ho "RESULT .*" "$OUT/gpu_checks.log" "$OUT/state_offload.log" "$OUT/eager_launch.log" "$LOG2" 2>/dev/null \
+    >"$OUT/results.txt"
 exit $rc
