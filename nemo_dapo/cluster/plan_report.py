@@ -7,7 +7,7 @@ import textwrap
 
 from nemo_dapo.cluster.plan_assumptions import ASSUMPTIONS
 from nemo_dapo.cluster.plan_engine_server import format_server
-from nemo_dapo.cluster.plan_generation import MODEL_LABELS, format_generation
+from nemo_dapo.cluster.plan_generation import format_generation
 
 GB = 1e9
 KIB = 1024
