@@ -158,6 +158,8 @@ def make_plan(cfg: dict) -> dict:
             "budget": budget, "fits": all(sum(p.values()) <= budget for p in phases.values()), "gen": gen}
     plan["time"] = _step_time(cfg, plan)
     if not gen["graphs"] and plan["time"]["gen"]:
+        # only the assumption differs; _generation's writes into the shared plan["gen"] (concurrency, scheduler)
+        # come from the engine layout alone, so they are rewritten with the same values
         high = {**plan, "assume": {**a, "eager_layer_ms": EAGER_LAYER_MS_RANGE[1]}}
         plan["time"]["eager_high"] = (EAGER_LAYER_MS_RANGE[1], _step_time(cfg, high)["total"])
     plan["async"] = async_settings(cfg)

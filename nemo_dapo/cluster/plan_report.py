@@ -106,6 +106,12 @@ def _layout_detail(key: str, row: dict, plan: dict) -> str:
     return text
 
 
+def fastest(rows: dict) -> str:
+    """The layout with the shortest step among those estimated (plan["layouts"]; a refused one has no step)."""
+    fine = {k: r for k, r in rows.items() if "refused" not in r}
+    return min(fine, key=lambda k: fine[k]["step"])
+
+
 def format_layouts(plan: dict, band) -> list:
     """Report lines: the step under each layout (plan_async.py), the fastest, and the layout assumptions."""
     from nemo_dapo.cluster.plan_async import LAYOUT_LABELS
@@ -124,13 +130,12 @@ def format_layouts(plan: dict, band) -> list:
                      f"  {_layout_band(key, band)}{mark}")
         lines += textwrap.wrap(_layout_detail(key, row, plan), 115, initial_indent="      ",
                                subsequent_indent="      ")
-    fine = {k: r for k, r in rows.items() if "refused" not in r}
-    best = min(fine, key=lambda k: fine[k]["step"])
+    best = fastest(rows)
     if best == "colocated":
         lines.append(f"  fastest: {LAYOUT_LABELS[best]} (no other layout estimated here is faster)")
     else:
-        lines.append(f"  fastest: {LAYOUT_LABELS[best]}, {base / fine[best]['step']:.2f}x faster than today "
-                     f"({fine[best]['step']:.0f} s vs {base:.0f} s per step, est.)")
+        lines.append(f"  fastest: {LAYOUT_LABELS[best]}, {base / rows[best]['step']:.2f}x faster than today "
+                     f"({rows[best]['step']:.0f} s vs {base:.0f} s per step, est.)")
     lines.append("  layout assumptions:")
     for text in LAYOUT_ASSUMPTIONS:
         lines += textwrap.wrap(text, 115, initial_indent="    ", subsequent_indent="      ")
@@ -154,18 +159,18 @@ def format_run(plan: dict) -> list:
         text = (f"trainer.dapo.max_steps={steps}: the run ends after max_epochs={epochs} passes over the prompts, a "
                 "length the plan does not know (the steps times the step above)")
         return ["", head, *textwrap.wrap(text, 117, initial_indent="  ", subsequent_indent="      ")]
-    fine = {k: r for k, r in plan["layouts"].items() if "refused" not in r}
-    best = min(fine, key=lambda k: fine[k]["step"])
+    rows = plan["layouts"]
+    best = fastest(rows)
 
     def hours(step_s: float) -> str:
         return f"{steps * step_s / 3600:.0f} h, {steps * step_s / 3600 * world / 1e3:.1f}k GPU-hours"
 
     text = (f"{steps} rollout steps (trainer.dapo.max_steps; max_epochs={epochs} may end it sooner) on {world} GPUs: "
-            f"{hours(fine['colocated']['step'])} as the recipe runs")
+            f"{hours(rows['colocated']['step'])} as the recipe runs")
     if "eager_high" in plan["time"]:
         text += f" ({hours(plan['time']['eager_high'][1])} at {plan['time']['eager_high'][0]} ms a layer)"
     if best != "colocated":
-        text += f"; {hours(fine[best]['step'])} with {LAYOUT_LABELS[best]} (the fastest)"
+        text += f"; {hours(rows[best]['step'])} with {LAYOUT_LABELS[best]} (the fastest)"
     return ["", head, *textwrap.wrap(text, 117, initial_indent="  ", subsequent_indent="      "),
             *_checkpoint_lines(plan)]
 

@@ -1,12 +1,10 @@
 """`nemo-dapo plan` for an engine that decodes without CUDA graphs (the pinned TensorRT-LLM): the host's kernel
 launches against the GPU's work, by hand, and what the plan reads and prints."""
-import argparse
-
 import pytest
 
 from nemo_dapo.cluster import plan as P
 from nemo_dapo.cluster.plan_assumptions import DEFAULT_ASSUMPTIONS, EAGER_LAYER_MS_RANGE
-from tests.cluster.test_plan import QWEN25_32B, plan_of
+from tests.cluster.test_plan import QWEN25_32B, plan_of, run_cli
 
 H100 = P.GPUS["h100"]
 
@@ -54,13 +52,6 @@ def test_trtllm_decodes_without_graphs_and_plan_cuda_graphs_overrides_it():
     top = plan_of("qwen2.5-32b_h100", f"plan.assume.eager_layer_ms={EAGER_LAYER_MS_RANGE[1]}")
     assert high_ms == EAGER_LAYER_MS_RANGE[1] and high_s == pytest.approx(top["time"]["total"])
     assert "eager_high" not in graphs["time"]
-
-
-def run_cli(*argv) -> int:
-    ap = argparse.ArgumentParser()
-    P.add_cli(ap.add_subparsers())
-    args = ap.parse_args(["plan", *argv])
-    return args.func(args)
 
 
 def test_the_printed_plan_says_what_decoding_without_graphs_costs(capsys):

@@ -1,17 +1,12 @@
 """`nemo-dapo plan`'s whole-run line: the rollout steps the recipe runs times the step, in hours and GPU-hours."""
-import argparse
-
 import pytest
 
-from nemo_dapo.cluster import plan as P
-from tests.cluster.test_plan import plan_of
+from tests.cluster.test_plan import plan_of, run_cli
 
 
 def printed(*argv, capsys) -> str:
-    ap = argparse.ArgumentParser()
-    P.add_cli(ap.add_subparsers())
-    args = ap.parse_args(["plan", *argv])
-    assert args.func(args) == 0
+    """The printed plan, whitespace joined (its lines wrap)."""
+    assert run_cli(*argv) == 0
     return " ".join(capsys.readouterr().out.split())
 
 
