@@ -279,6 +279,14 @@ def _layout(cfg: dict, s: dict):
                " (megatron-core requires it); fix: choose TP <= and dividing the number of KV heads")
 
 
+def _layer_spec(cfg: dict, s: dict):
+    if select(cfg, "trainer.accelerator") == "gpu" and not select(cfg, "model.transformer_engine", False):
+        yield ("model.transformer_engine=False on GPUs: NeMo 2.1 then builds megatron-core 0.10's local layer spec, "
+               "whose norm in the NeMo container (apex installed) is apex's FusedLayerNorm, which refuses "
+               "normalization=rmsnorm, and whose attention is unfused (memory quadratic in the sequence length); fix: "
+               "model.transformer_engine=True")
+
+
 def _experts(cfg: dict, s: dict):
     tp, pp, ep, world = s["tp"], s["pp"], s["ep"], s["world"]
     experts = _arch(cfg, "num_moe_experts")
@@ -587,7 +595,7 @@ def _engine_placement(key: str, srv: dict):
                "training, so sleeping frees nothing and costs a wake every step; set sleep_level=0")
 
 
-RULES = (_moved, _layout, _experts, _optimizer, _training_offload, _batches, _rollout_engine, _rollout, _algorithm,
+RULES = (_moved, _layout, _layer_spec, _experts, _optimizer, _training_offload, _batches, _rollout_engine, _rollout, _algorithm,
          _lengths, _sampling, _reward, _data, _arch_agrees, _engine_server)
 
 
