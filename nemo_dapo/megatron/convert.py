@@ -14,7 +14,9 @@ Megatron names are those of a model built on ONE rank (TP = PP = EP = 1; layer a
   modules of their own, ``decoder.layers.{i}.input_layernorm.weight`` and ``...pre_mlp_layernorm.weight``;
 * ``spec="te"`` (Transformer Engine): the norms are fused into the following linear,
   ``self_attention.linear_qkv.layer_norm_weight`` and ``mlp.linear_fc1.layer_norm_weight``; an MoE layer keeps
-  ``pre_mlp_layernorm.weight`` (its experts cannot fuse it). TE's grouped-GEMM experts are not covered.
+  ``pre_mlp_layernorm.weight`` (its experts cannot fuse it). TE's grouped-GEMM experts
+  (``mlp.experts.linear_fc1.weight{j}``) are the same tensors under other names: the refit reads them as
+  SequentialMLP's (``model.sequential_expert_name``), and megatron-core checkpoints both under the same keys.
 
 Layouts (``h`` hidden, ``d`` head dim, ``nq`` query heads, ``ng`` key/value heads = query groups):
 

@@ -15,7 +15,12 @@ attributes megatron sets on it (``tensor_model_parallel``, ``partition_dim``, ``
   ``linear_fc1`` is taken as 2 from the config.
 * replicated otherwise (norms, row-parallel biases, the router).
 Experts (``mlp.experts.local_experts.{j}``, or TE's grouped ``linear_fc*.weight{j}``) are split over the
-expert-parallel (EP) group, and each expert over the expert-tensor-parallel group (ETP, = TP unless set).
+expert-parallel (EP) group, and each expert over the expert-tensor-parallel group (ETP, = TP unless set). Their
+``linear_fc2`` weight is row-parallel (dim 1) whatever its attribute says: megatron-core 0.10's TE wrappers
+(``TELinear``, ``TEGroupedLinear``) leave an expert's communication to the token dispatcher and build TE's layer
+with ``parallel_mode=None``, and TE then labels every weight ``partition_dim=0`` (its ``reset_parameters``: ``dim=1
+if parallel_mode == "row" else 0``). That is the grouped-GEMM experts (``moe_grouped_gemm`` on the TE spec) and the
+fp8 ones; the other TE-spec experts are megatron's own linears, labelled right.
 """
 from __future__ import annotations
 
@@ -110,6 +115,8 @@ def _layout(model: GPTModel, name: str, param: torch.Tensor) -> ParamLayout:
             expert = int(layer.mlp.local_expert_indices[local])
             full = full[:e.start(e.lastindex)] + str(expert) + full[e.end(e.lastindex):]
     tp_dim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
+    if expert is not None and tp_dim is not None and re.search(r"linear_fc2\.weight\d*$", name):
+        tp_dim = 1  # TE labels it 0 (module doc)
     stride = int(getattr(param, "partition_stride", 1))
     if tp_dim is not None and model.config.gated_linear_unit and re.search(r"linear_fc1\.(weight|bias)\d*$", name):
         stride = 2
@@ -125,6 +132,18 @@ def with_expert_index(full_name: str, expert: int) -> str:
     if m is None:
         raise ValueError(f"{full_name!r} is not an expert weight")
     return full_name[:m.start(m.lastindex)] + str(expert) + full_name[m.end(m.lastindex):]
+
+
+def sequential_expert_name(full_name: str) -> str:
+    """``full_name`` with a TE grouped-GEMM expert weight (``mlp.experts.linear_fc1.weight{j}``, TEGroupedMLP)
+    spelled as SequentialMLP's (``mlp.experts.local_experts.{j}.linear_fc1.weight``); other names unchanged. The
+    two hold the same tensor (one ``[out, in]`` GEMM per expert, split the same way), and megatron-core saves them
+    under the same checkpoint keys (``TEGroupedMLP.sharded_state_dict``: "interchangeable with SequentialMLP's")."""
+    m = _TE_EXPERT.search(full_name)
+    if m is None:
+        return full_name
+    fc, kind, j = m.groups()
+    return f"{full_name[:m.start()]}.mlp.experts.local_experts.{j}.{fc}.{kind}"
 
 
 def param_layouts(model) -> dict:

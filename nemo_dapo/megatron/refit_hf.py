@@ -30,7 +30,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 from nemo_dapo.megatron.convert import _EXTRA_STATE, _to_hf, conversion_rules, hf_arch
-from nemo_dapo.megatron.model import unwrap
+from nemo_dapo.megatron.model import sequential_expert_name, unwrap
 from nemo_dapo.megatron.refit_gather import RefitStats, iter_refit_buckets
 
 
@@ -64,9 +64,10 @@ def hf_buckets(items: Iterable, hf_config, *, bucket_bytes: int, spec: str = "lo
     ``linear_fc1``) share a bucket whenever they fit in one together; only a group larger than ``bucket_bytes``
     is split across buckets.
 
-    Every megatron tensor of ``hf_config``'s map must come exactly once (else ValueError at the end: the model and
-    the config disagree); an unknown name is a KeyError. ``_extra_state`` entries and a tied model's
-    ``output_layer.weight`` are skipped, as in ``megatron_to_hf_items``.
+    TE's grouped-GEMM expert names (``mlp.experts.linear_fc1.weight{j}``) are read as SequentialMLP's
+    (``model.sequential_expert_name``). Every megatron tensor of ``hf_config``'s map must come exactly once (else
+    ValueError at the end: the model and the config disagree); an unknown name is a KeyError. ``_extra_state``
+    entries and a tied model's ``output_layer.weight`` are skipped, as in ``megatron_to_hf_items``.
 
     A piece that is a view of a larger tensor (a ``[:vocab]`` cut, a ``gate``/``up`` half) is copied when it fits
     in a bucket, so a bucket never pins more memory than it counts; a larger one is sent alone as that view. Pieces
@@ -87,6 +88,7 @@ def hf_buckets(items: Iterable, hf_config, *, bucket_bytes: int, spec: str = "lo
         if name.endswith(_EXTRA_STATE) or name == tied_output:
             del full
             continue
+        name = sequential_expert_name(name)  # TE grouped-GEMM experts: the map's SequentialMLP names
         rule = rules.get(name)
         if rule is None:
             raise KeyError(f"hf_buckets: {name!r} is not a tensor of the {arch.family} map (spec={spec!r}); is "

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from nemo_dapo.megatron.convert_shard import tp_shard, tp_unshard
-from nemo_dapo.megatron.model import with_expert_index
+from nemo_dapo.megatron.model import sequential_expert_name, with_expert_index
 from tests.support.dist import run_torchrun
 
 WORKER = Path(__file__).parent / "workers" / "refit_worker.py"
-LAYOUTS = ["tp2", "pp2", "pp2_tied", "ep2", "tp2_moe"]
+LAYOUTS = ["tp2", "pp2", "pp2_tied", "ep2", "tp2_moe", "tp2_moe_te_labels"]
 STREAMS = ["infer_tp1_small", "infer_tp1_large", "infer_tp2_small", "infer_tp2_large", "bf16"]
 
 
@@ -45,6 +45,16 @@ def test_with_expert_index_renames_only_the_expert():
         with_expert_index("decoder.layers.3.mlp.linear_fc1.weight", 1)
 
 
+def test_sequential_expert_name_spells_te_grouped_names_as_sequential_ones():
+    te = "decoder.layers.3.mlp.experts.linear_fc1.weight12"
+    assert sequential_expert_name(te) == "decoder.layers.3.mlp.experts.local_experts.12.linear_fc1.weight"
+    assert sequential_expert_name("decoder.layers.0.mlp.experts.linear_fc2.bias0") == \
+        "decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.bias"
+    for same in ("decoder.layers.3.mlp.experts.local_experts.3.linear_fc1.weight",
+                 "decoder.layers.3.mlp.linear_fc1.weight", "decoder.layers.3.mlp.experts.linear_fc1._extra_state"):
+        assert sequential_expert_name(same) == same
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("refit")
@@ -62,7 +72,7 @@ def test_stream_rebuilds_single_rank_weights_exactly(results, layout):
             assert s["names_match"] and s["duplicates"] == 0 and s["exact"], (layout, rank, stream, s)
             assert s["total_bytes"] == s["want_bytes"]
         assert r["full_state_dict_exact"] and r["no_alias"], (layout, rank)
-        if layout in ("tp2", "tp2_moe"):  # inference TP = training TP: the stream returns the rank's own shards
+        if layout.startswith("tp2"):  # inference TP = training TP: the stream returns the rank's own shards
             assert r["own_shards_equal"]
 
 

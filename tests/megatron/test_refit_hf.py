@@ -114,6 +114,19 @@ def test_qkv_is_split_one_piece_at_a_time_like_the_converter():
                     assert owns or bucket_bytes == 1, n
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_te_grouped_gemm_expert_names_give_the_same_hf_checkpoint(family):
+    """TEGroupedMLP (``moe_grouped_gemm`` on the TE spec) names expert j's weights ``experts.linear_fc1.weight{j}``
+    (megatron-core 0.10, TE's GroupedLinear); the stream maps them as SequentialMLP's."""
+    cfg, full = configs()[family], megatron_full(family)
+    grouped = {re.sub(r"\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$", r".experts.\2.weight\1", n): t
+               for n, t in full.items()}
+    experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+    assert len(set(grouped) - set(full)) == 2 * cfg.num_hidden_layers * experts
+    got, _ = join(hf_buckets(iter(grouped.items()), cfg, bucket_bytes=1 << 20), 1 << 20)
+    assert_same(got, checkpoint(family))
+
+
 def test_wrong_or_incomplete_streams_are_refused():
     cfg, full = configs()["mixtral"], megatron_full("mixtral")
     with pytest.raises(KeyError, match="not a tensor of the mixtral map"):

@@ -2,9 +2,10 @@
 weights bit for bit, cut for the inference TP size, in buckets that respect the byte bound.
 
 Layouts: tp2 (dense, GLU + QKV bias), pp2 (dense), pp2_tied (tied embeddings: the last stage's copy is not sent
-twice), ep2 (MoE, 4 experts, EP=2 => DP=2), tp2_moe (MoE with the
-experts TP-sharded, ETP=2). For each: inference TP 1 and 2, a small bucket (many buckets, some tensors larger than a
-bucket) and a large one (a single bucket), and once a bf16 cast. Results: $OUT_DIR/rank{r}.json.
+twice), ep2 (MoE, 4 experts, EP=2 => DP=2), tp2_moe (MoE with the experts TP-sharded, ETP=2), tp2_moe_te_labels
+(the same, its expert weights' split dims labelled as Transformer Engine labels them). For each: inference TP 1
+and 2, a small bucket (many buckets, some tensors larger than a bucket) and a large one (a single bucket), and once
+a bf16 cast. Results: $OUT_DIR/rank{r}.json.
 """
 import json
 import os
@@ -62,11 +63,22 @@ def check_stream(model, want, infer_tp, bucket, dtype=None):
                 total_bytes=stats.bytes, want_bytes=sum(w.numel() * w.element_size() for w in want.values()))
 
 
-def case(spec, layout, refs):
+def label_experts_as_te(model):
+    """Label the expert weights as TE does on GPUs (contract: megatron-core 0.10's TELinear / TEGroupedLinear build
+    TE's layer with ``parallel_mode=None`` under expert parallelism or expert-TP, and TE's ``reset_parameters`` then
+    sets ``partition_dim=0`` on every weight, the row-parallel ``linear_fc2`` included)."""
+    for name, p in model.named_parameters():
+        if ".mlp.experts." in name and getattr(p, "tensor_model_parallel", False):
+            p.partition_dim = 0
+
+
+def case(spec, layout, refs, te_labels=False):
     full, layouts = refs
     initialize_parallel(*layout)
     model = build_gpt_model(spec)
     load_full_state_dict(model, full)
+    if te_labels:
+        label_experts_as_te(model)
     rank = dist.get_rank()
     out = {}
     for infer_tp in (1, 2):
@@ -96,6 +108,7 @@ def main():
     destroy_parallel()
     res = {"tp2": case(DENSE, (2, 1, 1), dense), "pp2": case(DENSE, (1, 2, 1), dense),
            "ep2": case(MOE, (1, 1, 2), moe), "tp2_moe": case(MOE, (2, 1, 1), moe),
+           "tp2_moe_te_labels": case(MOE, (2, 1, 1), moe, te_labels=True),
            "pp2_tied": case(TIED, (1, 2, 1), tied)}
     with open(os.path.join(os.environ["OUT_DIR"], f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(res, f, indent=1)
