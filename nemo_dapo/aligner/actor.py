@@ -37,6 +37,7 @@ from nemo_aligner.utils.train_utils import set_sync_funcs
 from nemo_dapo.aligner.compat import CHECKPOINT_KEY, actor_base
 from nemo_dapo.cluster.config_validate import nemo_model_key, required
 from nemo_dapo.core.metrics import combine_metrics, reduce_over_ranks
+from nemo_dapo.megatron.extra_state import without_extra_state
 from nemo_dapo.megatron.model import gpt_layer_spec
 from nemo_dapo.megatron.reduction import DPReducer, from_last_pipeline_stage, megatron_loss_scale
 from nemo_dapo.megatron.step import (forward_backward, hidden_logprobs_entropy, hidden_states_only, loss_share,
@@ -139,6 +140,12 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
                                   "(nemo_dapo.aligner.generation)")
 
     # ---- checkpoint hooks: the trainer state travels inside the checkpoint ---------------------------------------
+    def sharded_state_dict(self, prefix: str = ""):
+        """NeMo's, with the modules' ``_extra_state`` neither saved nor loaded unless FP8 trains: the converted
+        checkpoint (local spec) lacks TE's attention and norm states (``megatron.extra_state``)."""
+        sharded = super().sharded_state_dict(prefix=prefix)
+        return sharded if self.cfg.get("fp8", False) else without_extra_state(sharded)
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)
         if self.trainer_state is not None:

@@ -35,6 +35,7 @@ from nemo_dapo.megatron.convert import hf_arch, megatron_to_hf_items, padded_voc
 from nemo_dapo.megatron.convert_build import gpt_model_from_hf
 from nemo_dapo.megatron.convert_shard import Parallel, _global_name, hf_to_megatron_shard, tp_split_rule, tp_unshard
 from nemo_dapo.megatron.dist_save import save_sharded
+from nemo_dapo.megatron.extra_state import without_extra_state
 
 HF_CONFIG_NAME = "hf_config.json"  # the source config.json, kept in the NeMo checkpoint for the way back
 PREFIX = "model."  # NeMo's module prefix of the mcore GPTModel's sharded keys
@@ -235,8 +236,9 @@ def weights_dir(nemo_dir: str) -> str:
 
 @torch.no_grad()
 def load_nemo_weights(model, nemo_dir: str) -> None:
-    """Load this rank's shards of NeMo checkpoint ``nemo_dir`` into ``model`` (strict)."""
-    loaded = dist_checkpointing.load(sharded_for_nemo(model), weights_dir(nemo_dir))["state_dict"]
+    """Load this rank's shards of NeMo checkpoint ``nemo_dir`` into ``model`` (strict for the weights; the
+    ``_extra_state`` entries, which a training checkpoint does not hold, are not read: ``extra_state``)."""
+    loaded = dist_checkpointing.load(without_extra_state(sharded_for_nemo(model)), weights_dir(nemo_dir))["state_dict"]
     model.load_state_dict({k[len(PREFIX):]: v for k, v in loaded.items()}, strict=True)
 
 

@@ -39,6 +39,7 @@ def test_actor_restores_converted_qwen3_and_trains_one_step(hf_models, tok_dir, 
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert res["checkpoint_qk_layernorm"] is True
         assert res["q_layernorm"] == ["RMSNorm", [16]]  # torch.nn.RMSNorm over head_dim, built by NeMo + our spec
+        assert res["extra_state"]["persistent"] == 0 and res["extra_state"]["local"] > 0, res["extra_state"]
         assert res["logp_max_diff"] < 1e-4, res["logp_max_diff"]  # the actor's log-probs are transformers'
         assert res["skipped"] == 0.0 and abs(res["loss"]) < 10
         assert res["unchanged"] == [], res["unchanged"]  # every parameter of this stage took the step

@@ -19,6 +19,8 @@ from tests.support import nemo_cpu  # noqa: F401  (patches first)
 
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
+from megatron.core.dist_checkpointing.dict_utils import nested_values  # noqa: E402
+from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject  # noqa: E402
 
 from nemo_aligner.utils.utils import load_and_override_model_config, load_from_nemo  # noqa: E402
 from nemo_dapo.aligner.actor import MegatronGPTDAPOActorModel  # noqa: E402
@@ -74,6 +76,11 @@ def main():
     inner = getattr(inner, "module", inner)
     norm = inner.decoder.layers[0].self_attention.q_layernorm
     res["q_layernorm"] = [type(norm).__name__, list(norm.normalized_shape)]
+    # the modules' _extra_state is neither saved nor loaded (megatron/extra_state.py): none stays a ShardedObject
+    values = list(nested_values(actor.sharded_state_dict()))
+    res["extra_state"] = dict(
+        persistent=sum(isinstance(v, ShardedObject) and v.key.endswith("_extra_state") for v in values),
+        local=sum(isinstance(v, LocalNonpersistentObject) for v in values))
 
     # 3. log-probs against transformers 5
     ids = tokens()
