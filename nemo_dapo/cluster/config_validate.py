@@ -280,8 +280,8 @@ def _layout(cfg: dict, s: dict):
 
 
 def _layer_spec(cfg: dict, s: dict):
-    if select(cfg, "trainer.accelerator") == "gpu" and not select(cfg, "model.transformer_engine", False):
-        yield ("model.transformer_engine=False on GPUs: NeMo 2.1 then builds megatron-core 0.10's local layer spec, "
+    if select(cfg, "trainer.accelerator") != "cpu" and not select(cfg, "model.transformer_engine", False):
+        yield ("model.transformer_engine=False on GPUs (trainer.accelerator is not cpu): NeMo 2.1 then builds megatron-core 0.10's local layer spec, "
                "whose norm in the NeMo container (apex installed) is apex's FusedLayerNorm, which refuses "
                "normalization=rmsnorm, and whose attention is unfused (memory quadratic in the sequence length); fix: "
                "model.transformer_engine=True")
