@@ -285,6 +285,11 @@ def _layer_spec(cfg: dict, s: dict):
                "whose norm in the NeMo container (apex installed) is apex's FusedLayerNorm, which refuses "
                "normalization=rmsnorm, and whose attention is unfused (memory quadratic in the sequence length); fix: "
                "model.transformer_engine=True")
+    if select(cfg, "model.moe_grouped_gemm", False) and not select(cfg, "model.transformer_engine", False):
+        yield ("model.moe_grouped_gemm=True without model.transformer_engine: megatron-core 0.10 then builds the "
+               "legacy GroupedMLP (the grouped_gemm package, CUDA only), whose experts.weight1 / weight2 the engine "
+               "refit does not map; fix: model.transformer_engine=True (TE's grouped linear) or "
+               "model.moe_grouped_gemm=False")
 
 
 def _experts(cfg: dict, s: dict):

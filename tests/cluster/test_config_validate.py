@@ -188,6 +188,8 @@ BAD = [
     (DENSE, ["trainer.num_nodes=1", "trainer.devices=12"], "trainer.num_nodes x trainer.devices"),
     (DENSE, ["model.context_parallel_size=2"], "model.context_parallel_size"),
     (DENSE, ["model.transformer_engine=False"], "model.transformer_engine=False on GPUs"),
+    (MOE, ["trainer.accelerator=cpu", "model.transformer_engine=False", "model.moe_grouped_gemm=True"],
+     "model.moe_grouped_gemm=True without model.transformer_engine"),
     (DENSE, ["+model.virtual_pipeline_model_parallel_size=2"], "model.virtual_pipeline_model_parallel_size"),
     (DENSE, ["model.tensor_model_parallel_size=16"], "num_query_groups"),
     (DENSE, ["model.expert_model_parallel_size=2"], "num_moe_experts"),
