@@ -281,10 +281,10 @@ def _layout(cfg: dict, s: dict):
 
 def _layer_spec(cfg: dict, s: dict):
     if select(cfg, "trainer.accelerator") != "cpu" and not select(cfg, "model.transformer_engine", False):
-        yield ("model.transformer_engine=False on GPUs (trainer.accelerator is not cpu): NeMo 2.1 then builds megatron-core 0.10's local layer spec, "
-               "whose norm in the NeMo container (apex installed) is apex's FusedLayerNorm, which refuses "
-               "normalization=rmsnorm, and whose attention is unfused (memory quadratic in the sequence length); fix: "
-               "model.transformer_engine=True")
+        yield ("model.transformer_engine=False on GPUs (trainer.accelerator is not cpu): NeMo 2.1 then builds "
+               "megatron-core 0.10's local layer spec, whose norm in the NeMo container (apex installed) is apex's "
+               "FusedLayerNorm, which refuses normalization=rmsnorm, and whose attention is unfused (memory quadratic "
+               "in the sequence length); fix: model.transformer_engine=True")
     if select(cfg, "model.moe_grouped_gemm", False) and not select(cfg, "model.transformer_engine", False):
         yield ("model.moe_grouped_gemm=True without model.transformer_engine: megatron-core 0.10 then builds the "
                "legacy GroupedMLP (the grouped_gemm package, CUDA only), whose experts.weight1 / weight2 the engine "
@@ -600,8 +600,8 @@ def _engine_placement(key: str, srv: dict):
                "training, so sleeping frees nothing and costs a wake every step; set sleep_level=0")
 
 
-RULES = (_moved, _layout, _layer_spec, _experts, _optimizer, _training_offload, _batches, _rollout_engine, _rollout, _algorithm,
-         _lengths, _sampling, _reward, _data, _arch_agrees, _engine_server)
+RULES = (_moved, _layout, _layer_spec, _experts, _optimizer, _training_offload, _batches, _rollout_engine, _rollout,
+         _algorithm, _lengths, _sampling, _reward, _data, _arch_agrees, _engine_server)
 
 
 def check_config(cfg) -> list[str]:

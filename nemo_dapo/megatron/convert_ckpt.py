@@ -17,7 +17,8 @@ NeMo v2.1.0) asks for them. The local spec saves its norms under TE's names (meg
 ``sharded_state_dict_keys_map``; for MoE layers ``model.gpt_layer_spec`` keeps ``pre_mlp_layernorm`` as TE does), so
 the checkpoint loads into NeMo's TE spec on GPUs as well as into the local spec on CPU, and its SequentialMLP experts
 into TE's grouped-GEMM ones (``moe_grouped_gemm``): megatron-core 0.10's ``TEGroupedMLP.sharded_state_dict`` writes
-the same keys and expert offsets ("interchangeable with SequentialMLP's"). Outputs are written under ``<out>.partial`` and renamed when complete.
+the same keys and expert offsets ("interchangeable with SequentialMLP's"). Outputs are written under
+``<out>.partial`` and renamed when complete.
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ expert-parallel (EP) group, and each expert over the expert-tensor-parallel grou
 ``linear_fc2`` weight is row-parallel (dim 1) whatever its attribute says: megatron-core 0.10's TE wrappers
 (``TELinear``, ``TEGroupedLinear``) leave an expert's communication to the token dispatcher and build TE's layer
 with ``parallel_mode=None``, and TE then labels every weight ``partition_dim=0`` (its ``reset_parameters``: ``dim=1
-if parallel_mode == "row" else 0``). That is the grouped-GEMM experts (``moe_grouped_gemm`` on the TE spec) and the
+if parallel_mode == "row" else 0``). So are the grouped-GEMM experts (``moe_grouped_gemm`` on the TE spec) and the
 fp8 ones; the other TE-spec experts are megatron's own linears, labelled right.
 """
 from __future__ import annotations
