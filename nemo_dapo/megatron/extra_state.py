@@ -6,11 +6,11 @@ TE's version: the local spec (what ``nemo-dapo convert`` builds, and every CPU r
 kernel or the norms, while TE's ``DotProductAttention`` is a ``TransformerEngineBaseModule`` and has one, and newer
 TE releases give their norms one too. So a checkpoint written from one spec lacks keys the other asks for, and the
 load fails ("Missing key in checkpoint state_dict: model.decoder.layers.self_attention.core_attention._extra_state",
-NeMo issue 12298, on a NeMo 25.02-era container; the maintainers' answer there, ``dist_ckpt_load_strictness=
-log_all``, would let missing weights through as well). Without FP8 nothing in them is worth keeping, so each becomes
-a ``LocalNonpersistentObject`` of the module's current value: not saved, and "loaded" as itself. NeMo 2.1 does the
-same for TE's fused-attention state (``MegatronGPTModel.sharded_state_dict``, ``skip_fp8_load``). Weights stay
-strictly loaded.
+NeMo issue 12298, reported in February 2025 on the newest NeMo container then; the maintainers' answer there,
+``dist_ckpt_load_strictness=log_all``, would let missing weights through as well). Without FP8 nothing in them is
+worth keeping, so each becomes a ``LocalNonpersistentObject`` of the module's current value: not saved, and
+"loaded" as itself. NeMo 2.1 does the same for TE's fused-attention state (``MegatronGPTModel.sharded_state_dict``,
+``skip_fp8_load``). Weights stay strictly loaded.
 """
 from __future__ import annotations
 
