@@ -39,7 +39,7 @@ from nemo_dapo.cluster.config_validate import nemo_model_key, required
 from nemo_dapo.core.metrics import combine_metrics, reduce_over_ranks
 from nemo_dapo.megatron.extra_state import without_extra_state
 from nemo_dapo.megatron.model import gpt_layer_spec
-from nemo_dapo.megatron.reduction import DPReducer, from_last_pipeline_stage, megatron_loss_scale
+from nemo_dapo.megatron.reduction import DPReducer, from_last_pipeline_stage, megatron_loss_scale, sum_grads_over_tp
 from nemo_dapo.megatron.step import (forward_backward, hidden_logprobs_entropy, hidden_states_only, loss_share,
                                      microbatches, normalizer_share)
 from nemo_dapo.megatron.vocab_parallel import vocab_parallel_logits_logprobs_entropy
@@ -58,6 +58,10 @@ def seq_len_multiple(cfg: DictConfig) -> int:
 
 
 # ---- the actor -----------------------------------------------------------------------------------------------------
+
+def _is_qk_norm(name: str) -> bool:
+    return ".self_attention.q_layernorm." in name or ".self_attention.k_layernorm." in name
+
 
 def _dapo_cfg(cfg: DictConfig) -> DictConfig:
     if cfg.get("dapo") is None:
@@ -132,7 +136,29 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
             seq_len_interpolation_factor=self.cfg.get("seq_len_interpolation_factor", None),
             rotary_base=self.cfg.get("rotary_base", 10000))
         mcore_model_customize(self.cfg, model)
+        for name, param in model.named_parameters():
+            if _is_qk_norm(name):  # their gradients are summed over TP before the optimizer takes them: apex's
+                param._disable_greedy_grad_copy = not self.cfg.get("megatron_amp_O2", False)  # distributed Adam
+                param._disable_overlap_grad_sync = True  # must not sync them early (as NeMo does for SP norms)
         return model
+
+    # ---- gradient reductions: QK-norm weights under TP ----------------------------------------------------------
+    def _qk_norm_grads_nemo_leaves(self) -> list:
+        """The QK-norm weights' gradients that NeMo-Aligner's reductions do not sum over TP (each TP rank normalises
+        its own heads, so each holds a partial gradient of the replicated weight; without the sum the ranks' copies
+        drift apart). megatron-core's optimizer sums them itself (``finalize_model_grads``), and NeMo's
+        sequence-parallel reduction sums the ones marked ``sequence_parallel`` (TE's norms, under SP)."""
+        if mcore_ps.get_tensor_model_parallel_world_size() == 1 or self.use_mcore_dist_optim:
+            return []
+        sp = bool(self.cfg.get("sequence_parallel", False))
+        attr = "main_grad" if self.megatron_amp_O2 else "grad"  # where NeMo's own SP reduction reads them
+        return [getattr(p, attr).data for n, p in self.named_parameters()
+                if p.requires_grad and _is_qk_norm(n) and getattr(p, attr, None) is not None
+                and not (sp and getattr(p, "sequence_parallel", False))]
+
+    def finish_training_step(self):
+        sum_grads_over_tp(self._qk_norm_grads_nemo_leaves())  # before the reductions hand grads to the optimizer
+        super().finish_training_step()
 
     def infer(self, inference_batch):
         raise NotImplementedError("the DAPO actor does not generate: rollouts come from an engine server "

@@ -108,6 +108,20 @@ def from_last_pipeline_stage(obj: Any) -> Any:
     return box[0]
 
 
+def sum_grads_over_tp(grads: list) -> None:
+    """Sum ``grads`` (tensors, changed in place) over the tensor-parallel group: the gradients of a parameter every
+    TP rank holds whole while each rank's forward used it on its own part only (Qwen3's QK-norm weights: each rank
+    normalises its own heads), so each rank's gradient is a partial sum. megatron-core's ``finalize_model_grads``
+    does this for ``qk_layernorm`` (``_allreduce_layernorm_grads``); NeMo 2.1's own reductions only for parameters
+    marked ``sequence_parallel`` when sequence parallelism is on. One coalesced all-reduce, as both do."""
+    if not grads or parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=parallel_state.get_tensor_model_parallel_group())
+    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(synced)
+
+
 class DPReducer:
     """The core ``Reducer`` over megatron's data-parallel group: the step loop runs once per DP rank, and the
     ranks of one TP/PP/CP group see the same data. ``rank`` / ``world_size`` are the DP rank and size."""

@@ -45,3 +45,24 @@ def test_actor_restores_converted_qwen3_and_trains_one_step(hf_models, tok_dir, 
         assert res["unchanged"] == [], res["unchanged"]  # every parameter of this stage took the step
         assert res["qk_norm_params"] and all(changed for _, changed in res["qk_norm_params"])
         assert res["mean_logp_after"] > res["mean_logp_before"] + 0.1  # advantage +1: the samples got likelier
+    if tp > 1:  # every TP rank holds the QK-norm weights whole: their gradients are summed over TP, so the copies
+        # stay equal (without the sum each rank trained on its own heads' part and they drifted ~0.03 apart)
+        a, b = (json.loads((tmp_path / f"rank{r}.json").read_text())["qk_norm_values"] for r in (0, 1))
+        assert a and a.keys() == b.keys() and all(a[n] == b[n] for n in a)
+
+
+def test_qk_norm_step_at_tp2_equals_the_one_rank_step(hf_models, tok_dir, tmp_path):
+    """The QK-norm weights after one step at TP=2 (each rank's gradient a partial sum over its heads, summed over
+    TP: ``actor.finish_training_step``) equal those of the same step on one rank."""
+    values = {}
+    for tp in (1, 2):
+        out = tmp_path / f"tp{tp}"
+        out.mkdir()
+        hf = hf_models / "qwen3"
+        run_torchrun(WORKER, nproc=tp, out_dir=out, timeout=900,
+                     env={"FAMILY": "qwen3", "TP": str(tp), "PP": "1", "TOK_DIR": tok_dir, "HF_DIR": str(hf / "hf"),
+                          "HF_LOGITS": str(hf / "hf_logits.pt")})
+        values[tp] = json.loads((out / "rank0.json").read_text())["qk_norm_values"]
+    assert values[1] and values[1].keys() == values[2].keys()
+    for name, one in values[1].items():
+        assert max(abs(a - b) for a, b in zip(one, values[2][name])) < 1e-5, name  # fp32; without the sum: ~0.03

@@ -1,9 +1,10 @@
 """torchrun worker: the DAPO actor on a tiny Qwen3 / Qwen3-MoE restored the launcher's way from the checkpoint that
 the conversion command writes, and one training step through NeMo-Aligner on CPU.
 
-Env: FAMILY (qwen3 | qwen3_moe), TP, PP (world = 2; NeMo 2.1 refuses EP without megatron_amp_O2 and MoE with
-TP without sequence parallelism, neither of which the CPU local spec runs), HF_DIR (a transformers-5 checkpoint made by
-tests/megatron/workers/qwen3_hf_worker.py; HF_LOGITS its logits), TOK_DIR, OUT_DIR. Steps, on every rank:
+Env: FAMILY (qwen3 | qwen3_moe), TP, PP (world = 2, or 1 at TP = PP = 1; NeMo 2.1 refuses EP without
+megatron_amp_O2 and MoE with TP without sequence parallelism, neither of which the CPU local spec runs), HF_DIR (a
+transformers-5 checkpoint made by tests/megatron/workers/qwen3_hf_worker.py; HF_LOGITS its logits), TOK_DIR,
+OUT_DIR. Steps, on every rank:
   1. convert_ckpt.hf_to_nemo at the same layout -> OUT_DIR/nemo (model_config.yaml carries qk_layernorm: true);
   2. cfg = load_and_override_model_config(ckpt, runtime keys) and load_from_nemo(MegatronGPTDAPOActorModel, ...),
      as examples/train_gpt_dapo.py does: NeMo builds the model through the actor's model_provider_func;
@@ -103,6 +104,8 @@ def main():
     metrics = policy.train_step(batch, norm=float(batch.num_tokens()), loss_fn=loss_fn)
     new, _ = policy.logprobs(batch)
     changed = {n: not torch.equal(before[n], p.detach()) for n, p in inner.named_parameters()}
+    res["qk_norm_values"] = {n: p.detach().flatten().tolist() for n, p in inner.named_parameters()
+                             if "q_layernorm" in n or "k_layernorm" in n}
     res.update(loss=float(metrics["loss"]), skipped=metrics["skipped"],
                unchanged=[n for n, c in changed.items() if not c],
                qk_norm_params=[(n, c) for n, c in changed.items() if "q_layernorm" in n or "k_layernorm" in n],
