@@ -138,7 +138,7 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
         mcore_model_customize(self.cfg, model)
         for name, param in model.named_parameters():
             if _is_qk_norm(name):  # their gradients are summed over TP before the optimizer takes them: apex's
-                param._disable_greedy_grad_copy = not self.cfg.get("megatron_amp_O2", False)  # distributed Adam
+                param._disable_greedy_grad_copy = not self.megatron_amp_O2  # distributed Adam (NeMo's value)
                 param._disable_overlap_grad_sync = True  # must not sync them early (as NeMo does for SP norms)
         return model
 
@@ -150,7 +150,7 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
         sequence-parallel reduction sums the ones marked ``sequence_parallel`` (TE's norms, under SP)."""
         if mcore_ps.get_tensor_model_parallel_world_size() == 1 or self.use_mcore_dist_optim:
             return []
-        sp = bool(self.cfg.get("sequence_parallel", False))
+        sp = bool(self.transformer_config.sequence_parallel)  # NeMo's reading of model.sequence_parallel
         attr = "main_grad" if self.megatron_amp_O2 else "grad"  # where NeMo's own SP reduction reads them
         return [getattr(p, attr).data for n, p in self.named_parameters()
                 if p.requires_grad and _is_qk_norm(n) and getattr(p, attr, None) is not None
