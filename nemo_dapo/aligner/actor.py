@@ -148,7 +148,8 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
         its own heads, so each holds a partial gradient of the replicated weight; without the sum the ranks' copies
         drift apart). megatron-core's optimizer sums them itself (``finalize_model_grads``), and NeMo's
         sequence-parallel reduction sums the ones marked ``sequence_parallel`` (TE's norms, under SP)."""
-        if mcore_ps.get_tensor_model_parallel_world_size() == 1 or self.use_mcore_dist_optim:
+        if not self.transformer_config.qk_layernorm or mcore_ps.get_tensor_model_parallel_world_size() == 1 \
+                or self.use_mcore_dist_optim:
             return []
         sp = bool(self.transformer_config.sequence_parallel)  # NeMo's reading of model.sequence_parallel
         attr = "main_grad" if self.megatron_amp_O2 else "grad"  # where NeMo's own SP reduction reads them

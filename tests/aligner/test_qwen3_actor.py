@@ -48,7 +48,10 @@ def test_actor_restores_converted_qwen3_and_trains_one_step(hf_models, tok_dir, 
     if tp > 1:  # every TP rank holds the QK-norm weights whole: their gradients are summed over TP, so the copies
         # stay equal (without the sum each rank trained on its own heads' part and they drifted ~0.03 apart)
         a, b = (json.loads((tmp_path / f"rank{r}.json").read_text())["qk_norm_values"] for r in (0, 1))
-        assert a and a.keys() == b.keys() and all(a[n] == b[n] for n in a)
+        assert a and a.keys() == b.keys()
+        drift = max(abs(x - y) for n in a for x, y in zip(a[n], b[n]))
+        print(f"QK-norm copies on the two TP ranks after one step: max difference {drift:.3g}")  # pytest -s
+        assert drift == 0.0, drift
 
 
 def test_qk_norm_step_at_tp2_equals_the_one_rank_step(hf_models, tok_dir, tmp_path):
@@ -64,5 +67,6 @@ def test_qk_norm_step_at_tp2_equals_the_one_rank_step(hf_models, tok_dir, tmp_pa
                           "HF_LOGITS": str(hf / "hf_logits.pt")})
         values[tp] = json.loads((out / "rank0.json").read_text())["qk_norm_values"]
     assert values[1] and values[1].keys() == values[2].keys()
-    for name, one in values[1].items():
-        assert max(abs(a - b) for a, b in zip(one, values[2][name])) < 1e-5, name  # fp32; without the sum: ~0.03
+    worst = max(abs(a - b) for n, one in values[1].items() for a, b in zip(one, values[2][n]))
+    print(f"QK-norm weights after one step, TP=2 against one rank: max difference {worst:.3g}")  # pytest -s
+    assert worst < 1e-5, worst  # fp32; without the sum: ~0.03

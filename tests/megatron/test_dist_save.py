@@ -4,8 +4,6 @@ tests under torchrun, where ``os.fork`` raises: tests/megatron/test_convert_comm
 import os
 from pathlib import Path
 
-import pytest
-
 from tests.support import megatron_cpu_shim  # noqa: F401  (before megatron)
 from nemo_dapo.megatron import dist_save  # noqa: E402
 
@@ -31,17 +29,6 @@ def test_a_changed_signature_or_a_missing_method_is_named(monkeypatch):
 
 def test_the_trainer_image_runs_the_check():
     assert "python -m nemo_dapo.megatron.dist_save" in (ROOT / "containers" / "Dockerfile").read_text()
-
-
-@pytest.fixture
-def gloo_world_of_one():
-    import torch.distributed as dist
-
-    from tests.support.dist import free_port
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_a_save_starts_no_process_and_loads_back(gloo_world_of_one, tmp_path, monkeypatch):

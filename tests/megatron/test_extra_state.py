@@ -36,17 +36,6 @@ def test_only_extra_state_objects_become_local():
     assert isinstance(sd["state_dict"]["nested"][0], LocalNonpersistentObject)
 
 
-@pytest.fixture
-def gloo_world_of_one():
-    import torch.distributed as dist
-
-    from tests.support.dist import free_port
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_a_checkpoint_without_the_attention_state_loads_into_a_model_with_one(gloo_world_of_one, tmp_path):
     megatron_cpu_shim.adapt_checkpoint_writer()  # torch's writer signature, as in every CPU save (test support)
     saved = torch.arange(6.0).reshape(2, 3)
