@@ -1,8 +1,9 @@
 """Everything that depends on the exact NeMo-Aligner / NeMo / megatron-core versions, in one place.
 
-Target stack: NeMo-Aligner 0.7.0 (its last release) + NeMo 2.1.0 + megatron-core 0.10.0 + TensorRT-LLM 0.13.0, as in
-the NeMo container that ships that release. The rest of ``nemo_dapo.aligner`` imports the host-framework symbols it
-needs from here, so a version bump touches this file only.
+Target stack: NeMo-Aligner 0.7.0 (its last release) + NeMo 2.1.0 + megatron-core 0.10.0 + TensorRT-LLM 0.13.0, as
+NeMo-Aligner 0.7.0's own Dockerfile builds it (``SUPPORTED``: what the CPU tests install, and what the trainer image's
+build checks with ``python -m nemo_dapo.aligner.compat``). The rest of ``nemo_dapo.aligner`` imports the
+host-framework symbols it needs from here, so a version bump touches this file only.
 
 NeMo-Aligner 0.7.0 quirks handled here:
   * ``nemo_aligner/utils/trt_llm.py`` imports ``tensorrt_llm`` at top level, and the PPO actor module imports it, so
@@ -20,6 +21,7 @@ NeMo-Aligner 0.7.0 quirks handled here:
 from __future__ import annotations
 
 import io
+import sys
 import warnings
 from importlib import metadata
 
@@ -40,16 +42,25 @@ def installed_versions() -> dict:
     return out
 
 
+def stack_mismatch(found: dict) -> str:
+    """Why ``found`` ({distribution: version or None}) is not the ``SUPPORTED`` stack; "" when it is. A local
+    version label (``+git...``) is ignored: a source install of the same release is the same API."""
+    wrong = {d: v for d, v in found.items() if (v or "").split("+")[0] != SUPPORTED[d]}
+    if not wrong:
+        return ""
+    return ("nemo_dapo.aligner targets " + ", ".join(f"{d}=={v}" for d, v in SUPPORTED.items()) + "; found "
+            + ", ".join(f"{d}=={v or 'not installed'}" for d, v in wrong.items()) + ". Its calls into NeMo and "
+            "megatron-core were read and are tested at those versions only. Build the trainer image from "
+            "containers/Dockerfile on NeMo-Aligner 0.7.0's own image (docs/cluster.md, 'Images').")
+
+
 def check_versions(strict: bool = False) -> dict:
     """Warn (or raise with ``strict``) when the installed stack differs from the one this plugin targets."""
     found = installed_versions()
-    wrong = {d: v for d, v in found.items() if v != SUPPORTED[d]}
-    if wrong:
-        msg = ("nemo_dapo.aligner targets " + ", ".join(f"{d}=={v}" for d, v in SUPPORTED.items())
-               + "; found " + ", ".join(f"{d}=={v}" for d, v in wrong.items())
-               + ". Use the NeMo container that ships NeMo-Aligner 0.7.0 (see containers/).")
-        if strict:
-            raise RuntimeError(msg)
+    msg = stack_mismatch(found)
+    if msg and strict:
+        raise RuntimeError(msg)
+    if msg:
         warnings.warn(msg, stacklevel=2)
     return found
 
@@ -62,8 +73,9 @@ def actor_base():
         if e.name and e.name.split(".")[0] in ("tensorrt_llm", "tensorrt", "mpi4py"):
             raise ImportError(
                 f"NeMo-Aligner 0.7.0's actor module imports {e.name!r} at top level (nemo_aligner/utils/trt_llm.py), "
-                "so the DAPO actor needs TensorRT-LLM installed: run inside the NeMo container that ships "
-                "NeMo-Aligner 0.7.0. (CPU tests install a stand-in module from tests/support/trtllm_stub.py.)") from e
+                "so the DAPO actor needs TensorRT-LLM installed: run inside the trainer image "
+                "(containers/Dockerfile, on NeMo-Aligner 0.7.0's own image). (CPU tests install a stand-in module "
+                "from tests/support/trtllm_stub.py.)") from e
         raise
     return MegatronGPTActorModel
 
@@ -123,3 +135,28 @@ def write_checkpoints_in_process(trainer) -> str:
     ours.use_cached_ckpt_structure = getattr(base, "use_cached_ckpt_structure", False)
     setattr(holder, attr, ours)
     return type(io.save_sharded_strategy).__name__ + ("" if holder is io else f"({type(ours).__name__})")
+
+
+def main(argv=None) -> int:
+    """``python -m nemo_dapo.aligner.compat [--stack-check strict|warn]``: the image build's check of the stack.
+    Prints what is installed; with ``strict`` (the default) a stack other than ``SUPPORTED`` fails the build."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m nemo_dapo.aligner.compat", description=main.__doc__)
+    ap.add_argument("--stack-check", choices=("strict", "warn"), default="strict",
+                    help="warn: build on another stack knowingly (its differences are untested)")
+    args = ap.parse_args(argv)
+    found = installed_versions()
+    print("stack:", ", ".join(f"{d}=={v}" for d, v in found.items()))
+    msg = stack_mismatch(found)
+    if not msg:
+        return 0
+    if args.stack_check == "warn":
+        print(f"WARNING: {msg}", file=sys.stderr)
+        return 0
+    print(f"{msg} To build on this stack anyway: --build-arg STACK_CHECK=warn.", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -27,3 +27,14 @@ def test_unpack_state_rejects_other_entries():
 def test_check_versions_reports_the_installed_stack():
     found = check_versions(strict=False)
     assert set(found) == set(SUPPORTED)
+
+
+def test_stack_mismatch_names_each_difference_and_ignores_local_labels():
+    from nemo_dapo.aligner.compat import stack_mismatch
+
+    same = {d: v + "+git7d576ed" for d, v in SUPPORTED.items()}  # a source install of the same releases
+    assert stack_mismatch(same) == ""
+    msg = stack_mismatch({**SUPPORTED, "nemo-toolkit": "2.2.0", "megatron-core": None})
+    assert "found nemo-toolkit==2.2.0, megatron-core==not installed" in msg and "nemo-aligner" not in msg.split(
+        "found")[1]
+    assert "NeMo-Aligner 0.7.0's own image" in msg

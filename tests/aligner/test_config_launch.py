@@ -35,17 +35,20 @@ def instructions(text: str) -> list:
 def test_dockerfile_builds_from_the_nemo_container_and_installs_without_deps():
     ins = instructions(DOCKERFILE.read_text())
     args = {a.split("=", 1)[0]: a.split("=", 1)[1] for k, a in ins if k == "ARG" and "=" in a}
-    assert args["BASE_IMAGE"] == "nvcr.io/nvidia/nemo:25.02"
+    assert args["BASE_IMAGE"] == "nemo-aligner:0.7.0"  # built from NeMo-Aligner v0.7.0's own Dockerfile
+    assert args["STACK_CHECK"] == "strict"
     assert ins[[k for k, _ in ins].index("FROM")][1] == "${BASE_IMAGE}"
     runs = " ".join(a for k, a in ins if k == "RUN")
     assert re.search(r"pip install .*--no-deps", runs)
-    assert "nemo_aligner" in runs and "EXPECT_ALIGNER" in runs  # the build checks the shipped Aligner version
+    assert "python -m nemo_dapo.aligner.compat --stack-check ${STACK_CHECK}" in runs  # the whole stack is checked
     assert ("COPY", ". /opt/nemo_dapo") in ins
 
 
-def test_dockerfile_comment_states_the_tag_evidence():
+def test_dockerfile_comment_states_the_evidence():
     text = DOCKERFILE.read_text()
-    assert "35b71c8a" in text and "3cbacd84" in text
+    assert "35b71c8a" in text and "3cbacd84" in text  # NeMo-Aligner adapted to nemo:25.02
+    assert "791b70e0" in text and "25.02.rc5" in text  # ...which is NeMo 2.2 + megatron-core 0.11 (very likely)
+    assert "633cb602" in text and "d15cec53" in text and "ALIGNER_COMMIT=v0.7.0" in text  # the exact base
 
 
 def test_docker_ignore_keeps_virtualenvs_out_of_the_context():
@@ -253,27 +256,35 @@ def test_cluster_docs_show_the_commands_and_name_existing_files():
         assert (ROOT / path).exists(), path
 
 
-def test_dockerfile_version_check_accepts_the_stack_and_rejects_another(tmp_path):
-    """Runs the image's own check (the RUN line that reads the installed versions) in this environment."""
+def test_dockerfile_stack_check_accepts_the_stack_and_rejects_another(tmp_path):
+    """Runs the image's own check (its RUN line) here, on the CPU stack, then with another NeMo installed in front
+    of it (a distribution's metadata is found first on sys.path): the build fails naming it, unless told to warn."""
     from importlib import metadata
 
     try:
-        installed = metadata.version("nemo_aligner")
-        metadata.version("nemo_toolkit"), metadata.version("megatron_core")
+        metadata.version("nemo_aligner"), metadata.version("nemo_toolkit"), metadata.version("megatron_core")
     except metadata.PackageNotFoundError:
         pytest.skip("needs the NeMo stack installed (scripts/install.sh full)")
-    check = next(a for k, a in instructions(DOCKERFILE.read_text()) if k == "RUN" and "EXPECT_ALIGNER" in a)
+    check = next(a for k, a in instructions(DOCKERFILE.read_text()) if k == "RUN" and "aligner.compat" in a)
     bindir = tmp_path / "bin"
     bindir.mkdir()
     wrapper = bindir / "python"  # `python` in the RUN line = this interpreter (a symlink would lose the venv)
     wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
     wrapper.chmod(0o755)
-    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}")
-    ok = subprocess.run(["bash", "-c", check], env=dict(env, EXPECT_ALIGNER=installed), capture_output=True, text=True)
+    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", PYTHONPATH=str(ROOT), STACK_CHECK="strict")
+    ok = subprocess.run(["bash", "-c", check], env=env, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
+    assert "stack: nemo-aligner==0.7.0, nemo-toolkit==2.1.0, megatron-core==0.10.0" in ok.stdout
     assert "registered: nemo_dapo.aligner.trainer:DAPOTrainer" in ok.stdout
-    bad = subprocess.run(["bash", "-c", check], env=dict(env, EXPECT_ALIGNER="9.9.9"), capture_output=True, text=True)
-    assert bad.returncode != 0 and "!= 9.9.9" in bad.stderr
+    other = tmp_path / "site"  # what nemo:25.02 very likely ships
+    (other / "nemo_toolkit-2.2.0.dist-info").mkdir(parents=True)
+    (other / "nemo_toolkit-2.2.0.dist-info" / "METADATA").write_text("Name: nemo_toolkit\nVersion: 2.2.0\n")
+    env = dict(env, PYTHONPATH=f"{other}:{ROOT}")
+    bad = subprocess.run(["bash", "-c", check], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "found nemo-toolkit==2.2.0" in bad.stderr and "STACK_CHECK=warn" in bad.stderr
+    assert "registered" not in bad.stdout  # the build stops at the check
+    warn = subprocess.run(["bash", "-c", check], env=dict(env, STACK_CHECK="warn"), capture_output=True, text=True)
+    assert warn.returncode == 0 and "WARNING" in warn.stderr and "registered" in warn.stdout
 
 
 def test_launch_files_name_no_old_algorithm_key():

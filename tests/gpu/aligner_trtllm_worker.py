@@ -1,6 +1,6 @@
 """GPU worker for test_aligner_trtllm.py: NeMo-Aligner's real TensorRT-LLM engine behind our TRTLLMGenerator.
 
-Run inside the NeMo container that ships NeMo-Aligner 0.7.0 (TensorRT-LLM 0.13, Transformer Engine, apex), one GPU:
+Run inside the trainer image (containers/Dockerfile: NeMo-Aligner 0.7.0's stack, TensorRT-LLM 0.13, TE, apex), one GPU:
     python tests/gpu/aligner_trtllm_worker.py            (OUT_DIR=<dir> for the JSON report)
 
 1. Builds a tiny Llama-style MegatronGPTDAPOActorModel (fp32, so that Megatron and the engine agree to the last bit

@@ -1,7 +1,7 @@
 """Device test: the real TensorRT-LLM engine of NeMo-Aligner 0.7.0 behind nemo_dapo's TRTLLMGenerator.
 
-Needs one GPU and the NeMo container that ships NeMo-Aligner 0.7.0 (TensorRT-LLM 0.13 with NeMo-Aligner's patch,
-Transformer Engine, apex); skipped elsewhere. Inside the container, from the repository root:
+Needs one GPU and the trainer image (containers/Dockerfile: NeMo-Aligner 0.7.0's stack, TensorRT-LLM 0.13 with its
+patch, Transformer Engine, apex); skipped elsewhere. Inside the container, from the repository root:
 
     pip install --no-deps -e . && pytest tests/gpu/test_aligner_trtllm.py -m gpu -v
 
