@@ -35,6 +35,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                       get_gpt_layer_with_transformer_engine_spec)
 
+from nemo_dapo.megatron.qk_norm import with_torch_qk_norm
+from nemo_dapo.megatron.te_check import te_below_1_9, te_version
 
 
 def gpt_layer_spec(*, num_experts: Optional[int] = None, moe_grouped_gemm: bool = False, qk_layernorm: bool = False,
@@ -43,17 +45,20 @@ def gpt_layer_spec(*, num_experts: Optional[int] = None, moe_grouped_gemm: bool 
     (Qwen3: a norm over ``head_dim`` on each query / key head, after the QKV projection, before RoPE).
 
     The QK-norm class is megatron-core's choice, which follows ``TransformerConfig.normalization``: TE spec ->
-    ``TENorm`` (``te.pytorch.RMSNorm`` for "RMSNorm"; TE < 1.9 gets apex's ``FusedLayerNorm``, which refuses
-    RMSNorm at build time); local spec -> ``LNImpl`` = ``WrappedTorchNorm`` without apex (``torch.nn.RMSNorm``),
-    apex's ``FusedLayerNorm`` with it (again refuses RMSNorm). Both are built with ``hidden_size = kv_channels``.
+    ``TENorm`` (``te.pytorch.RMSNorm`` for "RMSNorm"; below TE 1.9 megatron-core takes apex's ``FusedLayerNorm``,
+    which refuses RMSNorm at build time, so ``qk_norm.QKNorm`` is put there instead); local spec -> ``LNImpl`` =
+    ``WrappedTorchNorm`` without apex (``torch.nn.RMSNorm``), apex's ``FusedLayerNorm`` with it (again refuses
+    RMSNorm). Both are built with ``hidden_size = kv_channels``.
     Two fixes to 0.10's local spec: with experts it asks for TE's grouped linear (NameError without TE), so its MoE
     block is built with ``use_te=False``; and its checkpoint rename ``pre_mlp_layernorm. ->
     mlp.linear_fc1.layer_norm_`` (for TE's fused dense MLP) is dropped for MoE layers, whose TE spec keeps
     ``pre_mlp_layernorm`` as a module of its own, so a local-spec MoE checkpoint loads into the TE spec.
     """
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(num_experts, moe_grouped_gemm, qk_layernorm=qk_layernorm,
-                                                          fp8=fp8)
+        layer = get_gpt_layer_with_transformer_engine_spec(num_experts, moe_grouped_gemm, qk_layernorm=qk_layernorm,
+                                                           fp8=fp8)
+        # below TE 1.9 megatron-core's QK-norm is apex's FusedLayerNorm, which refuses RMSNorm (qk_norm.py)
+        return with_torch_qk_norm(layer) if qk_layernorm and te_below_1_9(te_version()) else layer
     if not num_experts:
         return get_gpt_layer_local_spec(qk_layernorm=qk_layernorm)
     try:
