@@ -42,6 +42,7 @@ from nemo_dapo.megatron.model import gpt_layer_spec
 from nemo_dapo.megatron.reduction import DPReducer, from_last_pipeline_stage, megatron_loss_scale, sum_grads_over_tp
 from nemo_dapo.megatron.step import (forward_backward, hidden_logprobs_entropy, hidden_states_only, loss_share,
                                      microbatches, normalizer_share)
+from nemo_dapo.megatron.te_check import grouped_gemm_problem, te_version
 from nemo_dapo.megatron.vocab_parallel import vocab_parallel_logits_logprobs_entropy
 
 MegatronGPTActorModel = actor_base()
@@ -112,9 +113,12 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
         the inherited method is used unchanged; with it, the same ``MCoreGPTModel`` is built with the same arguments
         (copied from that method) and ``megatron.model.gpt_layer_spec(qk_layernorm=True)`` (TE's spec when
         ``model.transformer_engine``, else the local one; both build an RMSNorm over ``kv_channels`` when
-        ``normalization: rmsnorm``). NeMo itself is not patched.
+        ``normalization: rmsnorm``; below TE 1.9 the TE spec's QK-norm is ``qk_norm.QKNorm``). NeMo itself is not
+        patched. ``moe_grouped_gemm`` needs TE >= 1.9 (``te_check.grouped_gemm_problem``): refused here below it.
         """
         config = self.transformer_config
+        if config.moe_grouped_gemm and self.transformer_engine and grouped_gemm_problem(te_version()):
+            raise ValueError(grouped_gemm_problem(te_version()))  # NeMo-Aligner 0.7.0's image has TE 1.8
         if not config.qk_layernorm:
             return super().model_provider_func(pre_process, post_process)
         if not self.mcore_gpt or self.spec_name not in ("", "te_gpt"):

@@ -1,19 +1,23 @@
-"""What the trainer relies on in Transformer Engine and in megatron-core's TE wrappers, checked where both are
-installed: the trainer image's build (containers/Dockerfile runs ``python -m nemo_dapo.megatron.te_check``).
+"""What the trainer relies on in Transformer Engine and in megatron-core's TE wrappers, read from the installed files
+without importing TE (it needs a GPU to build a layer): at the trainer image's build (containers/Dockerfile runs
+``python -m nemo_dapo.megatron.te_check``) and when the actor builds its model.
 
-TE needs a GPU to build a layer, so the facts are read from the installed files, without importing TE:
-
-* TE >= 1.9, megatron-core 0.10's gate for ``TEColumnParallelGroupedLinear``: below it ``moe_grouped_gemm: True``
-  (the Qwen3-MoE recipes) builds the legacy ``GroupedMLP``, whose ``experts.weight1`` / ``weight2`` the refit does
-  not map, instead of ``TEGroupedMLP``;
-* a grouped linear names expert i's weight ``weight{i}`` (TE's ``GroupedLinear``, and megatron-core's checkpoint
-  adapter reads ``full_state_dict[f'weight{gemm_idx}']``): the names ``model.sequential_expert_name`` reads as
-  SequentialMLP's.
+* TE is installed: the trainer builds TE's layer spec (``model.transformer_engine: True``).
+* TE >= 1.9 is megatron-core 0.10's gate for two things. Grouped-GEMM experts (``TEColumnParallelGroupedLinear``):
+  below it ``moe_grouped_gemm: True`` builds the legacy ``GroupedMLP``, whose ``experts.weight1`` / ``weight2`` the
+  refit does not map, so the actor refuses it (:func:`grouped_gemm_problem`). TE's norm for QK-norm: below it
+  megatron-core takes apex's ``FusedLayerNorm``, which refuses RMSNorm, and ``model.gpt_layer_spec`` builds its own
+  (:func:`te_below_1_9`). NeMo-Aligner 0.7.0's own image has TE 1.8.0.dev0 (commit 7d576ed2), so neither is an
+  image error: the check prints what the installed TE rules out.
+* Where TE has grouped linears, expert i's weight is ``weight{i}`` (TE's ``GroupedLinear``, and megatron-core's
+  checkpoint adapter reads ``full_state_dict[f'weight{gemm_idx}']``): the names ``model.sequential_expert_name``
+  reads as SequentialMLP's. A rename there fails the build.
 """
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from importlib import metadata
 from typing import Optional
 
@@ -25,13 +29,23 @@ FILES = {
 }
 
 
-def _te_version() -> Optional[str]:
+def te_version() -> Optional[str]:
+    """The installed Transformer Engine's version, or None."""
     for name in ("transformer_engine", "transformer-engine", "transformer_engine_torch"):
         try:
             return metadata.version(name)
         except metadata.PackageNotFoundError:
             continue
     return None
+
+
+def te_below_1_9(version: Optional[str]) -> bool:
+    """Whether TE ``version`` is installed and older than 1.9 (a ``.dev`` of 1.9 counts as 1.9, as in
+    megatron-core's ``is_te_min_version``, which compares the release segment for "1.9.0")."""
+    if version is None:
+        return False
+    release = tuple(int(p) for p in re.findall(r"\d+", version.split("+")[0])[:2])
+    return release < MIN_TE
 
 
 def installed_files() -> dict:
@@ -46,19 +60,27 @@ def installed_files() -> dict:
     return out
 
 
-def check(files: dict, te_version: Optional[str]) -> list:
-    """The problems with ``files`` (``installed_files()``) and ``te_version``; [] when they match."""
+def grouped_gemm_problem(version: Optional[str]) -> str:
+    """Why ``moe_grouped_gemm: True`` cannot run with TE ``version``; "" when it can."""
+    if version is None:
+        return ("model.moe_grouped_gemm=True needs Transformer Engine (megatron-core's TEGroupedMLP), which is not "
+                "installed; fix: model.moe_grouped_gemm=False")
+    if te_below_1_9(version):
+        return (f"model.moe_grouped_gemm=True needs Transformer Engine >= 1.9 (found {version}): below it "
+                "megatron-core 0.10 builds the legacy GroupedMLP, whose experts.weight1 / weight2 the engine refit "
+                "does not map; fix: model.moe_grouped_gemm=False (one GEMM per local expert)")
+    return ""
+
+
+def check(files: dict, version: Optional[str]) -> list:
+    """The problems with ``files`` (``installed_files()``) and TE ``version``; [] when they match."""
     problems = []
-    if te_version is None:
+    if version is None:
         problems.append("transformer_engine is not installed: the trainer builds TE's layers "
-                        "(model.transformer_engine=True); use the NeMo container")
-    else:
-        major_minor = tuple(int(p) for p in te_version.split(".")[:2] if p.isdigit())
-        if major_minor < MIN_TE:
-            problems.append(f"transformer_engine {te_version} < 1.9: megatron-core has no TE grouped linear, so "
-                            "moe_grouped_gemm=True builds the legacy GroupedMLP, whose weights the refit does not "
-                            "map; set model.moe_grouped_gemm=False in the Qwen3-MoE recipes or use a newer TE")
+                        "(model.transformer_engine=True); build on NeMo-Aligner 0.7.0's image (containers/)")
     for path, text in FILES.items():
+        if path.startswith("transformer_engine/") and (version is None or te_below_1_9(version)):
+            continue  # no grouped linear below 1.9: nothing to name
         if files.get(path) is None:
             problems.append(f"{path} is not installed")
         elif text not in files[path]:
@@ -67,9 +89,18 @@ def check(files: dict, te_version: Optional[str]) -> list:
     return problems
 
 
+def report(version: Optional[str]) -> str:
+    """One line on what the installed TE allows (printed by the image build)."""
+    if version is None or not te_below_1_9(version):
+        return f"transformer_engine {version}: grouped-GEMM experts and TE's QK-norm available"
+    return (f"transformer_engine {version} < 1.9: model.moe_grouped_gemm=True is refused at launch; QK-norm "
+            "(Qwen3) uses nemo_dapo's torch norm (megatron-core would take apex's FusedLayerNorm, which refuses "
+            "RMSNorm)")
+
+
 if __name__ == "__main__":
     import sys
 
-    found = check(installed_files(), _te_version())
-    print("\n".join(found) or "nemo_dapo.megatron.te_check: the installed TE and megatron-core match")
+    found = check(installed_files(), te_version())
+    print("\n".join(found) or f"nemo_dapo.megatron.te_check: {report(te_version())}")
     sys.exit(1 if found else 0)

@@ -3,6 +3,8 @@ here, for real); TE itself is not installed here, so its side is checked on text
 whole check at build time."""
 from pathlib import Path
 
+import pytest
+
 from nemo_dapo.megatron import te_check
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,7 +22,9 @@ def test_the_installed_megatron_core_names_grouped_weights_weight_i():
 def test_each_mismatch_is_named():
     files = {MEGATRON: te_check.installed_files()[MEGATRON], TE: TE_TEXT}
     assert "not installed" in " ".join(te_check.check(files, None))
-    assert "< 1.9" in " ".join(te_check.check(files, "1.8.0"))
+    # NeMo-Aligner 0.7.0's image: TE 1.8.0.dev0 has no grouped linear (no grouped_linear.py): not an image error
+    assert te_check.check({MEGATRON: files[MEGATRON], TE: None}, "1.8.0.dev0") == []
+    assert "not installed" in " ".join(te_check.check({MEGATRON: files[MEGATRON], TE: None}, "1.9.0"))
     renamed = te_check.check({**files, TE: TE_TEXT.replace("weight{i}", "weights_{i}")}, "2.0.0")
     assert len(renamed) == 1 and TE in renamed[0]
     assert te_check.check({MEGATRON: None, TE: TE_TEXT}, "2.0.0") == [f"{MEGATRON} is not installed"]
@@ -28,3 +32,17 @@ def test_each_mismatch_is_named():
 
 def test_the_trainer_image_runs_the_check():
     assert "python -m nemo_dapo.megatron.te_check" in (ROOT / "containers" / "Dockerfile").read_text()
+
+
+@pytest.mark.parametrize("version, below", [("1.8.0.dev0", True), ("1.8.0", True), ("1.9.0.dev0", False),
+                                            ("1.9.0", False), ("1.13.0+7d576ed", False), ("2.1.0", False)])
+def test_te_1_9_is_the_gate(version, below):
+    assert te_check.te_below_1_9(version) is below
+    assert bool(te_check.grouped_gemm_problem(version)) is below
+    assert ("< 1.9" in te_check.report(version)) is below
+
+
+def test_grouped_gemm_is_refused_without_te_or_below_1_9():
+    assert "moe_grouped_gemm=False" in te_check.grouped_gemm_problem(None)
+    assert "found 1.8.0.dev0" in te_check.grouped_gemm_problem("1.8.0.dev0")
+    assert te_check.te_below_1_9(None) is False  # no TE is its own problem (check), not "below"
