@@ -20,7 +20,8 @@ expert-parallel (EP) group, and each expert over the expert-tensor-parallel grou
 (``TELinear``, ``TEGroupedLinear``) leave an expert's communication to the token dispatcher and build TE's layer
 with ``parallel_mode=None``, and TE then labels every weight ``partition_dim=0`` (its ``reset_parameters``: ``dim=1
 if parallel_mode == "row" else 0``). So are the grouped-GEMM experts (``moe_grouped_gemm`` on the TE spec) and the
-fp8 ones; the other TE-spec experts are megatron's own linears, labelled right.
+fp8 ones; the other TE-spec experts are megatron's own linears in 0.10, labelled right (0.11 builds every TE-spec
+expert from TE's linears: the same rule covers them).
 """
 from __future__ import annotations
 
