@@ -173,7 +173,7 @@ def safe_load(f, *, what: str):
     from nemo_dapo.core.types import RolloutBatch
 
     try:
-        with torch.serialization.safe_globals([RolloutBatch, Group]):
+        with _allowing([RolloutBatch, Group]):
             return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         found = re.search(r"GLOBAL ([\w.]+)", str(e))
@@ -185,6 +185,17 @@ def safe_load(f, *, what: str):
     except (EOFError, RuntimeError, OSError, ValueError) as e:
         # EOFError: empty file; RuntimeError: the zip container is cut short; OSError/ValueError: bad offsets.
         raise CorruptCheckpoint(f"{what} is truncated or corrupt ({type(e).__name__}: {_first_line(e)})") from None
+
+
+def _allowing(classes: list):
+    """A context in which ``torch.load(weights_only=True)`` accepts ``classes``. torch >= 2.5 scopes the allowlist to
+    the context (``safe_globals``); torch 2.4 (the trainer image: PyTorch 24.07) has only the process-wide
+    ``add_safe_globals``, which is harmless for the project's own dataclasses."""
+    scoped = getattr(torch.serialization, "safe_globals", None)
+    if scoped is not None:
+        return scoped(classes)
+    torch.serialization.add_safe_globals(classes)
+    return contextlib.nullcontext()
 
 
 def _first_line(e: BaseException) -> str:

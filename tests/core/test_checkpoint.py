@@ -189,3 +189,25 @@ def test_atomic_directory_a_killed_writer_leaves_no_half_directory(tmp_path):
         _write(tmp, NEW)
     assert _tree(d) == NEW and _tree(str(tmp_path / "elsewhere")) == {"config.json": "half"}
     assert not os.path.lexists(d + ".tmp")
+
+
+def test_safe_load_on_a_torch_without_scoped_allowlists(tmp_path, monkeypatch):
+    """torch 2.4 (the trainer image's PyTorch 24.07) has add_safe_globals but not the safe_globals context: a
+    checkpoint with the filler's dataclasses still loads, and a foreign class is still refused."""
+    from nemo_dapo.core.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+    from nemo_dapo.core.dynamic_sampling import Group
+
+    before = torch.serialization.get_safe_globals()
+    monkeypatch.delattr(torch.serialization, "safe_globals")
+    try:
+        group = Group(uid=3, acc=torch.tensor([1.0, 0.0]), rewards=torch.tensor([1.0, -1.0]))
+        got = load_checkpoint(save_checkpoint(str(tmp_path), 2, {"groups": [group]}))["groups"][0]
+        assert isinstance(got, Group) and got.uid == 3 and torch.equal(got.rewards, group.rewards)
+        path = ck.checkpoint_path(str(tmp_path), 5)
+        torch.save({"loop": _Planted(tmp_path / "pwned")}, path)
+        with pytest.raises(CheckpointError, match="posix.system"):
+            load_checkpoint(path)
+        assert not (tmp_path / "pwned").exists()
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)
