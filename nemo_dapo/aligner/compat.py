@@ -137,9 +137,21 @@ def write_checkpoints_in_process(trainer) -> str:
     return type(io.save_sharded_strategy).__name__ + ("" if holder is io else f"({type(ours).__name__})")
 
 
+def _state_round_trips() -> bool:
+    """``pack_state`` / ``unpack_state`` on this torch, with the filler's dataclass inside (raises if not)."""
+    from nemo_dapo.core.dynamic_sampling import Group
+
+    group = Group(uid=7, acc=torch.tensor([1.0, 0.0]), rewards=torch.tensor([1.0, -1.0]))
+    back = unpack_state(pack_state({"groups": [group]}))["groups"][0]
+    if not (isinstance(back, Group) and back.uid == 7 and torch.equal(back.rewards, group.rewards)):
+        raise RuntimeError(f"the trainer state does not round-trip on torch {torch.__version__}: got {back!r}")
+    return True
+
+
 def main(argv=None) -> int:
     """``python -m nemo_dapo.aligner.compat [--stack-check strict|warn]``: the image build's check of the stack.
-    Prints what is installed; with ``strict`` (the default) a stack other than ``SUPPORTED`` fails the build."""
+    Prints what is installed; with ``strict`` (the default) a stack other than ``SUPPORTED`` fails the build. The
+    trainer state's round trip through a weights-only load (what every resume does) runs on the image's torch too."""
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m nemo_dapo.aligner.compat", description=main.__doc__)
@@ -148,6 +160,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     found = installed_versions()
     print("stack:", ", ".join(f"{d}=={v}" for d, v in found.items()))
+    print(f"torch {torch.__version__}: the trainer state round-trips through a weights-only load:",
+          _state_round_trips())
     msg = stack_mismatch(found)
     if not msg:
         return 0

@@ -275,6 +275,7 @@ def test_dockerfile_stack_check_accepts_the_stack_and_rejects_another(tmp_path):
     ok = subprocess.run(["bash", "-c", check], env=env, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert "stack: nemo-aligner==0.7.0, nemo-toolkit==2.1.0, megatron-core==0.10.0" in ok.stdout
+    assert "the trainer state round-trips through a weights-only load: True" in ok.stdout
     assert "registered: nemo_dapo.aligner.trainer:DAPOTrainer" in ok.stdout
     other = tmp_path / "site"  # what nemo:25.02 very likely ships
     (other / "nemo_toolkit-2.2.0.dist-info").mkdir(parents=True)

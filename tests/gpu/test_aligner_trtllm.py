@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.nemo, pytest.mark.slow]
 HAVE_STACK = all(importlib.util.find_spec(m) is not None for m in ("tensorrt_llm", "nemo_aligner", "megatron.core"))
 
 
-@pytest.mark.skipif(not HAVE_STACK, reason="needs the NeMo container with NeMo-Aligner 0.7.0 and TensorRT-LLM")
+@pytest.mark.skipif(not HAVE_STACK, reason="needs the trainer image (NeMo-Aligner 0.7.0 and TensorRT-LLM)")
 def test_trtllm_engine_build_refit_and_agreement_with_megatron(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "tests/gpu/aligner_trtllm_worker.py")], cwd=ROOT,
                           env={**os.environ, "OUT_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)},
