@@ -51,7 +51,7 @@ def stack_mismatch(found: dict) -> str:
     return ("nemo_dapo.aligner targets " + ", ".join(f"{d}=={v}" for d, v in SUPPORTED.items()) + "; found "
             + ", ".join(f"{d}=={v or 'not installed'}" for d, v in wrong.items()) + ". Its calls into NeMo and "
             "megatron-core were read and are tested at those versions only. Build the trainer image from "
-            "containers/Dockerfile on NeMo-Aligner 0.7.0's own image (docs/cluster.md, 'Images').")
+            "containers/Dockerfile on NeMo-Aligner 0.7.0's own image (docs/cluster.md, 'Build the images').")
 
 
 def check_versions(strict: bool = False) -> dict:

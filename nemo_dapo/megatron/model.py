@@ -37,7 +37,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
                                                       get_gpt_layer_with_transformer_engine_spec)
 
 from nemo_dapo.megatron.qk_norm import with_torch_qk_norm
-from nemo_dapo.megatron.te_check import te_below_1_9, te_version
+from nemo_dapo.megatron.te_check import qk_norm_is_apex, te_version
 
 
 def gpt_layer_spec(*, num_experts: Optional[int] = None, moe_grouped_gemm: bool = False, qk_layernorm: bool = False,
@@ -59,7 +59,7 @@ def gpt_layer_spec(*, num_experts: Optional[int] = None, moe_grouped_gemm: bool 
         layer = get_gpt_layer_with_transformer_engine_spec(num_experts, moe_grouped_gemm, qk_layernorm=qk_layernorm,
                                                            fp8=fp8)
         # below TE 1.9 megatron-core's QK-norm is apex's FusedLayerNorm, which refuses RMSNorm (qk_norm.py)
-        return with_torch_qk_norm(layer) if qk_layernorm and te_below_1_9(te_version()) else layer
+        return with_torch_qk_norm(layer) if qk_layernorm and qk_norm_is_apex(te_version()) else layer
     if not num_experts:
         return get_gpt_layer_local_spec(qk_layernorm=qk_layernorm)
     try:

@@ -1,6 +1,6 @@
-"""QK-norm (Qwen3) in torch for the Transformer Engine layer spec when TE is older than 1.9.
+"""QK-norm (Qwen3) in torch for the Transformer Engine layer spec when TE is older than 1.9.0.
 
-megatron-core 0.10's TE spec takes apex's ``FusedLayerNorm`` for the query / key norms below TE 1.9 ("TENorm
+megatron-core 0.10's TE spec takes apex's ``FusedLayerNorm`` for the query / key norms below TE 1.9.0 ("TENorm
 significantly harms convergence" there, ``gpt_layer_specs.py``), and ``FusedLayerNorm`` asserts
 ``normalization == "LayerNorm"``, so a Qwen3 model (RMSNorm) fails to build on NeMo-Aligner 0.7.0's own image
 (TE 1.8.0.dev0). :func:`with_torch_qk_norm` puts :class:`QKNorm` there instead: the same parameter names and

@@ -3,12 +3,13 @@ without importing TE (it needs a GPU to build a layer): at the trainer image's b
 ``python -m nemo_dapo.megatron.te_check``) and when the actor builds its model.
 
 * TE is installed: the trainer builds TE's layer spec (``model.transformer_engine: True``).
-* TE >= 1.9 is megatron-core 0.10's gate for two things. Grouped-GEMM experts (``TEColumnParallelGroupedLinear``):
-  below it ``moe_grouped_gemm: True`` builds the legacy ``GroupedMLP``, whose ``experts.weight1`` / ``weight2`` the
-  refit does not map, so the actor refuses it (:func:`grouped_gemm_problem`). TE's norm for QK-norm: below it
-  megatron-core takes apex's ``FusedLayerNorm``, which refuses RMSNorm, and ``model.gpt_layer_spec`` builds its own
-  (:func:`te_below_1_9`). NeMo-Aligner 0.7.0's own image has TE 1.8.0.dev0 (commit 7d576ed2), so neither is an
-  image error: the check prints what the installed TE rules out.
+* TE 1.9 is megatron-core 0.10's gate for two things, compared as megatron-core compares them
+  (``is_te_min_version``). Grouped-GEMM experts (``TEColumnParallelGroupedLinear``, from "1.9.0.dev0"): below it
+  ``moe_grouped_gemm: True`` builds the legacy ``GroupedMLP``, whose ``experts.weight1`` / ``weight2`` the refit
+  does not map, so the actor refuses it (:func:`grouped_gemm_problem`). TE's norm for QK-norm (from "1.9.0"): below
+  it megatron-core takes apex's ``FusedLayerNorm``, which refuses RMSNorm, and ``model.gpt_layer_spec`` builds its
+  own (:func:`qk_norm_is_apex`). NeMo-Aligner 0.7.0's own image has TE 1.8.0.dev0 (commit 7d576ed2), so neither is
+  an image error: the check prints what the installed TE rules out.
 * Where TE has grouped linears, expert i's weight is ``weight{i}`` (TE's ``GroupedLinear``, and megatron-core's
   checkpoint adapter reads ``full_state_dict[f'weight{gemm_idx}']``): the names ``model.sequential_expert_name``
   reads as SequentialMLP's. A rename there fails the build.
@@ -17,11 +18,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 from importlib import metadata
 from typing import Optional
 
-MIN_TE = (1, 9)
+from packaging.version import Version
+
+GROUPED_GEMM_TE = "1.9.0.dev0"  # megatron-core 0.10 transformer_engine.py: TEGroupedLinear exists from this TE on
+QK_NORM_TE = "1.9.0"  # megatron-core 0.10 gpt_layer_specs.py: TENorm as QK-norm from this TE on, else FusedLayerNorm
 # file (relative to its top-level package) -> text it must contain
 FILES = {
     "megatron/core/extensions/transformer_engine.py": "full_state_dict[f'weight{gemm_idx}']",
@@ -39,13 +42,15 @@ def te_version() -> Optional[str]:
     return None
 
 
-def te_below_1_9(version: Optional[str]) -> bool:
-    """Whether TE ``version`` is installed and older than 1.9 (a ``.dev`` of 1.9 counts as 1.9, as in
-    megatron-core's ``is_te_min_version``, which compares the release segment for "1.9.0")."""
-    if version is None:
-        return False
-    release = tuple(int(p) for p in re.findall(r"\d+", version.split("+")[0])[:2])
-    return release < MIN_TE
+def _below(version: Optional[str], minimum: str) -> bool:
+    """Whether TE ``version`` is installed and older than ``minimum``, as megatron-core's ``is_te_min_version``
+    compares (``packaging`` versions: a ``.dev0`` comes before its release)."""
+    return version is not None and Version(version) < Version(minimum)
+
+
+def qk_norm_is_apex(version: Optional[str]) -> bool:
+    """Whether megatron-core 0.10's TE spec builds QK-norm from apex's ``FusedLayerNorm`` with TE ``version``."""
+    return _below(version, QK_NORM_TE)
 
 
 def installed_files() -> dict:
@@ -65,7 +70,7 @@ def grouped_gemm_problem(version: Optional[str]) -> str:
     if version is None:
         return ("model.moe_grouped_gemm=True needs Transformer Engine (megatron-core's TEGroupedMLP), which is not "
                 "installed; fix: model.moe_grouped_gemm=False")
-    if te_below_1_9(version):
+    if _below(version, GROUPED_GEMM_TE):
         return (f"model.moe_grouped_gemm=True needs Transformer Engine >= 1.9 (found {version}): below it "
                 "megatron-core 0.10 builds the legacy GroupedMLP, whose experts.weight1 / weight2 the engine refit "
                 "does not map; fix: model.moe_grouped_gemm=False (one GEMM per local expert)")
@@ -79,7 +84,7 @@ def check(files: dict, version: Optional[str]) -> list:
         problems.append("transformer_engine is not installed: the trainer builds TE's layers "
                         "(model.transformer_engine=True); build on NeMo-Aligner 0.7.0's image (containers/)")
     for path, text in FILES.items():
-        if path.startswith("transformer_engine/") and (version is None or te_below_1_9(version)):
+        if path.startswith("transformer_engine/") and (version is None or _below(version, GROUPED_GEMM_TE)):
             continue  # no grouped linear below 1.9: nothing to name
         if files.get(path) is None:
             problems.append(f"{path} is not installed")
@@ -91,11 +96,9 @@ def check(files: dict, version: Optional[str]) -> list:
 
 def report(version: Optional[str]) -> str:
     """One line on what the installed TE allows (printed by the image build)."""
-    if version is None or not te_below_1_9(version):
-        return f"transformer_engine {version}: grouped-GEMM experts and TE's QK-norm available"
-    return (f"transformer_engine {version} < 1.9: model.moe_grouped_gemm=True is refused at launch; QK-norm "
-            "(Qwen3) uses nemo_dapo's torch norm (megatron-core would take apex's FusedLayerNorm, which refuses "
-            "RMSNorm)")
+    grouped = "refused at launch" if grouped_gemm_problem(version) else "available"
+    qk = "nemo_dapo's torch norm (apex's FusedLayerNorm refuses RMSNorm)" if qk_norm_is_apex(version) else "TE's"
+    return f"transformer_engine {version}: grouped-GEMM experts {grouped}; QK-norm (Qwen3): {qk}"
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm  # noqa: E402
 
 from nemo_dapo.megatron import model as model_mod  # noqa: E402
 from nemo_dapo.megatron.qk_norm import QKNorm, with_torch_qk_norm  # noqa: E402
-from nemo_dapo.megatron.te_check import te_below_1_9  # noqa: E402
+from nemo_dapo.megatron.te_check import qk_norm_is_apex  # noqa: E402
 from tests.support.megatron_model import GPTSpec, destroy_parallel, initialize_parallel, transformer_config  # noqa
 
 
@@ -64,13 +64,14 @@ def test_only_query_and_key_norms_are_replaced():
     assert with_torch_qk_norm(plain) is plain and _attn(plain).q_layernorm is IdentityOp
 
 
-@pytest.mark.parametrize("te, replaced", [("1.8.0.dev0", True), ("1.9.0.dev0", False), ("1.13.0+7d576ed", False)])
+@pytest.mark.parametrize("te, replaced", [("1.8.0.dev0", True), ("1.9.0.dev0", True), ("1.9.0", False),
+                                          ("1.13.0+7d576ed", False)])
 def test_te_spec_gets_the_torch_qk_norm_below_te_1_9(monkeypatch, te, replaced):
     """Our side of gpt_layer_spec(use_te=True): megatron-core 0.10's TE spec below 1.9 (apex's FusedLayerNorm as
     QK-norm), stood in by the local spec with that substitution, since TE's layers do not exist without TE."""
     def te_spec(num_experts, moe_grouped_gemm, qk_layernorm=False, fp8=None):
         layer = model_mod.get_gpt_layer_local_spec(qk_layernorm=qk_layernorm)
-        qk = FusedLayerNorm if te_below_1_9(te) else WrappedTorchNorm  # TENorm from 1.9 on
+        qk = FusedLayerNorm if qk_norm_is_apex(te) else WrappedTorchNorm  # TENorm from 1.9.0 on
         sub = dataclasses.replace(_attn(layer), q_layernorm=qk, k_layernorm=qk)
         return dataclasses.replace(layer, submodules=dataclasses.replace(
             layer.submodules, self_attention=dataclasses.replace(layer.submodules.self_attention, submodules=sub)))

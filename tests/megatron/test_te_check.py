@@ -34,15 +34,17 @@ def test_the_trainer_image_runs_the_check():
     assert "python -m nemo_dapo.megatron.te_check" in (ROOT / "containers" / "Dockerfile").read_text()
 
 
-@pytest.mark.parametrize("version, below", [("1.8.0.dev0", True), ("1.8.0", True), ("1.9.0.dev0", False),
-                                            ("1.9.0", False), ("1.13.0+7d576ed", False), ("2.1.0", False)])
-def test_te_1_9_is_the_gate(version, below):
-    assert te_check.te_below_1_9(version) is below
-    assert bool(te_check.grouped_gemm_problem(version)) is below
-    assert ("< 1.9" in te_check.report(version)) is below
+@pytest.mark.parametrize("version, grouped, apex_qk", [
+    ("1.8.0.dev0", False, True), ("1.8.0", False, True), ("1.9.0.dev0", True, True),  # as megatron-core compares
+    ("1.9.0", True, False), ("1.13.0+7d576ed", True, False), ("2.1.0", True, False)])
+def test_te_1_9_gates_grouped_gemm_and_te_qk_norm_as_megatron_core_does(version, grouped, apex_qk):
+    assert (te_check.grouped_gemm_problem(version) == "") is grouped
+    assert te_check.qk_norm_is_apex(version) is apex_qk
+    line = te_check.report(version)
+    assert ("grouped-GEMM experts available" in line) is grouped and ("torch norm" in line) is apex_qk
 
 
 def test_grouped_gemm_is_refused_without_te_or_below_1_9():
     assert "moe_grouped_gemm=False" in te_check.grouped_gemm_problem(None)
     assert "found 1.8.0.dev0" in te_check.grouped_gemm_problem("1.8.0.dev0")
-    assert te_check.te_below_1_9(None) is False  # no TE is its own problem (check), not "below"
+    assert te_check.qk_norm_is_apex(None) is False  # no TE: no TE spec to fix (check names the missing TE)
