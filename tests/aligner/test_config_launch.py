@@ -32,7 +32,7 @@ def instructions(text: str) -> list:
             for ln in joined.splitlines() if ln.strip()]
 
 
-def test_dockerfile_builds_from_the_nemo_container_and_installs_without_deps():
+def test_dockerfile_builds_on_nemo_aligners_own_image_and_installs_without_deps():
     ins = instructions(DOCKERFILE.read_text())
     args = {a.split("=", 1)[0]: a.split("=", 1)[1] for k, a in ins if k == "ARG" and "=" in a}
     assert args["BASE_IMAGE"] == "nemo-aligner:0.7.0"  # built from NeMo-Aligner v0.7.0's own Dockerfile
