@@ -108,6 +108,8 @@ def test_a_gpt_model_with_the_torch_qk_norm_computes_what_megatrons_torch_norm_d
         pos = torch.arange(12).expand(2, 12)
         mask = torch.ones(1, 1, 12, 12, dtype=torch.bool).tril().logical_not()
         a, b = ref(tokens, pos, mask), ours(tokens, pos, mask)
+        print(f"QKNorm vs megatron's torch norm: max |logit difference| {(a - b).abs().max().item():.3g} "
+              f"(logits up to {a.abs().max().item():.2f})")  # pytest -s shows it
         assert a.shape == (2, 12, 64) and torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
         broken = with_torch_qk_norm(layer)
         torch.manual_seed(1)
