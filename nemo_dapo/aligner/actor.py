@@ -117,8 +117,9 @@ class MegatronGPTDAPOActorModel(MegatronGPTActorModel):
         patched. ``moe_grouped_gemm`` needs TE >= 1.9 (``te_check.grouped_gemm_problem``): refused here below it.
         """
         config = self.transformer_config
-        if config.moe_grouped_gemm and self.transformer_engine and grouped_gemm_problem(te_version()):
-            raise ValueError(grouped_gemm_problem(te_version()))  # NeMo-Aligner 0.7.0's image has TE 1.8
+        problem = grouped_gemm_problem(te_version()) if config.moe_grouped_gemm and self.transformer_engine else ""
+        if problem:  # NeMo-Aligner 0.7.0's image has TE 1.8
+            raise ValueError(problem)
         if not config.qk_layernorm:
             return super().model_provider_func(pre_process, post_process)
         if not self.mcore_gpt or self.spec_name not in ("", "te_gpt"):
