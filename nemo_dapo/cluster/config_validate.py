@@ -270,6 +270,13 @@ def _layout(cfg: dict, s: dict):
     if vpp not in (None, 1):
         yield (f"model.virtual_pipeline_model_parallel_size={vpp}: NeMo-Aligner's actors and the Megatron "
                "distributed optimizer reject virtual pipelining; fix: set it to null")
+    layers = _arch(cfg, "num_layers")
+    if _is_count(layers) and layers % pp:
+        stages = [d for d in range(1, layers + 1) if layers % d == 0 and d <= world]
+        yield (f"num_layers={layers} (model/plan.arch) is not divisible by model.pipeline_model_parallel_size={pp}: "
+               "NeMo 2.1 refuses an uneven split (MegatronGPTModel.build_transformer_config), and so does "
+               f"`nemo-dapo convert`; fix: a pipeline size that divides the layers ({', '.join(map(str, stages))}), "
+               "with TP / EP resized to fit (`nemo-dapo plan`)")
     heads, groups = _arch(cfg, "num_attention_heads"), _arch(cfg, "num_query_groups")
     if heads and heads % tp:
         yield (f"num_attention_heads={heads} (model/plan.arch) is not divisible by "

@@ -192,6 +192,10 @@ BAD = [
      "model.moe_grouped_gemm=True without model.transformer_engine"),
     (DENSE, ["+model.virtual_pipeline_model_parallel_size=2"], "model.virtual_pipeline_model_parallel_size"),
     (DENSE, ["model.tensor_model_parallel_size=16"], "num_query_groups"),
+    (DENSE, ["model.pipeline_model_parallel_size=3"], "num_layers=64 (model/plan.arch) is not divisible"),
+    # the layout the Qwen3-235B recipes had: NeMo 2.1 raises on 94 layers over 8 stages
+    ("qwen3-235b-a22b_h100", ["model.pipeline_model_parallel_size=8", "model.expert_model_parallel_size=4"],
+     "a pipeline size that divides the layers (1, 2, 47, 94)"),
     (DENSE, ["model.expert_model_parallel_size=2"], "num_moe_experts"),
     (MOE, ["model.expert_model_parallel_size=3"], "num_moe_experts=8 is not divisible"),
     (MOE, ["model.pipeline_model_parallel_size=4"], "tensor_model_parallel_size x expert_model_parallel_size"),

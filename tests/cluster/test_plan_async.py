@@ -130,7 +130,7 @@ def test_splits_the_planner_cannot_make_are_refused_with_the_reason(recipe, over
 
 
 def test_a_training_layout_that_needs_every_gpu_cannot_be_split():
-    rows = _plan("qwen3-235b-a22b_h100")["layouts"]  # TP4 x PP8 x EP4 (ETP = TP): 128 GPUs per expert group
+    rows = _plan("qwen3-235b-a22b_h100")["layouts"]  # ETP4 x EP16 x PP2: 128 GPUs per expert group
     assert "must be a multiple of 128" in rows["disaggregated"]["refused"]
     assert rows["colocated_partial"]["step"] < rows["colocated"]["step"]
 

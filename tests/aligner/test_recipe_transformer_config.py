@@ -1,0 +1,131 @@
+"""Every GPU recipe's model config, as the launch builds it, goes through NeMo 2.1's own ``build_transformer_config``
+into megatron-core 0.10's ``TransformerConfig`` (whose ``__post_init__`` checks run), and comes out as the recipe
+means it.
+
+The launch merges the recipe over the checkpoint's model config (``load_and_override_model_config``); the checkpoint
+config is the one ``nemo-dapo convert`` writes (``convert_ckpt.nemo_model_config``) for the recipe's ``plan.arch``
+(the model's config.json facts). The model itself is not built (235B parameters): the method runs on an actor
+object made without ``__init__``, given only what the method reads (the config, the trainer's precision and the
+dtypes ``MegatronBaseModel.__init__`` derives). Runs in a NeMo process of its own (tests/support/nemo_cpu.py).
+Before the Qwen3-235B recipes moved to PP2, NeMo raised here: "num_layers (94) should be divisible by
+pipeline_model_parallel_size (8)".
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from nemo_dapo.cluster import config_validate as cv
+from nemo_dapo.cluster.plan import arch_from_config
+from tests.aligner.conftest import needs_nemo
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU_RECIPES = sorted(p.stem for p in (ROOT / "conf" / "recipes").glob("*.yaml") if not p.stem.startswith("tiny"))
+FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
+          "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+          "sequence_parallel", "bf16", "normalization", "qk_layernorm", "gated_linear_unit", "add_bias_linear",
+          "add_qkv_bias", "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_pre_softmax",
+          "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_token_dispatcher_type", "moe_grouped_gemm",
+          "recompute_granularity", "recompute_method", "recompute_num_layers")
+
+SCRIPT = r'''
+import json, sys, tempfile, types
+from tests.support import nemo_cpu  # noqa: F401  (first)
+import torch
+from omegaconf import OmegaConf
+from nemo_dapo.aligner.actor import MegatronGPTDAPOActorModel
+from nemo_dapo.cluster.config_validate import load_config
+from nemo_dapo.megatron.convert import load_hf_config
+from nemo_dapo.megatron.convert_ckpt import nemo_model_config
+from nemo_dapo.megatron.convert_shard import Parallel
+from tests.aligner.test_recipe_transformer_config import FIELDS, hf_config_json
+
+out = {}
+for recipe in sys.argv[1:]:
+    cfg = load_config(recipe)
+    with tempfile.TemporaryDirectory() as d:
+        with open(f"{d}/config.json", "w") as f:
+            json.dump(hf_config_json(OmegaConf.to_container(cfg, resolve=True)), f)
+        hf = load_hf_config(d)
+    vocab = hf.vocab_size
+    checkpoint = OmegaConf.create(nemo_model_config(hf, Parallel(tp=1, pp=1, ep=1), precision="bf16",
+                                                    padded_vocab=vocab))
+    model = MegatronGPTDAPOActorModel.__new__(MegatronGPTDAPOActorModel)
+    torch.nn.Module.__init__(model)
+    model._cfg = OmegaConf.merge(checkpoint, cfg.model)  # load_and_override_model_config: the recipe wins
+    model.__dict__["_trainer"] = types.SimpleNamespace(precision=cfg.trainer.precision)
+    model.torch_dtype = model.autocast_dtype = torch.bfloat16  # MegatronBaseModel.__init__ for precision bf16
+    model.params_dtype = torch.bfloat16 if cfg.model.megatron_amp_O2 else torch.float32
+    model.megatron_timers = None
+    try:
+        tc = model.build_transformer_config()
+        out[recipe] = {k: getattr(tc, k) for k in FIELDS}
+    except Exception as e:
+        out[recipe] = {"error": f"{type(e).__name__}: {e}"}
+print(json.dumps(out))
+'''
+
+
+def hf_config_json(cfg: dict) -> dict:
+    """The config.json keys ``nemo-dapo convert`` reads, for a recipe's ``plan.arch`` (from the model's own
+    config.json); the family from its shape: experts and QK-norm = Qwen3-MoE, experts = Mixtral, QK-norm = Qwen3,
+    else Qwen2 (Qwen2.5)."""
+    a = arch_from_config(cfg)
+    raw = dict(num_hidden_layers=a.num_layers, hidden_size=a.hidden_size, intermediate_size=a.ffn_hidden_size,
+               num_attention_heads=a.num_attention_heads, num_key_value_heads=a.num_query_groups,
+               head_dim=a.kv_channels, vocab_size=a.vocab_size, tie_word_embeddings=a.tied_embeddings,
+               max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6, hidden_act="silu")
+    if a.num_moe_experts and a.qk_norm:
+        raw.update(model_type="qwen3_moe", num_experts=a.num_moe_experts, num_experts_per_tok=a.moe_router_topk,
+                   moe_intermediate_size=a.moe_ffn_hidden_size, norm_topk_prob=True, decoder_sparse_step=1,
+                   mlp_only_layers=[])
+    elif a.num_moe_experts:
+        raw.update(model_type="mixtral", num_local_experts=a.num_moe_experts, num_experts_per_tok=a.moe_router_topk)
+    else:
+        raw.update(model_type="qwen3" if a.qk_norm else "qwen2")
+    return raw
+
+
+@pytest.fixture(scope="module")
+def built():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-c", SCRIPT, *GPU_RECIPES], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_there_are_ten_gpu_recipes():
+    assert len(GPU_RECIPES) == 10, GPU_RECIPES
+
+
+@needs_nemo
+@pytest.mark.parametrize("recipe", GPU_RECIPES)
+def test_nemo_builds_the_recipes_transformer_config_as_meant(built, recipe):
+    tc = built[recipe]
+    assert "error" not in tc, f"{recipe}: NeMo 2.1 / megatron-core 0.10 refuse its model config: {tc.get('error')}"
+    cfg = OmegaConf.to_container(cv.load_config(recipe), resolve=True)
+    m, a = cfg["model"], arch_from_config(cfg)
+    assert (tc["num_layers"], tc["hidden_size"], tc["num_attention_heads"], tc["num_query_groups"],
+            tc["kv_channels"]) == (a.num_layers, a.hidden_size, a.num_attention_heads, a.num_query_groups,
+                                   a.kv_channels)
+    assert (tc["tensor_model_parallel_size"], tc["pipeline_model_parallel_size"], tc["expert_model_parallel_size"]) \
+        == (m["tensor_model_parallel_size"], m["pipeline_model_parallel_size"], m.get("expert_model_parallel_size", 1))
+    assert tc["num_layers"] % tc["pipeline_model_parallel_size"] == 0  # megatron-core 0.10 builds L // PP a stage
+    assert tc["sequence_parallel"] is True and tc["bf16"] is bool(m["megatron_amp_O2"])
+    assert (tc["normalization"], tc["gated_linear_unit"], tc["add_bias_linear"]) == ("RMSNorm", True, False)
+    assert tc["qk_layernorm"] is a.qk_norm and tc["add_qkv_bias"] is a.qkv_bias
+    assert (tc["recompute_granularity"], tc["recompute_method"], tc["recompute_num_layers"]) == ("full", "uniform", 1)
+    if a.is_moe:
+        assert (tc["num_moe_experts"], tc["moe_router_topk"], tc["moe_ffn_hidden_size"]) == \
+            (a.num_moe_experts, a.moe_router_topk, a.moe_ffn_hidden_size)
+        # top-k of the logits, then a softmax over them: HF's renormalised top-k (Qwen3-MoE, Mixtral); no balancing
+        assert tc["moe_router_pre_softmax"] is False
+        assert (tc["moe_router_load_balancing_type"], tc["moe_aux_loss_coeff"]) == ("none", 0.0)
+        assert (tc["moe_token_dispatcher_type"], tc["moe_grouped_gemm"]) == ("alltoall", False)
+    else:
+        assert tc["num_moe_experts"] is None and tc["ffn_hidden_size"] == a.ffn_hidden_size
