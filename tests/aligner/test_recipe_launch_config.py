@@ -1,14 +1,17 @@
-"""Every GPU recipe's model config, as the launch builds it, goes through NeMo 2.1's own ``build_transformer_config``
-into megatron-core 0.10's ``TransformerConfig`` (whose ``__post_init__`` checks run), and comes out as the recipe
-means it.
+"""Every GPU recipe through the launcher's config path up to the model build, with NeMo 2.1 and NeMo-Aligner 0.7's
+own code: Hydra's (struct) config of ``--config-name recipes/<name>``, the validator, NeMo-Aligner's
+``load_and_override_model_config`` over the ``model_config.yaml`` that ``nemo-dapo convert`` writes for the recipe's
+``plan.arch`` (the model's config.json facts), the validator again, NeMo's trainer builder
+(``resolve_and_create_trainer``, on the CPU accelerator: the one override), then NeMo's ``build_transformer_config``
+into megatron-core 0.10's ``TransformerConfig`` (whose ``__post_init__`` checks run), which must come out as the
+recipe means it, and the recompute reset NeMo-Aligner's ``prepare_for_inference`` does before generating.
 
-The launch merges the recipe over the checkpoint's model config (``load_and_override_model_config``); the checkpoint
-config is the one ``nemo-dapo convert`` writes (``convert_ckpt.nemo_model_config``) for the recipe's ``plan.arch``
-(the model's config.json facts). The model itself is not built (235B parameters): the method runs on an actor
-object made without ``__init__``, given only what the method reads (the config, the trainer's precision and the
-dtypes ``MegatronBaseModel.__init__`` derives). Runs in a NeMo process of its own (tests/support/nemo_cpu.py).
-Before the Qwen3-235B recipes moved to PP2, NeMo raised here: "num_layers (94) should be divisible by
-pipeline_model_parallel_size (8)".
+The model itself is not built (235B parameters): NeMo's methods run on an actor object made without ``__init__``,
+given only what they read (the config, the trainer's precision and the dtypes ``MegatronBaseModel.__init__``
+derives). Runs in a NeMo process of its own (tests/support/nemo_cpu.py). Before this test, two faults passed the
+CPU tests, whose tiny NeMo-written checkpoints carry every NeMo key: the Qwen3-235B recipes' 94 layers over 8
+pipeline stages ("num_layers (94) should be divisible by pipeline_model_parallel_size (8)"), and every recipe over a
+converted checkpoint stopped in the trainer builder ("Key 'gradient_as_bucket_view' is not in struct").
 """
 import json
 import os
@@ -33,39 +36,74 @@ FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups"
           "recompute_granularity", "recompute_method", "recompute_num_layers")
 
 SCRIPT = r'''
-import json, sys, tempfile, types
+import json, os, sys, tempfile, types
 from tests.support import nemo_cpu  # noqa: F401  (first)
 import torch
+import yaml
+from hydra import compose, initialize_config_dir
+from nemo_aligner.utils.train_script_utils import resolve_and_create_trainer
+from nemo_aligner.utils.utils import load_and_override_model_config
 from omegaconf import OmegaConf
 from nemo_dapo.aligner.actor import MegatronGPTDAPOActorModel
-from nemo_dapo.cluster.config_validate import load_config
+from nemo_dapo.cluster.config_validate import register_resolvers, validate_config
 from nemo_dapo.megatron.convert import load_hf_config
 from nemo_dapo.megatron.convert_ckpt import nemo_model_config
 from nemo_dapo.megatron.convert_shard import Parallel
-from tests.aligner.test_recipe_transformer_config import FIELDS, hf_config_json
+from tests.aligner.test_recipe_launch_config import FIELDS, hf_config_json
 
-out = {}
-for recipe in sys.argv[1:]:
-    cfg = load_config(recipe)
-    with tempfile.TemporaryDirectory() as d:
-        with open(f"{d}/config.json", "w") as f:
-            json.dump(hf_config_json(OmegaConf.to_container(cfg, resolve=True)), f)
-        hf = load_hf_config(d)
-    vocab = hf.vocab_size
-    checkpoint = OmegaConf.create(nemo_model_config(hf, Parallel(tp=1, pp=1, ep=1), precision="bf16",
-                                                    padded_vocab=vocab))
+register_resolvers()
+CPU = ["trainer.accelerator=cpu", "trainer.devices=1", "trainer.num_nodes=1"]
+
+
+def launch_config(recipe, checkpoint):
+    with initialize_config_dir(config_dir=os.path.abspath("conf"), version_base=None):
+        cfg = compose(config_name=f"recipes/{recipe}")  # what @hydra_runner hands train_gpt_dapo.main
+    validate_config(cfg)
+    with open(f"{checkpoint}/config.json", "w") as f:
+        json.dump(hf_config_json(OmegaConf.to_container(cfg, resolve=True)), f)
+    hf = load_hf_config(checkpoint)
+    with open(f"{checkpoint}/model_config.yaml", "w") as f:  # as convert_ckpt.save_nemo_checkpoint writes it
+        yaml.safe_dump(nemo_model_config(hf, Parallel(tp=1, pp=1, ep=1), precision="bf16",
+                                         padded_vocab=hf.vocab_size), f, sort_keys=False)
+    cfg.model = load_and_override_model_config(checkpoint, cfg.model)
+    validate_config(cfg)
+    return cfg
+
+
+def stage(recipe):
+    with tempfile.TemporaryDirectory() as checkpoint:
+        cfg = launch_config(recipe, checkpoint)
+    yield "trainer"
+    on_cpu = OmegaConf.merge(cfg, OmegaConf.from_dotlist(CPU))
+    OmegaConf.set_struct(on_cpu, True)
+    resolve_and_create_trainer(on_cpu, "dapo")
+    yield "TransformerConfig"
     model = MegatronGPTDAPOActorModel.__new__(MegatronGPTDAPOActorModel)
     torch.nn.Module.__init__(model)
-    model._cfg = OmegaConf.merge(checkpoint, cfg.model)  # load_and_override_model_config: the recipe wins
+    model._cfg = cfg.model
     model.__dict__["_trainer"] = types.SimpleNamespace(precision=cfg.trainer.precision)
     model.torch_dtype = model.autocast_dtype = torch.bfloat16  # MegatronBaseModel.__init__ for precision bf16
     model.params_dtype = torch.bfloat16 if cfg.model.megatron_amp_O2 else torch.float32
     model.megatron_timers = None
+    tc = model.build_transformer_config()
+    yield "recompute reset"
+    model.model = [types.SimpleNamespace(decoder=types.SimpleNamespace(config=tc))]  # the built GPTModel's config
+    before = OmegaConf.to_container(cfg.model)
+    model._reset_activation_checkpointing_args()  # NeMo-Aligner's prepare_for_inference, before generating
+    model._restore_activation_checkpointing_args()
+    assert OmegaConf.to_container(cfg.model) == before, "the recompute keys did not come back"
+    yield {k: getattr(tc, k) for k in FIELDS}
+
+
+out = {}
+for recipe in sys.argv[1:]:
+    where = "config"
     try:
-        tc = model.build_transformer_config()
-        out[recipe] = {k: getattr(tc, k) for k in FIELDS}
+        for where in stage(recipe):
+            pass
+        out[recipe] = where
     except Exception as e:
-        out[recipe] = {"error": f"{type(e).__name__}: {e}"}
+        out[recipe] = {"error": f"{where}: {type(e).__name__}: {str(e).splitlines()[0]}"}
 print(json.dumps(out))
 '''
 
@@ -105,9 +143,9 @@ def test_there_are_ten_gpu_recipes():
 
 @needs_nemo
 @pytest.mark.parametrize("recipe", GPU_RECIPES)
-def test_nemo_builds_the_recipes_transformer_config_as_meant(built, recipe):
+def test_the_launch_config_path_accepts_the_recipe_and_builds_its_transformer_config_as_meant(built, recipe):
     tc = built[recipe]
-    assert "error" not in tc, f"{recipe}: NeMo 2.1 / megatron-core 0.10 refuse its model config: {tc.get('error')}"
+    assert "error" not in tc, f"{recipe}: the launch stops at {tc.get('error')}"
     cfg = OmegaConf.to_container(cv.load_config(recipe), resolve=True)
     m, a = cfg["model"], arch_from_config(cfg)
     assert (tc["num_layers"], tc["hidden_size"], tc["num_attention_heads"], tc["num_query_groups"],
