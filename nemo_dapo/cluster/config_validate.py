@@ -341,6 +341,29 @@ def _optimizer(cfg: dict, s: dict):
                "fix: leave it False")
 
 
+def _schedule(cfg: dict, s: dict):
+    """NeMo 2.1 fills a null ``model.optim.sched.max_steps`` with ``trainer.max_steps``, rollout steps here, while the
+    trainer steps the schedule once per optimizer step: only a schedule that is constant after warm-up survives."""
+    sched = select(cfg, "model.optim.sched") or {}
+    if not sched or sched.get("max_steps") is not None:
+        return
+    if sched.get("name") == "WarmupPolicy" and sched.get("min_lr") == select(cfg, "model.optim.lr"):
+        return  # after its max_steps WarmupPolicy holds min_lr, here the same lr
+    counts = [select(cfg, k) for k in ("trainer.dapo.ppo_epochs", "trainer.dapo.prompts_per_step",
+                                       ALGORITHM_KEYS["group_size"], "model.global_batch_size")]
+    if not all(_is_count(v) for v in counts):
+        return  # reported by _batches
+    per_step = counts[0] * counts[1] * counts[2] // counts[3]
+    steps = select(cfg, "trainer.dapo.max_steps")
+    total = (f"{per_step * steps} for trainer.dapo.max_steps={steps}" if _is_count(steps)
+             else f"{per_step} x the rollout steps")
+    yield (f"model.optim.sched ({sched.get('name')}, min_lr={sched.get('min_lr')}) has no max_steps: NeMo 2.1 then "
+           "sets it to trainer.max_steps, counted in rollout steps, while the schedule steps once per optimizer step "
+           f"({per_step} per rollout step: ppo_epochs x prompts_per_step x group_size / global_batch_size), so it "
+           f"would end after 1/{per_step} of the run; fix: set model.optim.sched.max_steps to the run's optimizer "
+           f"steps ({total})")
+
+
 def _training_offload(cfg: dict, s: dict):
     """``model.dapo.offload_training_state`` (aligner/training_offload.py): one key for the trainer and the planner,
     and only where the trainer can honour it."""
@@ -607,8 +630,8 @@ def _engine_placement(key: str, srv: dict):
                "training, so sleeping frees nothing and costs a wake every step; set sleep_level=0")
 
 
-RULES = (_moved, _layout, _layer_spec, _experts, _optimizer, _training_offload, _batches, _rollout_engine, _rollout,
-         _algorithm, _lengths, _sampling, _reward, _data, _arch_agrees, _engine_server)
+RULES = (_moved, _layout, _layer_spec, _experts, _optimizer, _schedule, _training_offload, _batches, _rollout_engine,
+         _rollout, _algorithm, _lengths, _sampling, _reward, _data, _arch_agrees, _engine_server)
 
 
 def check_config(cfg) -> list[str]:

@@ -204,6 +204,10 @@ BAD = [
     (MOE, ["model.sequence_parallel=False"], "model.sequence_parallel"),
     (MOE, ["model.megatron_amp_O2=False"], "model.megatron_amp_O2"),
     (MOE, ["model.dapo.offload_adam_states=True"], "model.dapo.offload_adam_states"),
+    # NeMo would end a decaying schedule after trainer.max_steps optimizer steps: 1/16 of the run
+    (DENSE, ["model.optim.sched.name=CosineAnnealing"], "set model.optim.sched.max_steps to the run's optimizer "
+                                                        "steps (6000 for trainer.dapo.max_steps=375)"),
+    (DENSE, ["model.optim.sched.min_lr=0"], "would end after 1/16 of the run"),
     (DENSE, ["+model.calculate_per_token_loss=True"], "model.calculate_per_token_loss"),
     (DENSE, ["model.global_batch_size=500"], "model.global_batch_size=500"),
     (DENSE, ["model.micro_batch_size=0"], "model.micro_batch_size"),
@@ -358,3 +362,8 @@ def test_every_config_key_the_runtime_reads_is_documented_in_the_base():
         if path.is_file():
             read |= config_keys_read_by(path)
     assert read - documented == set()
+
+
+def test_a_decaying_schedule_with_its_own_length_is_accepted():
+    assert cv.check_config(crafted(DENSE, ["model.optim.sched.name=CosineAnnealing",
+                                           "model.optim.sched.max_steps=6000"])) == []
