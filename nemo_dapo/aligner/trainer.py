@@ -46,7 +46,7 @@ from nemo_dapo.megatron.layout import blank_rows, pack_rollout, prompt_lengths_o
 from nemo_dapo.aligner.compat import pack_state, unpack_state, write_checkpoints_in_process
 from nemo_dapo.cluster.config_validate import ALGORITHM_BLOCK, ALGORITHM_KEYS, ROLLOUT_MODES, required
 from nemo_dapo.megatron.reduction import DPReducer
-from nemo_dapo.megatron.step import skip_update
+from nemo_dapo.megatron.step import megatron_grad_norm, skip_update
 from nemo_dapo.aligner.reward_client import ClientReward
 from nemo_dapo.aligner.training_offload import onload_for_use, pop_metrics
 from nemo_dapo.core.loop import DAPOLoop
@@ -108,6 +108,8 @@ class ActorPolicy:
         actor.finish_training_step()
         # None when the optimizer clips inside its step (mcore distributed optimizer, fused Adam) or clipping is off
         grad_norm = clip_gradients(actor, self.gradient_clip_val)
+        if grad_norm is None and hasattr(self.optimizer, "mcore_optimizer"):  # NeMo's McoreDistributedOptimizer
+            grad_norm = megatron_grad_norm(self.optimizer.mcore_optimizer)  # its bf16 step would apply a NaN
         grad_norm = float(grad_norm) if grad_norm is not None else None
         # the skip decision needs the global loss, so that every rank skips together
         total, skipped = skip_update(metrics["loss"], grad_norm)

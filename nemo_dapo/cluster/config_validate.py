@@ -334,6 +334,11 @@ def _optimizer(cfg: dict, s: dict):
     if select(cfg, "model.optim.name") == "mcore_distributed_optim" and select(cfg, "model.dapo.offload_adam_states"):
         yield ("model.dapo.offload_adam_states=True with model.optim.name=mcore_distributed_optim: NeMo-Aligner "
                "0.7.0 offloads only apex DistributedFusedAdam states; fix: set offload_adam_states=False")
+    for key in ("overlap_param_sync", "overlap_param_gather_with_optimizer_step"):
+        if select(cfg, f"model.optim.{key}", False):
+            yield (f"model.optim.{key}=True: the optimizer then leaves the other ranks' updated weight shards to be "
+                   "gathered at the next forward, and the refit reads the weights before any forward, so the engine "
+                   f"would get a mix of new and stale shards; fix: model.optim.{key}=False")
     # The DAPO loss divides by the global token count itself; NeMo-Aligner's actors call mcore's schedule with the
     # 2-tuple loss contract, so per-token loss scaling in Megatron would divide twice.
     if select(cfg, "model.calculate_per_token_loss", False):

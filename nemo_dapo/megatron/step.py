@@ -203,3 +203,19 @@ def skip_update(local_loss: float, grad_norm: Optional[float]) -> tuple:
     dist.all_reduce(total, group=group)
     total = float(total.item())
     return total, not math.isfinite(total) or (grad_norm is not None and not math.isfinite(grad_norm))
+
+
+def megatron_grad_norm(optimizer) -> Optional[float]:
+    """The global L2 gradient norm megatron-core's ``optimizer`` (a ``MegatronOptimizer``, or the ``ChainedOptimizer``
+    of dense and expert parameters that MoE models get) clips with in its ``step``, read before that step.
+
+    megatron-core 0.10's step checks for inf / NaN only through a loss scaler, which bf16 training does not have, and
+    its clipping skips a NaN norm (``coeff < 1`` is false), so a non-finite gradient would reach the weights: callers
+    give this norm to :func:`skip_update`. Collective (every rank calls it). ``prepare_grads`` copies the model
+    gradients to the main gradients, which the step repeats (a plain copy); None with a loss scaler (fp16), whose step
+    unscales, checks and skips on its own."""
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    if any(getattr(part, "grad_scaler", None) is not None for part in parts):
+        return None
+    optimizer.prepare_grads()
+    return math.sqrt(sum(float(part.get_grad_norm() or 0.0) ** 2 for part in parts))

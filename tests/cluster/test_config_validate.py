@@ -204,6 +204,9 @@ BAD = [
     (MOE, ["model.sequence_parallel=False"], "model.sequence_parallel"),
     (MOE, ["model.megatron_amp_O2=False"], "model.megatron_amp_O2"),
     (MOE, ["model.dapo.offload_adam_states=True"], "model.dapo.offload_adam_states"),
+    (MOE, ["+model.optim.overlap_param_sync=True"], "model.optim.overlap_param_sync=True"),
+    (DENSE, ["+model.optim.overlap_param_gather_with_optimizer_step=True"],
+     "model.optim.overlap_param_gather_with_optimizer_step=True"),
     # NeMo would end a decaying schedule after trainer.max_steps optimizer steps: 1/16 of the run
     (DENSE, ["model.optim.sched.name=CosineAnnealing"], "set model.optim.sched.max_steps to the run's optimizer "
                                                         "steps (6000 for trainer.dapo.max_steps=375)"),
