@@ -1,8 +1,8 @@
-"""torchrun worker (2 ranks, gloo, DP = 2; EP = 2 for the MoE model): the gradient norm megatron-core's optimizer
-steps with, read before the step (``nemo_dapo.megatron.step.megatron_grad_norm``), for the optimizer NeMo builds for
-``mcore_distributed_optim``: megatron-core's DDP with the distributed optimizer, a dense model (one optimizer) and an MoE model (the
-``ChainedOptimizer`` of dense and expert parameters), the latter wrapped in NeMo's ``McoreDistributedOptimizer`` as
-the trainer receives it.
+"""torchrun worker (2 ranks, gloo, DP = 2; EP = 2 for the MoE model): the gradient norm megatron-core's optimizer steps
+with, read before the step (``nemo_dapo.megatron.step.megatron_grad_norm``), for the optimizer NeMo builds for
+``mcore_distributed_optim``: megatron-core's DDP with the distributed optimizer, a dense model (one optimizer) and
+an MoE model (the ``ChainedOptimizer`` of dense and expert parameters), the latter wrapped in NeMo's
+``McoreDistributedOptimizer`` as the trainer receives it.
 
 Per case: one backward; the norm before the step against (a) the norm megatron-core's own ``step`` returns right
 after and (b) the test support's independent sum over the all-reduced gradients of a twin model (same weights, same
