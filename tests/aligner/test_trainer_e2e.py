@@ -8,6 +8,8 @@ sampler position and the dynamic-sampling filler's carried groups all restored f
 Run 3 resumes from run 1's step-1 checkpoint too and hits the run's time limit after the first generation batch of
 step 2: the trainer saves that partial step (the groups generated so far travel in the checkpoint) and stops; run 4
 resumes from it and trains step 2 exactly as run 1 did.
+
+The last test repeats runs 1 and 2 with the MoE recipes' optimizer, megatron-core's distributed Adam.
 """
 import json
 
@@ -124,3 +126,23 @@ def test_time_limit_inside_a_step_saves_the_partial_step_and_resume_finishes_it(
         assert {k: v for k, v in x[0].items() if k.startswith(same)} == \
             {k: v for k, v in y[0].items() if k.startswith(same)}
         assert x[1]["val/accuracy"] == y[1]["val/accuracy"]
+
+
+def test_megatron_distributed_optimizer_saves_and_resumes_exactly(tok_dir, tmp_path):
+    """The MoE recipes' optimizer (``mcore_distributed_optim``: megatron-core's DDP and distributed Adam, sharded
+    over DP) through NeMo's checkpoint IO and the trainer: run 2 steps, resume a fresh launch from step 1's
+    checkpoint, and step 2 is the same, Adam's moments and step count included."""
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    full.mkdir(), resumed.mkdir()
+    env = {"TOK_DIR": tok_dir, "MAX_STEPS": "2", "OPTIM": "mcore"}
+    run_torchrun(WORKER, nproc=2, out_dir=full, env=dict(env, PHASE="run"))
+    ckpts = _checkpoints(full)
+    assert [p.name.split("-")[1] for p in ckpts] == ["step=1", "step=2"], ckpts
+    run_torchrun(WORKER, nproc=2, out_dir=resumed, env=dict(env, PHASE="resume", RESUME_FROM=str(ckpts[0])))
+    for rank in (0, 1):
+        a, b = full / f"run_rank{rank}.json", resumed / f"resume_rank{rank}.json"
+        assert json.loads(b.read_text())["start_step"] == 1
+        step1, step2, again = _records(a, 1), _records(a, 2), _records(b, 2)
+        # megatron's own norm, read before its step (step/megatron_grad_norm)
+        assert step1[0]["actor/grad_norm"] > 0 and step1[0]["actor/skipped"] == 0
+        assert len(step2) == len(again) == 2 and [_stable(r) for r in step2] == [_stable(r) for r in again]

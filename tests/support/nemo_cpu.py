@@ -17,7 +17,9 @@ Engine. Each patch was found by a failure on CPU:
 9. ``clip_grad_norm_fp32`` (NeMo-Aligner's ``clip_gradients``) computes the L2 norm with apex's
    ``multi_tensor_applier(amp_C.multi_tensor_l2norm, ...)``: a torch equivalent.
 10. ``NLPDDPStrategy.optimizer_sharded_state_dict`` (checkpoint save) runs ``isinstance`` checks against optimizer
-    classes it imports together with apex: define them (as classes no optimizer here is an instance of).
+    classes it imports together with apex: bind NeMo's real ``McoreDistributedOptimizer`` (it needs no apex, so
+    megatron-core's distributed optimizer checkpoints as on GPU) and a stand-in for apex's distributed Adam (a class
+    no optimizer here is an instance of).
 11. megatron-core 0.10's async checkpoint writer calls torch's private ``_write_item`` with the pre-2.6 signature;
     torch 2.13 added ``transforms`` and ``serialization_format``: adapt the call (the container's torch is older).
 12. megatron-core 0.10 loads a checkpoint's common state (PTL hyper-parameters: OmegaConf objects) with a plain
@@ -83,9 +85,12 @@ def _patch_nemo() -> None:
     import nemo.collections.nlp.parts.nlp_overrides as nlp_overrides
 
     nlp_overrides.HAVE_APEX = True  # patch 1
-    for name in ("McoreDistributedOptimizer", "MegatronDistributedFusedAdam"):  # patch 10
-        if not hasattr(nlp_overrides, name):
-            setattr(nlp_overrides, name, type(name, (), {}))
+    if not hasattr(nlp_overrides, "McoreDistributedOptimizer"):  # patch 10
+        from nemo.core.optim.mcore_optim import McoreDistributedOptimizer
+
+        nlp_overrides.McoreDistributedOptimizer = McoreDistributedOptimizer
+    if not hasattr(nlp_overrides, "MegatronDistributedFusedAdam"):
+        nlp_overrides.MegatronDistributedFusedAdam = type("MegatronDistributedFusedAdam", (), {})
 
     import nemo.collections.nlp.modules.common.megatron.clip_grads as clip_grads
 

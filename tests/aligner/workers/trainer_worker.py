@@ -3,7 +3,9 @@
 exp_manager (checkpoint callback, resume) -> DAPO actor -> init_using_ptl (optimizer, LR schedule, restore) ->
 DAPOPromptDataset -> LocalRewardClient (rule-based verifier) -> MegatronSampler (debug generator) -> DAPOTrainer.fit.
 
-Env: TP, PP (world = TP x PP x DP), TOK_DIR, OUT_DIR, MAX_STEPS, RESUME_FROM (a checkpoint path, optional),
+Env: TP, PP (world = TP x PP x DP), TOK_DIR, OUT_DIR, MAX_STEPS, RESUME_FROM (a checkpoint path, optional), OPTIM
+(``sgd``, the default, or ``mcore``: ``mcore_distributed_optim``, megatron-core's DDP and distributed Adam as the MoE
+recipes train, warmed up with that optimizer after ``init_using_ptl`` since its gradients live in DDP's buffers),
 PHASE (name of the metrics file; ``deadline``: the run's time limit comes after the first generation batch of
 step 2, so the trainer must save that partial step and stop). The tiny model first gets a short supervised warm-up (fresh runs only) so that it
 answers "Answer: 1" or "Answer: 2" about half the time: groups then have mixed accuracy and dynamic sampling has
@@ -14,7 +16,9 @@ import os
 import random
 from dataclasses import dataclass
 
-from tests.support import nemo_cpu  # noqa: F401  (patches first)
+if os.environ.get("OPTIM") == "mcore":
+    os.environ.setdefault("SHIM_LEVEL", "4")  # megatron's optimizer checks param.type() == 'torch.cuda.*'
+from tests.support import nemo_cpu  # noqa: F401,E402  (patches first)
 
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
@@ -38,6 +42,9 @@ from tests.support.dist import forbid_fork  # noqa: E402
 TP, PP = int(os.environ.get("TP", "1")), int(os.environ.get("PP", "1"))
 OUT, PHASE = os.environ["OUT_DIR"], os.environ.get("PHASE", "run")
 RESUME = os.environ.get("RESUME_FROM")
+MCORE = os.environ.get("OPTIM", "sgd") == "mcore"
+OPTIMIZER = {"name": "mcore_distributed_optim", "betas": [0.9, 0.98], "weight_decay": 0.0} if MCORE else \
+    {"name": "sgd", "momentum": 0.9, "weight_decay": 0.0}
 
 
 @dataclass
@@ -95,8 +102,9 @@ class SFTLoss:
         return -(logp * mb.mask).sum() / max(float(num_tokens), 1.0), {}
 
 
-def warm_up(actor, steps: int = 60) -> None:
-    """Teach the random model to end with ' Answer: 1' or ' Answer: 2' (50/50) and EOS, with its own loss path."""
+def warm_up(actor, steps: int = 60, opt=None) -> None:
+    """Teach the random model to end with ' Answer: 1' or ' Answer: 2' (50/50) and EOS, with its own loss path
+    (``opt``: the run's own optimizer, at its current learning rate; default a torch Adam at 1e-2)."""
     from nemo_dapo.megatron.layout import pack_rollout
     from nemo_dapo.core.loop_data import PromptSet
     from nemo_dapo.core.types import RolloutBatch
@@ -104,7 +112,7 @@ def warm_up(actor, steps: int = 60) -> None:
     tok = actor.tokenizer
     rng = random.Random(0)
     params = [p for p in actor.parameters() if p.requires_grad]
-    opt = torch.optim.Adam(params, lr=1e-2)
+    opt = opt or torch.optim.Adam(params, lr=1e-2)
     data = rows(64, 1)
     for _ in range(steps):
         picked = [data[rng.randrange(len(data))] for _ in range(8)]
@@ -131,7 +139,8 @@ def main() -> None:
     nemo_cpu.init_parallel(TP, PP)
     nemo_cpu.quiet_nemo()
     nemo_cpu.allow_full_checkpoint_loads()
-    ptl_trainer = nemo_cpu.cpu_trainer(max_steps=20)
+    # megatron-core's optimizer clips inside its step with the trainer's value (the launch sets it)
+    ptl_trainer = nemo_cpu.cpu_trainer(max_steps=20, **({"gradient_clip_val": 1.0} if MCORE else {}))
     exp_cfg = OmegaConf.create({
         "explicit_log_dir": os.path.join(OUT, "run"), "exp_dir": None, "name": "dapo",
         "create_tensorboard_logger": False,
@@ -149,20 +158,27 @@ def main() -> None:
                                  "repetition_penalty": 1.0, "end_strings": []})
     _, actor = nemo_cpu.build_actor(TP, PP, mbs=2, gbs=4, tokenizer_dir=os.environ["TOK_DIR"], dapo=dapo,
                                     trainer=ptl_trainer,
-                                    # SGD: torch AdamW keeps a 0-dim "step" per parameter, which NeMo 2.1's
-                                    # dist-checkpoint optimizer sharding rejects (the GPU path uses fused / distributed
-                                    # Adam); NeMo-Aligner's own functional tests train with SGD too.
-                                    optim={"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0,
-                                           "sched": {"name": "CosineAnnealing", "warmup_steps": 2, "constant_steps": 0,
-                                                     "min_lr": 0.005}})
+                                    # SGD by default: torch AdamW keeps a 0-dim "step" per parameter, which NeMo
+                                    # 2.1's dist-checkpoint optimizer sharding rejects (the GPU path uses fused /
+                                    # distributed Adam); NeMo-Aligner's own functional tests train with SGD too.
+                                    optim=dict(OPTIMIZER, lr=0.05, sched={
+                                        "name": "CosineAnnealing", "warmup_steps": 2, "constant_steps": 0,
+                                        "min_lr": 0.005}))
     init_distributed(ptl_trainer, actor, use_te=False)
     train_ds = DAPOPromptDataset(rows(40, 2), actor.tokenizer, max_prompt_len=32)
     val_ds = DAPOPromptDataset(rows(6, 3), actor.tokenizer, max_prompt_len=32)
     dummy_dl = torch.utils.data.DataLoader(train_ds, batch_size=2, collate_fn=lambda items: items)
-    if RESUME is None:
+    if RESUME is None and not MCORE:
         warm_up(actor)
     init_using_ptl(ptl_trainer, actor, dummy_dl, train_ds)
     optimizer, scheduler = extract_optimizer_scheduler_from_ptl_model(actor)
+    if RESUME is None and MCORE:
+        lrs = [g["lr"] for g in optimizer.param_groups]
+        for g in optimizer.param_groups:
+            g["lr"] = 1e-2
+        warm_up(actor, opt=optimizer)
+        for g, lr in zip(optimizer.param_groups, lrs):
+            g["lr"] = lr
     ckpt_callback = add_custom_checkpoint_callback(ptl_trainer, actor)
     recorder = RecordingLogger()
     trainer_cfg = OmegaConf.create({
