@@ -6,10 +6,10 @@ CPU or NCCL): each rank reads only its own HF tensors (:class:`SafetensorsReader
 hf_to_megatron_shard`` picks them), builds its part of the megatron-core model (``convert_build``, local spec, no
 weight initialisation) and writes its shards with ``dist_checkpointing.save`` (its files written in-process:
 ``dist_save``). A distributed checkpoint is layout-free (global tensors, cut at load time), so the conversion layout
-need not be the training layout (its pipeline size must still divide the layers, as NeMo's does); at 235B bf16
-(470 GB, 94 layers) a TP2 x PP2 x EP16 conversion holds ~11 GB of weights per rank (est.). ``nemo_to_hf`` is the inverse: each rank loads its shards from the checkpoint, gathers TP slices one
-tensor at a time within its TP group, and writes the HF tensors it owns into a file of its own; rank 0 writes
-``model.safetensors.index.json``.
+need not be the training layout (its pipeline size must still divide the layers, as NeMo's does); at 235B bf16 (470
+GB, 94 layers) a TP2 x PP2 x EP16 conversion holds ~11 GB of weights per rank (est.). ``nemo_to_hf`` is the inverse:
+each rank loads its shards from the checkpoint, gathers TP slices one tensor at a time within its TP group, and
+writes the HF tensors it owns into a file of its own; rank 0 writes ``model.safetensors.index.json``.
 
 Checkpoint keys: those of NeMo 2.1's ``MegatronGPTModel.sharded_state_dict`` (``model.`` + megatron-core
 ``GPTModel.sharded_state_dict``), under ``state_dict`` as NeMo's restore (``NLPSaveRestoreConnector.restore_from``,
