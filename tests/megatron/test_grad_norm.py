@@ -1,6 +1,6 @@
 """megatron_grad_norm: the norm megatron-core's optimizer steps with, read before the step, so that a non-finite
 gradient skips the update (megatron-core 0.10's bf16 step would apply it). Runs tests/megatron/workers/
-grad_norm_worker.py on 2 ranks (DP = 2, gloo): a dense model and an MoE model (chained dense + expert optimizers,
+grad_norm_worker.py on 2 ranks (gloo, DP = 2; EP = 2 for MoE): a dense model and an MoE model (chained optimizers,
 wrapped in NeMo's McoreDistributedOptimizer)."""
 import json
 import math
