@@ -8,10 +8,12 @@ writes, for the CPU task (``nemo_dapo.data.task.ArithmeticTask``, two-term chain
   tokens, a multiple of 64, so that Megatron pads the vocabulary alike at TP=1 (the checkpoint) and TP=2 (the
   run); a templated prompt is ~20 tokens;
 * ``data/train.jsonl`` (16 training problems) and ``data/val.jsonl`` (the 2 held-out problems), verl schema;
-* ``checkpoint/``: a NeMo checkpoint directory (an extracted ``.nemo``: ``model_config.yaml`` + ``model_weights/``)
-  of the tiny megatron-core GPT of ``tests/support/nemo_cpu.py`` (2 layers, width 32), saved at TP=1 and warmed up
-  for a few supervised updates on ``Answer: <ground truth>`` so that it writes the verifier's format and is right
-  now and then: groups of mixed accuracy, which dynamic sampling keeps;
+* ``checkpoint/``: the NeMo checkpoint directory (``model_config.yaml`` + ``model_weights/``) a user brings: written
+  by ``nemo-dapo convert hf-to-nemo``'s function from a Hugging Face export (``hf_warm/``, by ``nemo-to-hf``'s) of
+  the tiny megatron-core GPT of ``tests/support/nemo_cpu.py`` (2 layers, width 32), warmed up at TP=1 for a few
+  supervised updates on ``Answer: <ground truth>`` so that it writes the verifier's format and is right now and
+  then: groups of mixed accuracy, which dynamic sampling keeps. Its config holds only the converter's keys (NeMo's
+  own save, ``nemo_saved/``, carries every NeMo key, which hid a launch failure);
 * ``hf/``: a Hugging Face Llama of the same shape with RANDOM weights, the HF_MODEL the engine servers load (they
   only get the policy's weights through the refit, so a wrong refit shows up as a wrong policy);
 * ``inputs.json``: these paths and the sizes.
@@ -92,6 +94,16 @@ def write_hf(out: Path, tok_dir: str) -> str:
     return str(out / "hf")
 
 
+def converted(saved: Path, out: Path, hf_model: str, tok_dir: str) -> Path:
+    """The checkpoint as a user brings it: the warmed-up policy exported to Hugging Face and converted back with
+    ``nemo-dapo convert``'s functions (its ``model_config.yaml`` then holds only the converter's keys, not NeMo's)."""
+    from nemo_dapo.megatron.convert_ckpt import hf_to_nemo, nemo_to_hf
+
+    warm_hf = out / "hf_warm"
+    nemo_to_hf(str(saved), str(warm_hf), hf_config_dir=hf_model, dtype="fp32")
+    return Path(hf_to_nemo(str(warm_hf), str(out / "checkpoint"), dtype="fp32", tokenizer_dir=tok_dir))
+
+
 def main(out: Path) -> None:
     from nemo_dapo.data.task import ArithmeticTask
     from nemo_dapo.data.tokenizer import build_task_tokenizer, save_tokenizer
@@ -105,12 +117,14 @@ def main(out: Path) -> None:
     warm_up(actor, [json.loads(line) for line in Path(files["train"]).read_text().splitlines()], steps=40)
     packed = out / "policy.nemo"
     actor.save_to(str(packed))
-    ckpt = out / "checkpoint"
+    saved = out / "nemo_saved"
     with tarfile.open(packed) as tar:
-        tar.extractall(ckpt)
+        tar.extractall(saved)
     packed.unlink()
-    info = {"tokenizer": tok_dir, "checkpoint": str(ckpt), "hf_model": write_hf(out, tok_dir), **files,
-            "task": TASK, "seq_len": SEQ_LEN}
+    hf_model = write_hf(out, tok_dir)
+    ckpt = converted(saved, out, hf_model, tok_dir)
+    info = {"tokenizer": tok_dir, "checkpoint": str(ckpt), "hf_model": hf_model, **files, "task": TASK,
+            "seq_len": SEQ_LEN}
     (out / "inputs.json").write_text(json.dumps(info, indent=1))
 
 

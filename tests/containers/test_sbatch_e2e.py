@@ -3,8 +3,9 @@
 The stand-ins (``tests/containers/bin/``) execute every step locally: a one-node allocation with 2 "GPUs"; the
 trainer and engine images are the checkout copied as the Dockerfiles copy it (plus the test recipe,
 ``tests/containers/conf/tiny_cpu_sbatch.yaml``), their Python the full CPU stack with the NeMo CPU patches of
-``tests/support/nemo_cpu.py`` in the trainer image. Inputs (``prepare_inputs.py``): a tiny NeMo checkpoint
-directory, its tokenizer, the CPU task's prompts, a random Hugging Face model for the engines.
+``tests/support/nemo_cpu.py`` in the trainer image. Inputs (``prepare_inputs.py``): a tiny NeMo checkpoint directory
+as ``nemo-dapo convert`` writes it, its tokenizer, the CPU task's prompts, a random Hugging Face model for the
+engines.
 
 One job: the engine-options step, two ``local`` engine servers on the node, the health wait, the real trainer
 (``examples/train_gpt_dapo.py``: NeMo-Aligner on CPU, TP=2 over gloo) for 3 rollout steps, teardown. Then the same
@@ -33,8 +34,10 @@ from tests.support.dist import ROOT, free_port
 
 pytestmark = [needs_nemo, pytest.mark.nemo, pytest.mark.slow]
 # the job's overrides: the base config's optimizer keys (betas, bucket_cap_mb, ...) are apex Adam's; NeMo passes an
-# optimizer every key of model.optim unless model.optim.args is given, and torch SGD takes none of them
-OVERRIDES = ("+model.optim.args={weight_decay: 0.0}",)
+# optimizer every key of model.optim unless model.optim.args is given, and torch SGD takes none of them. The
+# converted checkpoint (prepare_inputs.py) lacks NeMo's use_cpu_initialization, without which NeMo selects a CUDA
+# device: the one CPU-only key.
+OVERRIDES = ("+model.optim.args={weight_decay: 0.0}", "+model.use_cpu_initialization=True")
 
 
 @pytest.fixture(scope="module")
