@@ -36,6 +36,7 @@ from nemo_dapo.core.loop import _POLICY_METRIC_REDUCTION  # noqa: E402
 from nemo_dapo.core.metrics import reduce_over_ranks  # noqa: E402
 from nemo_dapo.core.loss import dapo_policy_loss, rejection_keep, truncated_is_weights  # noqa: E402
 from nemo_dapo.core.types import RolloutBatch  # noqa: E402
+from tests.support.policy_inputs import NoSchedule  # noqa: E402
 
 TP, PP = int(os.environ.get("TP", "1")), int(os.environ.get("PP", "1"))
 SP = os.environ.get("SP", "0") == "1"
@@ -165,18 +166,13 @@ def share_of(batch: RolloutBatch) -> list:
     return list(range(cut[DP_RANK], cut[DP_RANK + 1]))
 
 
-class _NoSchedule:
-    def step(self):
-        pass
-
-
 def logged_metrics(batch: RolloutBatch, loss_fn) -> dict:
     """What the trainer logs for one update of ``batch``: ActorPolicy.train_step on this rank's share (an lr=0
     optimizer keeps the weights), then the step loop's combination over DP (core.metrics.reduce_over_ranks with
     the loop's table)."""
     params = [p for p in actor.parameters() if p.requires_grad]
     # no clipping: NeMo's clip needs the optimizer PTL sets up, and the logged metrics do not depend on it
-    policy = ActorPolicy(actor, torch.optim.SGD(params, lr=0.0), _NoSchedule(), gradient_clip_val=None)
+    policy = ActorPolicy(actor, torch.optim.SGD(params, lr=0.0), NoSchedule(), gradient_clip_val=None)
     reducer = DPReducer()
     num_tokens = float(reducer.sum(loss_fn.normalizer(batch.select(share_of(batch)))))
     out = policy.train_step(batch.select(share_of(batch)), norm=num_tokens, loss_fn=loss_fn)

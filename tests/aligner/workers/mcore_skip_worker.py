@@ -13,21 +13,7 @@ import torch  # noqa: E402
 
 from nemo_dapo.aligner.trainer import ActorPolicy, algorithm_settings  # noqa: E402
 from nemo_dapo.core.settings import build_loss  # noqa: E402
-from nemo_dapo.core.types import RolloutBatch  # noqa: E402
-
-
-class _NoSchedule:
-    def step(self):
-        pass
-
-
-def rollout(n=4, prompt=3, response=5, vocab=40, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (n, prompt + response), generator=g)
-    return RolloutBatch(prompt_ids=ids[:, :prompt], prompt_mask=torch.ones(n, prompt, dtype=torch.long),
-                        response_ids=ids[:, prompt:], response_mask=torch.ones(n, response),
-                        group_ids=torch.zeros(n, dtype=torch.long), truncated=torch.zeros(n, dtype=torch.bool),
-                        advantages=torch.tensor([1.0, -0.5, 0.25, 0.75]))
+from tests.support.policy_inputs import NoSchedule, random_rollout  # noqa: E402
 
 
 def main():
@@ -36,9 +22,9 @@ def main():
     actor.setup_mcore_distributed_parallel()  # what NeMo's setup() does for this optimizer
     optimizer = actor.configure_optimizers()
     optimizer = optimizer[0][0] if isinstance(optimizer, tuple) else optimizer
-    policy = ActorPolicy(actor, optimizer, _NoSchedule(), gradient_clip_val=1.0)
+    policy = ActorPolicy(actor, optimizer, NoSchedule(), gradient_clip_val=1.0)
     loss_fn = build_loss(algorithm_settings(actor.cfg).loss, max_new_tokens=8)
-    batch = rollout()
+    batch = random_rollout()
     batch.old_logp = policy.logprobs(batch)[0]
     keys = ("loss", "grad_norm", "skipped")
     out = {"optimizer": type(optimizer).__name__}

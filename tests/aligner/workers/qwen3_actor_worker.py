@@ -28,6 +28,7 @@ from nemo_dapo.aligner.actor import MegatronGPTDAPOActorModel  # noqa: E402
 from nemo_dapo.aligner.trainer import ActorPolicy, algorithm_settings  # noqa: E402
 from nemo_dapo.core.settings import build_loss  # noqa: E402
 from nemo_dapo.core.types import RolloutBatch  # noqa: E402
+from tests.support.policy_inputs import NoSchedule  # noqa: E402
 from nemo_dapo.megatron.convert_ckpt import hf_to_nemo  # noqa: E402
 from tests.megatron.workers.qwen3_models import PADDED_VOCAB, VOCAB, tokens  # noqa: E402
 
@@ -36,11 +37,6 @@ OUT = os.environ["OUT_DIR"]
 ARCH_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels", "normalization",
              "position_embedding_type", "share_embeddings_and_output_weights", "make_vocab_size_divisible_by",
              "bias", "activation", "layernorm_epsilon", "encoder_seq_length", "max_position_embeddings")
-
-
-class _NoSchedule:
-    def step(self):
-        pass
 
 
 def runtime_cfg():
@@ -94,7 +90,7 @@ def main():
     # 4. one training step
     batch = rollout()
     policy = ActorPolicy(actor, torch.optim.SGD([p for p in actor.parameters() if p.requires_grad], lr=0.5),
-                         _NoSchedule(), gradient_clip_val=None)
+                         NoSchedule(), gradient_clip_val=None)
     old, _ = policy.logprobs(batch)
     batch.old_logp = old
     before = {n: p.detach().clone() for n, p in inner.named_parameters()}

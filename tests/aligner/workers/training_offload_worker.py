@@ -26,20 +26,10 @@ else:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from nemo_dapo.core.types import RolloutBatch  # noqa: E402
 from nemo_dapo.megatron.state_offload import PARTS, StateOffload, state_tensors  # noqa: E402
+from tests.support.policy_inputs import NoSchedule, random_rollout  # noqa: E402
 
 OUT = os.environ["OUT_DIR"]
-
-
-def rollout(n=4, prompt=3, response=5, vocab=40, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (n, prompt + response), generator=g)
-    adv = torch.tensor([1.0, -0.5, 0.25, 0.75])[:n]
-    return RolloutBatch(prompt_ids=ids[:, :prompt], prompt_mask=torch.ones(n, prompt, dtype=torch.long),
-                        response_ids=ids[:, prompt:], response_mask=torch.ones(n, response),
-                        group_ids=torch.zeros(n, dtype=torch.long), truncated=torch.zeros(n, dtype=torch.bool),
-                        advantages=adv)
 
 
 def snapshot(chunks, optimizer) -> dict:
@@ -80,11 +70,7 @@ def nemo_pair():
         opt = torch.optim.AdamW(actor._optimizer_param_groups, lr=1e-2, weight_decay=0.01)
         actor._optimizer = opt  # what training_state_offload(actor) walks (NeMo sets it in configure_optimizers)
 
-        class _NoSchedule:
-            def step(self):
-                pass
-
-        policy = ActorPolicy(actor, opt, _NoSchedule(), gradient_clip_val=1.0)
+        policy = ActorPolicy(actor, opt, NoSchedule(), gradient_clip_val=1.0)
         chunks = list(actor.model) if isinstance(actor.model, list) else [actor.model]
         out.append((policy, chunks, opt, actor))
     return out, loss_fn
@@ -132,7 +118,8 @@ def main():
     from megatron.core import parallel_state
 
     rank, dp_rank = dist.get_rank(), parallel_state.get_data_parallel_rank()
-    batches = [rollout(seed=dp_rank), rollout(seed=10 + dp_rank)]  # each DP rank its own share, TP ranks alike
+    # each DP rank its own share, TP ranks alike
+    batches = [random_rollout(seed=dp_rank), random_rollout(seed=10 + dp_rank)]
     (pa, ca, oa, actor_a), (pb, cb, ob, _) = pair
     res = {"steps_a": [train(pa, batches[0], loss_fn)], "steps_b": [train(pb, batches[0], loss_fn)]}
 
