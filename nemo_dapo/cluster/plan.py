@@ -41,7 +41,7 @@ from nemo_dapo.cluster.plan_generation import (MODEL_LABELS, PlanError, Response
                                               inflight_tokens_per_s_per_gpu, needed_fraction)
 from nemo_dapo.cluster.plan_report import format_plan
 from nemo_dapo.cluster.plan_model import (ARCH_KEYS, ARCH_PRESETS, GPUS, Arch, Gpu, Layout, default_hfu,
-                                         params_per_gpu, training_memory, training_seconds)
+                                         expert_alltoall, params_per_gpu, training_memory, training_seconds)
 from nemo_dapo.core import engine_registry
 
 __all__ = ["PlanError", "make_plan", "format_plan", "run_cli", "Arch", "Gpu", "GPUS", "Layout", "ARCH_PRESETS",
@@ -310,6 +310,15 @@ def _pipeline_bubble(cfg: dict, layout: Layout, tokens_per_update: float) -> flo
     return (layout.pp - 1) / m
 
 
+def alltoall(cfg: dict, plan: dict, layout: Layout, tokens: float) -> dict:
+    """plan_model.expert_alltoall of ``layout`` with the recipe's GPUs per node and ``plan.assume``'s bandwidth."""
+    from nemo_dapo.cluster.config_validate import select
+
+    return expert_alltoall(plan["arch"], layout, tokens=tokens, devices=_need(select(cfg, "trainer.devices"),
+                                                                               "trainer.devices"),
+                           gb_per_s=plan["assume"]["alltoall_gb_per_s"])
+
+
 def _step_time(cfg: dict, plan: dict) -> dict:
     from nemo_dapo.cluster.config_validate import select
 
@@ -327,10 +336,14 @@ def _step_time(cfg: dict, plan: dict) -> dict:
     hfu = a["hfu"] or default_hfu(arch)
     logprob_hfu = a["logprob_hfu"] or LOGPROB_HFU_RATIO * hfu
     bubble = _pipeline_bubble(cfg, layout, seq_len * select(cfg, "model.global_batch_size"))
+    a2a = alltoall(cfg, plan, layout, tokens)
+    a2a["sends"] = 2 * passes + (6 if recompute else 4)
+    a2a["step_seconds"] = a2a["sends"] * a2a["seconds"] * (1.0 + bubble)
     t.update(training_seconds(arch, gpu, world=layout.world, tokens=tokens, seq_len=seq_len, hfu=hfu,
                               logprob_hfu=logprob_hfu, recompute=recompute, logprob_passes=passes,
-                              bubble=bubble), hfu=hfu, logprob_hfu=logprob_hfu, recompute=recompute,
-             logprob_passes=passes, bubble=bubble, trained_tokens=tokens, seq_len=seq_len)
+                              bubble=bubble, alltoall_s=a2a["seconds"]), hfu=hfu, logprob_hfu=logprob_hfu,
+             recompute=recompute, logprob_passes=passes, bubble=bubble, trained_tokens=tokens, seq_len=seq_len,
+             alltoall=a2a)
     train = plan["phases"]["train"]
     moved = sum(train[k] for k, off in g["offloaded"].items() if off)
     parts = {"offload": 2 * moved / (a["pcie_gb_per_s"] * GB)}

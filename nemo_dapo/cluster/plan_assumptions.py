@@ -38,6 +38,9 @@ ASSUMPTIONS = {
                               "synced Qwen3-235B-A22B's 470 GB from 64 trainer to 64 rollout ranks in 58.6 s = "
                               "8.0 GB/s (Qwen3-30B-A3B: 61 GB in 15.8 s = 3.9 GB/s); disaggregated layouts send the "
                               "whole bf16 model once per refit, the engines receiving in parallel"),
+    "alltoall_gb_per_s": (40.0, "GUESS: what the MoE token all-to-all gets across nodes per GPU, 80% of one "
+                                "400 Gb/s InfiniBand port (DGX H100 datasheet: eight ConnectX-7 ports, one a GPU); "
+                                "the traffic within a node is left to the MoE utilisation"),
     "pcie_gb_per_s": (25.0, "GUESS: host <-> device copies for offload and reload, per GPU with the node's eight "
                             "at once (one H200 alone: 55 GB/s each way, benchmarks/state_offload.py)"),
     "engine_workspace_gb": (3.0, "GUESS: TRT-LLM activations and workspace"),
@@ -54,6 +57,7 @@ ASSUMPTION_RANGES = {
     "decode_step_overhead_ms": (0, True, None), "allreduce_us": (0, True, None),
     "decode_step_floor_ms": (0, True, None), "eager_layer_ms": (0, True, None), "refit_gb_per_s": (0, False, None),
     "handover_gb_per_s": (0, False, None), "network_gb_per_s": (0, False, None), "sleep_wake_s": (0, True, None),
+    "alltoall_gb_per_s": (0, False, None),
     "pcie_gb_per_s": (0, False, None),
     "engine_workspace_gb": (0, True, None), "cuda_reserved_gb": (0, True, None), "usable_fraction": (0, False, 1),
 }

@@ -47,7 +47,7 @@ from typing import Callable
 
 from nemo_dapo.cluster.plan_engine_server import concurrency
 from nemo_dapo.cluster.plan_generation import PlanError, ResponseLengths, generation_times
-from nemo_dapo.cluster.plan_model import training_seconds
+from nemo_dapo.cluster.plan_model import expert_alltoall, training_seconds
 from nemo_dapo.core import engine_registry
 
 GB = 1e9
@@ -211,7 +211,7 @@ def _splits(cfg: dict, plan: dict, s: dict, *, training_state: Callable, bubble:
     for n in wanted:
         if (n * devices) % group:
             continue
-        trial = _trainer(cfg, plan, s, n * devices, training_state=training_state, bubble=bubble)
+        trial = _trainer(cfg, plan, s, n * devices, devices, training_state=training_state, bubble=bubble)
         if "refused" in trial:
             tried.append(f"{n} of {nodes} nodes: {trial['refused']}")
             continue
@@ -228,8 +228,10 @@ def _splits(cfg: dict, plan: dict, s: dict, *, training_state: Callable, bubble:
     return {"trials": trials}
 
 
-def _trainer(cfg: dict, plan: dict, s: dict, world: int, *, training_state: Callable, bubble: Callable) -> dict:
-    """The train side on ``world`` GPUs: the recipe's training layout with DP shrunk, its memory and seconds."""
+def _trainer(cfg: dict, plan: dict, s: dict, world: int, devices: int, *, training_state: Callable,
+             bubble: Callable) -> dict:
+    """The train side on ``world`` GPUs (``devices`` a node): the recipe's training layout with DP shrunk, its
+    memory and seconds."""
     lay, t, a = plan["layout"], plan["time"], plan["assume"]
     layout = replace(lay, world=world)
     memory = {**training_state(cfg, plan["arch"], layout), "cuda_reserved": a["cuda_reserved_gb"] * GB}
@@ -237,9 +239,11 @@ def _trainer(cfg: dict, plan: dict, s: dict, world: int, *, training_state: Call
         return {"refused": f"training state {sum(memory.values()) / GB:.1f} GB/GPU > budget "
                            f"{plan['budget'] / GB:.1f} GB at DP {layout.dp}"}
     b = bubble(cfg, layout, t["seq_len"] * _global_batch(cfg))
+    a2a = expert_alltoall(plan["arch"], layout, tokens=t["trained_tokens"], devices=devices,
+                          gb_per_s=a["alltoall_gb_per_s"])
     secs = training_seconds(plan["arch"], plan["gpu"], world=world, tokens=t["trained_tokens"], seq_len=t["seq_len"],
                             hfu=t["hfu"], logprob_hfu=t["logprob_hfu"], recompute=t["recompute"],
-                            logprob_passes=t["logprob_passes"], bubble=b)
+                            logprob_passes=t["logprob_passes"], bubble=b, alltoall_s=a2a["seconds"])
     if not s["old_logprob_pass"]:
         secs["old_logprob"] = 0.0
     return {"layout": layout, "memory": memory, "train": secs, "train_side": sum(secs.values())}

@@ -18,6 +18,14 @@ with it), N = active params, plus causal attention 4 L heads d (S / 2) per forwa
 Each log-prob pass (old policy; a KL reference policy where the recipe has one, DAPO has none) is a forward, 2N.
 Time = FLOPs / (GPUs x peak x utilisation), the update at ``hfu`` and the forward-only log-prob passes at
 ``logprob_hfu``, with the 1F1B pipeline bubble (PP - 1) / m on m micro-batches per optimizer step.
+
+MoE token all-to-all across nodes, charged apart from the utilisation (which covers a node's own traffic):
+megatron-core 0.10's alltoall dispatcher sends each of a GPU's tokens (its sequence-parallel shard) once per routed
+expert, top-k x hidden x 2 B, to the EP rank holding that expert, in every MoE layer of its stage, and the combine
+sends them back: 2 such sends per forward, 2 more per backward (and per recompute forward). Its expert ranks are
+ordered ETP first (``RankGenerator(tp=ETP, ep=EP, ..., order="tp-cp-ep-dp-pp")``), so an EP group is EP ranks ETP
+apart in a block of EP x ETP consecutive ranks, nodes hold ``devices`` consecutive ranks, and with routing spread
+evenly over the experts 1 - (EP peers on the node) / EP of the sent bytes leave it, at ``gb_per_s`` per GPU.
 """
 from __future__ import annotations
 
@@ -27,7 +35,7 @@ from typing import Optional
 from nemo_dapo.cluster.plan_shapes import ARCH_KEYS, ARCH_PRESETS, GPUS, Arch, Gpu, Layout
 
 __all__ = ["ARCH_KEYS", "ARCH_PRESETS", "GPUS", "Arch", "Gpu", "Layout", "params_per_gpu",
-           "training_memory", "default_hfu", "update_flops_per_token", "training_seconds"]
+           "training_memory", "default_hfu", "update_flops_per_token", "expert_alltoall", "training_seconds"]
 
 
 def params_per_gpu(arch: Arch, layout: Layout) -> tuple[float, float]:
@@ -73,13 +81,35 @@ def update_flops_per_token(arch: Arch, seq_len: float, recompute: bool) -> float
         arch.attention_flops_per_token(seq_len)
 
 
+def expert_alltoall(arch: Arch, layout: Layout, *, tokens: float, devices: int, gb_per_s: float) -> dict:
+    """One send of the MoE all-to-all (a dispatch or a combine, every MoE layer of a stage) for ``tokens`` tokens
+    over ``layout``'s world, per GPU (module docstring): ``nodes`` an EP group spans, ``off_node`` the share of the
+    sent bytes that leaves the node, ``bytes`` that cross it and ``seconds`` at ``gb_per_s``. Zeros for a dense
+    model or an EP group inside one node."""
+    span = layout.ep * layout.expert_tp
+    if not arch.is_moe or layout.ep == 1 or span <= devices:
+        return {"nodes": 1, "off_node": 0.0, "bytes": 0.0, "seconds": 0.0}
+    peers = min(layout.ep, max(1, devices // layout.expert_tp))  # EP ranks on one node, itself included
+    off_node = 1.0 - peers / layout.ep
+    t = layout.tp if layout.sequence_parallel else 1
+    per_gpu = tokens / (layout.dp * layout.cp * t)
+    sent = per_gpu * math.ceil(arch.num_layers / layout.pp) * arch.moe_router_topk * arch.hidden_size * 2
+    crossing = sent * off_node
+    return {"nodes": math.ceil(layout.ep / peers), "off_node": off_node, "bytes": crossing,
+            "seconds": crossing / (gb_per_s * 1e9)}
+
+
 def training_seconds(arch: Arch, gpu: Gpu, *, world: int, tokens: float, seq_len: float, hfu: float,
-                     logprob_hfu: float, recompute: bool, logprob_passes: int = 1, bubble: float = 0.0) -> dict:
+                     logprob_hfu: float, recompute: bool, logprob_passes: int = 1, bubble: float = 0.0,
+                     alltoall_s: float = 0.0) -> dict:
     """Seconds of the log-prob passes and the update for ``tokens`` trained tokens of mean length ``seq_len``:
-    ``logprob_passes`` forwards (old policy, + a reference policy) at ``logprob_hfu``, the update at ``hfu``,
-    both stretched by the pipeline ``bubble`` fraction."""
+    ``logprob_passes`` forwards (old policy, + a reference policy) at ``logprob_hfu``, the update at ``hfu``, plus
+    the MoE all-to-all's ``alltoall_s`` (expert_alltoall's seconds of one send: 2 a forward, 4 an update, 6 with
+    recompute), all stretched by the pipeline ``bubble`` fraction."""
     stretch = (1.0 + bubble) / (world * gpu.bf16_tflops * 1e12)  # seconds per FLOP at utilisation 1
     forward = tokens * (2 * arch.active_params() + arch.attention_flops_per_token(seq_len))
-    return {"old_logprob": forward * stretch / logprob_hfu,
-            "reference_logprob": (logprob_passes - 1) * forward * stretch / logprob_hfu,
-            "training": tokens * update_flops_per_token(arch, seq_len, recompute) * stretch / hfu}
+    a2a = (1.0 + bubble) * alltoall_s
+    return {"old_logprob": forward * stretch / logprob_hfu + 2 * a2a,
+            "reference_logprob": (logprob_passes - 1) * (forward * stretch / logprob_hfu + 2 * a2a),
+            "training": tokens * update_flops_per_token(arch, seq_len, recompute) * stretch / hfu
+            + (6 if recompute else 4) * a2a}

@@ -29,6 +29,7 @@ def _format_time(plan: dict, band) -> list:
              + ("" if t["logprob_passes"] > 1 else "  (none: plan.reference_logprob_pass off, as DAPO)"),
              f"  {'training (' + n + '/token, ' + ('full recompute)' if t['recompute'] else 'no recompute)'):<34}"
              f"{t['training']:10.0f}",
+             *_alltoall_lines(plan),
              f"  refit + offload + reload          {t['refit_and_offload']:10.0f}",
              "      " + ", ".join(f"{k.replace('_', ' ')} {v:.0f}" for k, v in t["overhead"].items())
              + (f" (model {2 * plan['arch'].total_params() / GB:.0f} GB / handover "
@@ -42,6 +43,19 @@ def _format_time(plan: dict, band) -> list:
                             pass_rate=t["pass_rate"], total=t["total"])
     out[-1] += _band_text(band)
     return lines + out + _eager_lines(plan)
+
+
+def _alltoall_lines(plan: dict) -> list:
+    """The MoE all-to-all's share of the passes above, where an EP group spans nodes (plan_model.expert_alltoall)."""
+    a2a, lay = plan["time"]["alltoall"], plan["layout"]
+    if not a2a["seconds"]:
+        return []
+    text = (f"of which MoE all-to-all across nodes {a2a['step_seconds']:.0f} ({a2a['sends']} sends of "
+            f"{a2a['seconds']:.0f}: 2 a forward, 4 an update, 6 with recompute): EP{lay.ep} x ETP{lay.expert_tp} = "
+            f"{lay.ep * lay.expert_tp} GPUs span {a2a['nodes']} nodes, {a2a['off_node']:.0%} of the routed tokens "
+            f"leave the node, {a2a['bytes'] / GB:.0f} GB a GPU a send at {plan['assume']['alltoall_gb_per_s']} GB/s "
+            f"(plan.assume.alltoall_gb_per_s)")
+    return textwrap.wrap(text, 117, initial_indent="      ", subsequent_indent="      ")
 
 
 def _eager_lines(plan: dict) -> list:

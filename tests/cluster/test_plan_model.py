@@ -197,3 +197,85 @@ def test_every_recipe_prints_three_phases_that_fit(recipe, capsys):
     plan = plan_of(recipe)
     assert set(plan["phases"]) == {"train", "refit", "generate"}
     assert all(sum(p.values()) <= plan["budget"] for p in plan["phases"].values())
+
+
+ALLTOALL_LAYOUTS = [  # (world, GPUs a node, TP = ETP, EP, PP): the recipes' and the edges
+    (128, 8, 4, 16, 2),  # qwen3-235b-a22b: 8 nodes
+    (32, 8, 2, 8, 1),  # qwen3-30b-a3b: 2 nodes, half the peers at home
+    (128, 8, 8, 8, 2),  # mixtral 8x22b: ETP8, one EP peer a node
+    (48, 8, 1, 24, 1),  # 3 nodes of 8 peers
+    (64, 4, 2, 8, 2),  # 4-GPU nodes
+    (64, 8, 16, 2, 1),  # ETP wider than a node
+    (32, 8, 2, 4, 1),  # the EP group inside a node: nothing crosses
+]
+
+
+@pytest.mark.parametrize("world,devices,tp,ep,pp", ALLTOALL_LAYOUTS)
+def test_expert_alltoall_against_megatron_cores_rank_layout(world, devices, tp, ep, pp):
+    """The slow reference: megatron-core's own RankGenerator places every EP group; each rank sends its sequence
+    shard's tokens top-k times through every layer of its stage, spread evenly over the group's ranks; count the
+    bytes whose destination sits on another node (rank // devices)."""
+    RankGenerator = pytest.importorskip("megatron.core.parallel_state").RankGenerator
+    arch = M.ARCH_PRESETS["qwen3-235b-a22b"]
+    layout = M.Layout(world=world, tp=tp, pp=pp, ep=ep, sequence_parallel=tp > 1)
+    tokens = 1.5e8
+    got = M.expert_alltoall(arch, layout, tokens=tokens, devices=devices, gb_per_s=40.0)
+    order = "tp-cp-ep-dp-pp"
+    groups = RankGenerator(tp=tp, ep=ep, dp=world // (tp * ep * pp), pp=pp, cp=1, order=order).get_ranks("ep")
+    assert sorted(r for g in groups for r in g) == list(range(world))
+    per_rank_tokens = tokens / (layout.dp * tp)  # each DP rank's tokens, split over its TP ranks (SP)
+    crossing, spans = {}, set()
+    for group in groups:
+        spans.add(len({q // devices for q in group}))
+        for r in group:
+            layers = math.ceil(arch.num_layers / pp)
+            away = sum(q // devices != r // devices for q in group) / ep
+            crossing[r] = per_rank_tokens * layers * arch.moe_router_topk * arch.hidden_size * 2 * away
+    assert len(set(round(v) for v in crossing.values())) == 1  # every GPU sends the same
+    assert got["bytes"] == pytest.approx(crossing[0], rel=1e-12)
+    assert got["seconds"] == pytest.approx(crossing[0] / 40e9, rel=1e-12)
+    assert spans == {got["nodes"]}
+    if crossing[0] == 0:
+        assert got == {"nodes": 1, "off_node": 0.0, "bytes": 0.0, "seconds": 0.0}
+
+
+def test_expert_alltoall_is_zero_for_dense_models_and_scales_with_the_tokens_per_gpu():
+    moe, dense = M.ARCH_PRESETS["qwen3-235b-a22b"], M.ARCH_PRESETS["qwen2.5-32b"]
+    lay = M.Layout(world=128, tp=4, pp=2, ep=16, sequence_parallel=True)
+    assert M.expert_alltoall(dense, M.Layout(world=128, tp=8, pp=2), tokens=1e8, devices=8,
+                             gb_per_s=40.0)["seconds"] == 0.0
+    one = M.expert_alltoall(moe, lay, tokens=1e8, devices=8, gb_per_s=40.0)["seconds"]
+    assert M.expert_alltoall(moe, M.Layout(world=256, tp=4, pp=2, ep=16, sequence_parallel=True), tokens=1e8,
+                             devices=8, gb_per_s=40.0)["seconds"] == pytest.approx(one / 2)
+    assert M.expert_alltoall(moe, lay, tokens=1e8, devices=8, gb_per_s=80.0)["seconds"] == pytest.approx(one / 2)
+
+
+@pytest.mark.parametrize("recompute,passes,bubble", [(False, 1, 0.0), (True, 1, 0.0), (True, 2, 0.25)])
+def test_training_seconds_charge_the_alltoall_per_send(recompute, passes, bubble):
+    arch, gpu = M.ARCH_PRESETS["qwen3-30b-a3b"], M.GPUS["h100"]
+    kw = dict(world=32, tokens=1e8, seq_len=6000, hfu=0.25, logprob_hfu=0.125, recompute=recompute,
+              logprob_passes=passes, bubble=bubble)
+    base, more = M.training_seconds(arch, gpu, **kw), M.training_seconds(arch, gpu, **kw, alltoall_s=10.0)
+    stretch = 1 + bubble
+    assert more["old_logprob"] - base["old_logprob"] == pytest.approx(2 * 10.0 * stretch)
+    assert more["reference_logprob"] - base["reference_logprob"] == pytest.approx((passes - 1) * 2 * 10.0 * stretch)
+    assert more["training"] - base["training"] == pytest.approx((6 if recompute else 4) * 10.0 * stretch)
+
+
+def test_the_plan_charges_and_prints_the_alltoall_of_an_ep_group_across_nodes(capsys):
+    from tests.cluster.test_plan import run_cli
+
+    fast = "plan.assume.alltoall_gb_per_s=1e9"  # the same plan with the all-to-all almost free
+    plan, free = plan_of("qwen3-235b-a22b_h100"), plan_of("qwen3-235b-a22b_h100", fast)
+    a2a = plan["time"]["alltoall"]
+    assert a2a["nodes"] == 8 and a2a["off_node"] == pytest.approx(1 - 2 / 16)
+    assert plan["time"]["total"] - free["time"]["total"] == pytest.approx(a2a["step_seconds"], rel=1e-6)
+    trainer = lambda p: p["layouts"]["disaggregated"]  # noqa: E731
+    if "refused" not in trainer(plan):
+        assert trainer(plan)["train_side"] > trainer(free)["train_side"]
+    assert plan_of("qwen2.5-32b_h100")["time"]["alltoall"]["seconds"] == 0.0
+    assert run_cli("qwen3-235b-a22b_h100") == 0
+    out = " ".join(capsys.readouterr().out.split())  # the report wraps its lines
+    assert "of which MoE all-to-all across nodes" in out and "EP16 x ETP4 = 64 GPUs span 8 nodes" in out
+    assert run_cli("qwen2.5-32b_h100") == 0
+    assert "all-to-all across nodes" not in capsys.readouterr().out
