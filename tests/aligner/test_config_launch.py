@@ -59,7 +59,7 @@ def test_docker_ignore_keeps_virtualenvs_out_of_the_context():
 def test_sbatch_script_parses_and_has_the_cluster_pieces():
     subprocess.run(["bash", "-n", str(SBATCH)], check=True)
     text = SBATCH.read_text()
-    for piece in ("#SBATCH --ntasks-per-node=8", "srun --overlap --mpi=pmix", "--container-image=",
+    for piece in ("#SBATCH --ntasks-per-node=8", "srun --overlap --mpi=\"${TRAINER_MPI:-pmix}\"", "--container-image=",
                   "--container-mounts=", "--no-container-mount-home", "export CUDA_DEVICE_MAX_CONNECTIONS=1",
                   "examples/train_gpt_dapo.py --config-name recipes/", "trap cleanup EXIT INT TERM"):
         assert piece in text, piece

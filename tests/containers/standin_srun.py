@@ -10,8 +10,9 @@ options, pid).
 Semantics kept from srun: ``-o`` / ``-e`` patterns (``%j`` job id, ``%t`` task id, ``%s`` step id, ``%N`` node);
 the step's exit code is the first failing task's (128 + signal for a killed one); ``--kill-on-bad-exit=1`` stops
 the other tasks as soon as one exits non-zero; SIGTERM / SIGINT are forwarded to every task, which get 5 s before
-SIGKILL. A step runs on one node: ``--nodes`` above 1 is an error; ``--relative=R`` names which node of the job it is
-(``SLURM_NODEID``; every node is this machine).
+SIGKILL. A step runs on one node: ``--nodes`` above 1 is an error; ``--nodelist=HOST`` (the first of the job's
+``SLURM_JOB_NODELIST`` entries that is HOST) or ``--relative=R`` names which node of the job it is (``SLURM_NODEID``;
+every node is this machine, so a test gives the nodes different names for it: localhost, 127.0.0.1).
 """
 from __future__ import annotations
 
@@ -26,10 +27,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 VALUED = ("--nodes", "-N", "--ntasks", "-n", "--ntasks-per-node", "--cpus-per-task", "-c", "--gpus-per-node",
-          "--mpi", "--relative", "--kill-on-bad-exit", "--container-image", "--container-mounts",
+          "--mpi", "--relative", "--nodelist", "-w", "--kill-on-bad-exit", "--container-image", "--container-mounts",
           "--container-workdir", "--output", "-o", "--error", "-e", "--export")
 FLAGS = ("--overlap", "--no-container-mount-home", "--exclusive")
-SHORT = {"-N": "--nodes", "-n": "--ntasks", "-c": "--cpus-per-task", "-o": "--output", "-e": "--error"}
+SHORT = {"-N": "--nodes", "-n": "--ntasks", "-c": "--cpus-per-task", "-o": "--output", "-e": "--error",
+         "-w": "--nodelist"}
 
 
 def fail(msg: str) -> None:
@@ -74,9 +76,22 @@ def expand(pattern: str, job: str, step: int, task: int) -> str:
             .replace("%N", "localhost"))
 
 
+def node_of(opts: dict) -> int:
+    """The job's node the step runs on: ``--nodelist``'s one host, found in SLURM_JOB_NODELIST (real srun refuses
+    --relative beside it), else ``--relative``, else the first."""
+    if "--nodelist" in opts:
+        if "--relative" in opts:
+            fail("--relative cannot be combined with --nodelist")
+        hosts = os.environ.get("SLURM_JOB_NODELIST", "localhost").split(",")
+        if opts["--nodelist"] not in hosts:
+            fail(f"--nodelist={opts['--nodelist']} is not one node of the job's {hosts} (this stand-in runs one)")
+        return hosts.index(opts["--nodelist"])
+    return int(opts.get("--relative", "0"))
+
+
 def task_env(opts: dict, task: int, ntasks: int, step: int) -> dict:
     env = dict(os.environ)
-    env.update(SLURM_PROCID=str(task), SLURM_LOCALID=str(task), SLURM_NODEID=str(opts.get("--relative", "0")),
+    env.update(SLURM_PROCID=str(task), SLURM_LOCALID=str(task), SLURM_NODEID=str(node_of(opts)),
                SLURM_NTASKS=str(ntasks),
                SLURM_NPROCS=str(ntasks), SLURM_STEP_NUM_TASKS=str(ntasks), SLURM_NTASKS_PER_NODE=str(ntasks),
                SLURM_TASKS_PER_NODE=str(ntasks), SLURM_STEP_NUM_NODES="1", SLURM_NNODES="1",
@@ -104,10 +119,10 @@ def task_argv(opts: dict, command: list, step: int, task: int) -> list:
 
 def main(argv: list) -> int:
     opts, command = parse(argv)
-    nodes, node = int(opts.get("--nodes", "1")), int(opts.get("--relative", "0"))
+    nodes, node = int(opts.get("--nodes", "1")), node_of(opts)
     if nodes != 1 or not 0 <= node < int(os.environ.get("SLURM_JOB_NUM_NODES", "1")):
         fail(f"this stand-in runs a step on one node of the job's {os.environ.get('SLURM_JOB_NUM_NODES', '1')}; "
-             f"got --nodes={nodes} --relative={opts.get('--relative', 0)}")
+             f"got --nodes={nodes} and node {node}")
     ntasks = int(opts.get("--ntasks", opts.get("--ntasks-per-node", "1")))
     records = Path(os.environ["STANDIN_RECORDS"])
     step = next_step_id(records)

@@ -308,7 +308,7 @@ def test_engines_on_a_node_of_their_own(script, inputs, images, tmp_path):
     rc, out, err, rec, _ = _run_job(script, inputs, images, tmp_path, h.new_job_id(), *OVERRIDES, *overlap,
                                     "model.tensor_model_parallel_size=1", "trainer.dapo.max_steps=2",
                                     ENGINE_NODES="1", SLURM_JOB_NUM_NODES="2", SLURM_NNODES="2",
-                                    SLURM_JOB_NODELIST="127.0.0.1,127.0.0.1", ENGINE_BASE_PORT=str(port))
+                                    SLURM_JOB_NODELIST="localhost,127.0.0.1", ENGINE_BASE_PORT=str(port))
     assert rc == 0, f"sbatch failed ({rc}):\n{err[-3000:]}\n{_logs(tmp_path / 'results')}"
     servers = rec.python("nemo_dapo.engines.server")
     assert [p["argv"][p["argv"].index("--address") + 1] for p in servers] == [f"tcp://0.0.0.0:{port + i}"
@@ -319,13 +319,19 @@ def test_engines_on_a_node_of_their_own(script, inputs, images, tmp_path):
         f"tcp://127.0.0.1:{port + i}" for i in (0, 1)]
     ranks = rec.python("train_gpt_dapo.py")
     assert len(ranks) == 2 and {p["env"]["SLURM_NODEID"] for p in ranks} == {"0"}
+    # every step names its nodes from the one hostnames list: the trainer the first, the engines the last
+    assert [_option(rec.steps[rec.step_of(k)], "--nodelist") for k in ("server", "health", "trainer")] == [
+        "127.0.0.1", "127.0.0.1", "localhost"]
+    cpus = re.compile(r"^(engine server|trainer rank) \d on node (\d): CPUs \S+$", re.M)
+    job = servers[0]["env"]["SLURM_JOB_ID"]
+    printed = [cpus.findall(f.read_text()) for f in (tmp_path / "results").rglob(f"*_{job}_*.*")]
+    assert sorted(m for found in printed for m in found) == [("engine server", "1")] * 2 + [("trainer rank", "0")] * 2
     listed = {p["env"]["NEMO_DAPO_ENGINE_ADDRESS"] for p in ranks}
     assert listed == {f"tcp://127.0.0.1:{port},tcp://127.0.0.1:{port + 1}"}
     for p in ranks:
         assert "trainer.dapo.engine_server.placement=separate" in " ".join(p["argv"])
     options = json.loads(next((tmp_path / "results").rglob("engine_options.json")).read_text())
     assert options["options"].get("enable_sleep", False) is False
-    job = servers[0]["env"]["SLURM_JOB_ID"]
     for i in (0, 1):  # each replica's owner formed a weight group with its server and refit it over gloo
         log = next((tmp_path / "results").rglob(f"engine_{job}_{i}.err")).read_text()
         assert "ready on " + f"tcp://0.0.0.0:{port + i}" in log
