@@ -2,6 +2,7 @@
 
     enroot start --step N --task T [--mount SRC:DST[:ro]]... [--workdir DIR] [--no-mount-home] IMAGE -- CMD...
 
+As pyxis does for a PyTorch image, each task gets ``RANK`` / ``LOCAL_RANK`` from its SLURM_PROCID / SLURM_LOCALID.
 No namespaces here: the task runs as a local process and the container's paths are mapped to host paths instead.
 ``$STANDIN_IMAGES`` (a JSON file) describes each image: ``paths`` (container path -> host path: the image's
 ``/opt/nemo_dapo``, built like ``COPY . /opt/nemo_dapo``), ``bin`` (a directory put first on PATH: the image's
@@ -89,6 +90,9 @@ def main(argv: list) -> None:
     env = dict(os.environ)
     env.update(image.get("env", {}))
     env["PATH"] = f"{image['bin']}{os.pathsep}{env['PATH']}"
+    # pyxis, for an image with PYTORCH_VERSION in its environment (both images: NGC PyTorch), sets these from the
+    # task's own place in its step (pyxis_slurmstepd.c, pytorch_setup)
+    env.update(RANK=env.get("SLURM_PROCID", "0"), LOCAL_RANK=env.get("SLURM_LOCALID", "0"))
     workdir = rewrite(args["workdir"] or image.get("workdir") or os.getcwd())
     record = {"image": args["image"], "mounts": [{"container": c, "host": h, "ro": ro} for c, h, ro in mounts],
               "mount_home": args["mount_home"], "workdir": args["workdir"], "container_command": args["command"],

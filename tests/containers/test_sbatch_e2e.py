@@ -314,11 +314,14 @@ def test_engines_on_a_node_of_their_own(script, inputs, images, tmp_path):
     assert [p["argv"][p["argv"].index("--address") + 1] for p in servers] == [f"tcp://0.0.0.0:{port + i}"
                                                                               for i in (0, 1)]
     assert {p["env"]["SLURM_NODEID"] for p in servers} == {"1"}
+    # pyxis's RANK / LOCAL_RANK describe the engine step's tasks: the servers drop them, the trainer keeps its own
+    assert not [k for p in servers for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR") if k in p["env"]]
     probe = rec.python("nemo_dapo.engines.health")[0]
     assert probe["env"]["SLURM_NODEID"] == "1" and [a for a in probe["argv"] if a.startswith("tcp://")] == [
         f"tcp://127.0.0.1:{port + i}" for i in (0, 1)]
     ranks = rec.python("train_gpt_dapo.py")
     assert len(ranks) == 2 and {p["env"]["SLURM_NODEID"] for p in ranks} == {"0"}
+    assert [p["env"]["RANK"] for p in ranks] == ["0", "1"]
     # every step names its nodes from the one hostnames list: the trainer the first, the engines the last
     assert [_option(rec.steps[rec.step_of(k)], "--nodelist") for k in ("server", "health", "trainer")] == [
         "127.0.0.1", "127.0.0.1", "localhost"]
