@@ -10,8 +10,10 @@ adapter against a fake shaped like that release (tests/engines/fake_trtllm.py).
   submits there (and waits for the submission, so a rejected request fails in ``add``), a coroutine per sample
   awaits the result and puts it on a queue, and ``step()`` drains that queue, waiting at most ``poll_s`` for the
   first item (non-blocking for the server loop).
-* Sample k of request ``id`` is one TRT-LLM request (n=1, seed ``seed * 1_000_003 + k``): per-sample seeds, per-sample
-  aborts; ``enable_block_reuse`` lets the G samples of a prompt share its KV blocks.
+* Sample k of request ``id`` is one TRT-LLM request (n=1, seed ``seed * 1_000_003 + k``): per-sample aborts, and the
+  seed is passed, but the release's PyTorch sampler (TorchSampler) draws every request from one engine-wide generator
+  (per-request seeds came later, PR #17172), so a TensorRT-LLM run does not repeat sample for sample;
+  ``enable_block_reuse`` lets a prompt's KV blocks be reused once stored.
 * Tokens only (``skip_tokenizer_init``): ``end_id`` is config.json's first EOS, every EOS also a stop token, with
   ``include_stop_str_in_output`` so a stop token stays in ``token_ids`` (``executor/result.py`` cuts it otherwise).
   The PyTorch sampler appends the sampled token before checking ``end_id``, so an EOS end is kept too; a "stop"
@@ -40,7 +42,10 @@ adapter against a fake shaped like that release (tests/engines/fake_trtllm.py).
   log-probs at large batch with several rollout instances (nvbugs/5727691).
 * Sleep, this release's API: ``enable_sleep=True`` at construction, then ``_collective_rpc("sleep", (tags,))`` /
   ``("wakeup", (tags,))`` (executor/ray_gpu_worker.py; no ``SleepConfig`` / ``LLM.release()`` yet); level 1 frees
-  the KV cache, level 2 the model memory too (tags configurable).
+  the KV cache, level 2 the model memory too (tags configurable). The KV pool is allocated without restore
+  (``RestoreMode.NONE``) and ``wakeup`` leaves the prefix-reuse tree alone; only the update's finalize resets it. So
+  with block reuse a KV cache released by ``sleep`` serves no request until a weight update has finished (every
+  sleep of the training loop is followed by a refit); generating before that is refused, not read from zeroed blocks.
 """
 from __future__ import annotations
 
@@ -143,6 +148,8 @@ class TRTLLMEngine:
         self._pending: dict = {}  # fused group -> {name: device tensors}, waiting for the rest of the group
         self._received: set = set()
         self._updating, self._broken, self._asleep = False, None, False
+        self._block_reuse = bool(enable_block_reuse)
+        self._kv_stale = False  # the KV cache was released by a sleep and no update's finalize has run since
 
     def _read_model(self, dtype: str) -> None:
         """The checkpoint's config, tensor shapes and EOS ids, and the weights' dtype (``dtype`` or config.json's)."""
@@ -200,6 +207,11 @@ class TRTLLMEngine:
     # ---- generation -----------------------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
         self._check_alive(stepping=True)
+        if self._kv_stale:
+            raise EngineError(f"engine {self.name!r}: its KV cache was released by a sleep and woken without a weight "
+                              "update since; at this release only the update's finalize resets the prefix cache that "
+                              "still points into the released blocks, so a request now could read zeroed KV. Send a "
+                              "weight update (the same weights will do) before generating")
         if request.id in self._live:
             raise EngineError(f"engine {self.name!r}: request {request.id!r} is already running")
         if len(request.prompt_ids) > self._max_input_len or \
@@ -254,8 +266,11 @@ class TRTLLMEngine:
         logprobs = None
         if entry["logprobs"]:
             raw = list(out.logprobs or ())
-            if len(raw) < len(tokens) and finish == "aborted":
-                tokens = tokens[:len(raw)]  # a cancel between a token and its log-prob: keep the tokens that have one
+            if finish == "aborted" and len(raw) != len(tokens):
+                # a cancel can split a token from its log-prob either way (releases differ, and result.py trims a
+                # surplus of log-probs only for requests not cancelled): keep the tokens that have one
+                n = min(len(raw), len(tokens))
+                tokens, raw = tokens[:n], raw[:n]
             if len(raw) != len(tokens):
                 raise EngineError(f"engine {self.name!r}: sample {k} of {rid!r} has {len(tokens)} tokens but "
                                   f"{len(raw)} log-probs (finish {out.finish_reason!r})")
@@ -429,7 +444,7 @@ class TRTLLMEngine:
             # buckets are gone by now: the peak is the generating phase's (weights + KV), never refit + KV.
             self.wake(["kv_cache"])
         self._rpc("update_weights", None)
-        self._updating, self._received = False, set()
+        self._updating, self._received, self._kv_stale = False, set(), False
 
     # ---- memory -----------------------------------------------------------------------------------------------------
     def sleep(self, level: int) -> None:
@@ -439,6 +454,7 @@ class TRTLLMEngine:
                               "no requests, no update")
         self._llm._collective_rpc("sleep", args=(self._sleep_tags[level],))
         self._asleep = list(self._sleep_tags[level])
+        self._kv_stale = self._kv_stale or (self._block_reuse and "kv_cache" in self._asleep)
 
     def wake(self, tags=None) -> None:
         """``tags``: ["weights"] wakes every memory tag but the KV cache (a refit then loads into resident weights),

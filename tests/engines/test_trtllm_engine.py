@@ -156,6 +156,26 @@ def test_sleep_and_wake_send_the_memory_tags(engine):
         ("sleep", ["kv_cache"]), ("wakeup", ["kv_cache"])]
 
 
+@pytest.mark.parametrize("block_reuse", [True, False])
+def test_a_kv_cache_woken_without_an_update_serves_no_request_until_one(tmp_path, block_reuse):
+    """The release wakes a released KV pool without restoring it and only the update's finalize resets the prefix
+    cache that points into it: with block reuse, generation between such a wake and the next update is refused
+    (loudly, not read from zeroed blocks); an update of the same weights clears it. Without reuse nothing is stale."""
+    proc, client, weights, _ = start(tmp_path, enable_block_reuse=block_reuse)
+    try:
+        r = Request(id="a", prompt_ids=[2], n=1, max_new_tokens=4, seed=3)
+        client.sleep(1)
+        client.wake()
+        if block_reuse:
+            with pytest.raises(EngineError, match="woken without a weight update"):
+                client.submit([r])
+            client.update_weights([list(weights.items())])
+        client.submit([r])
+        assert client.next_completion().samples[0].token_ids == expect(r, 0)
+    finally:
+        proc.stop(client if client.alive else None)
+
+
 def test_unknown_option_is_a_clear_error(tmp_path):
     (tmp_path / "c").mkdir()
     checkpoint(tmp_path / "c")

@@ -45,29 +45,33 @@ def test_an_aborted_sample_reports_its_prefix_and_continues_from_prompt_plus_par
 class _Handle:
     def __init__(self, tokens, logprobs, reason):
         from types import SimpleNamespace
+        drawn = tokens + [9] * max(0, logprobs - len(tokens))  # a surplus log-prob names a token not returned
         self.outputs = [SimpleNamespace(token_ids=tokens, logprobs=[{t: F.Logprob(-1.0 - i)} for i, t in
-                                                                   enumerate(tokens[:logprobs])],
+                                                                   enumerate(drawn[:logprobs])],
                                         finish_reason=reason)]
 
 
-@pytest.mark.parametrize("reason,want", [("cancelled", [5, 6]), ("length", None)])
-def test_tokens_without_their_log_prob(tmp_path, reason, want):
-    """One log-prob fewer than tokens: a cancelled sample keeps the tokens that have their log-prob (TensorRT-LLM
-    releases differ in whether a cancel can split a token from its log-prob); any other sample is an error, never
-    a silent shift of log-probs against tokens."""
+@pytest.mark.parametrize("reason,logprobs,want", [("cancelled", 2, [5, 6]), ("length", 2, None),
+                                                   ("cancelled", 4, [5, 6, 7]), ("length", 4, None)])
+def test_tokens_without_their_log_prob(tmp_path, reason, logprobs, want):
+    """A log-prob fewer, or more, than tokens: a cancelled sample keeps the tokens that have their log-prob
+    (TensorRT-LLM releases differ in whether a cancel can split a token from its log-prob, and result.py trims a
+    surplus only for requests not cancelled); any other sample is an error, never a silent shift of log-probs
+    against tokens."""
     d = tmp_path / "c"
     d.mkdir()
     checkpoint(d)
     eng = F.make_engine(str(d))
     try:
-        h = _Handle([5, 6, 7], 2, reason)
+        h = _Handle([5, 6, 7], logprobs, reason)
         eng._live["r"] = {"handles": [h], "samples": [None], "stops": set(), "logprobs": True}
         if want is None:
-            with pytest.raises(EngineError, match="3 tokens but 2 log-probs"):
+            with pytest.raises(EngineError, match=f"3 tokens but {logprobs} log-probs"):
                 eng._collect("r", 0, h, None)
         else:
             eng._collect("r", 0, h, None)
             s = eng._live["r"]["samples"][0]
-            assert s.token_ids == want and s.logprobs == [-1.0, -2.0] and s.finish_reason == "aborted"
+            assert s.token_ids == want and s.logprobs == [-1.0 - i for i in range(len(want))]
+            assert s.finish_reason == "aborted"
     finally:
         eng.close()
