@@ -231,6 +231,7 @@ class EngineServer:
                               f"{self.name!r} speaks {P.PROTOCOL_VERSION}; install the same nemo_dapo version in "
                               "the trainer's and the engine's environments")
         info = self.adapter.info()
+        info["torch"] = WG.torch_version()
         if self.nccl is not None:
             info["nccl"] = self.nccl
         reply = {"version": P.PROTOCOL_VERSION, "engine": self.name, "info": info}

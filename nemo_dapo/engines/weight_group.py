@@ -2,8 +2,9 @@
 
 Shared memory reaches only the servers on the trainer's host. Here the trainer (rank 0) and N engine servers (ranks
 1..N) form a process group of their own, never the trainer's world (the trainer may run one already), so the engines
-can live on other nodes and one broadcast feeds them all. The trainer hosts its rendezvous (a ``TCPStore``) and tells
-each server where it is (``join_weights``). A bucket travels as one flat uint8 tensor in the layout of
+can live on other nodes and one broadcast feeds them all. The trainer hosts its rendezvous (rendezvous.py, a store of
+our own: torch's TCPStore does not connect the trainer image's torch 2.4 with the engine image's 2.9) and tells each
+server where it is (``join_weights``). A bucket travels as one flat uint8 tensor in the layout of
 ``protocol.weight_layout`` (64-byte aligned offsets), so both transports share the WeightSpec and its checks.
 
 Protocol (one reply per command, as every other op; the server blocks in the collective right after its reply):
@@ -23,7 +24,8 @@ Backends (``backend`` in ``join_weights``): ``gloo`` moves CPU tensors (the trai
 the receivers copy it to their GPU); ``nccl`` moves GPU tensors, GPU to GPU, one GPU per rank: the trainer's current
 CUDA device, and each engine worker's own (vLLM's and TensorRT-LLM's workers receive the broadcast themselves:
 engines/vllm.py, engines/trtllm_worker.py; an engine that receives in its server process takes gloo only). Every rank
-must load the same NCCL release (the engine's ``info["nccl"]`` is compared before a group forms). A dead peer ends a
+must load the same NCCL release and torch major.minor (the engine's ``info["nccl"]`` / ``info["torch"]`` are
+compared before a group forms). A dead peer ends a
 gloo broadcast at once; an NCCL broadcast is polled, so the trainer names the engine that died instead of waiting out
 NCCL's time-out (the engine's workers of a trainer that died are ended by NCCL's own watchdog after
 ``group_timeout_s``; a restarted run forms a new group).
@@ -41,6 +43,7 @@ import torch.distributed as dist
 from nemo_dapo.core import engine_registry
 from nemo_dapo.engines import protocol as P
 from nemo_dapo.engines.base import EngineError, EngineWeightError
+from nemo_dapo.engines.rendezvous import RendezvousServer, RendezvousStore
 
 PREFIX = "nemo_dapo/weights"
 MAX_WORLD = 4096  # servers of one trainer, plus the trainer
@@ -68,6 +71,15 @@ def nccl_problem() -> Optional[str]:
     if not torch.cuda.is_available():
         return "no CUDA device is visible"
     return None
+
+
+def torch_version() -> str:
+    """This process's torch release ("2.9.0a0+..."), reported to the trainer in the engine's hello."""
+    return str(torch.__version__)
+
+
+def _minor(version: str) -> tuple:
+    return tuple(version.split("+")[0].split(".")[:2])
 
 
 def nccl_version() -> Optional[str]:
@@ -202,9 +214,9 @@ class WeightGroup:
             raise ValueError(f"a weight group's backend is one of {list(BACKENDS)}, got {backend!r:.40}")
         self.world_size, self.timeout_s, self.backend = receivers + 1, float(timeout_s), backend
         self.device = device  # nccl: None is the current CUDA device at each broadcast (gloo: always the CPU)
-        self._store = dist.TCPStore(host, 0, self.world_size, True, timeout=_timeout(timeout_s),
-                                    wait_for_workers=False)
-        self.address = f"tcp://{host}:{self._store.port}"
+        self._server = RendezvousServer(host)
+        self._store = RendezvousStore(host, self._server.port, self.timeout_s)
+        self.address = f"tcp://{host}:{self._server.port}"
         self._pg = None
 
     def join_message(self, rank: int) -> dict:
@@ -224,7 +236,11 @@ class WeightGroup:
 
     def close(self) -> None:
         """Drop the group and its rendezvous; a server still waiting in a broadcast fails as its peer closes."""
-        self._pg = self._store = None
+        self._pg = None
+        if self._store is not None:
+            self._store.close()
+            self._server.close()
+        self._store = None
 
 
 class GroupMember:
@@ -236,8 +252,8 @@ class GroupMember:
         self.backend, self.timeout_s, self.device = backend, float(timeout_s), _device(backend, device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # NCCL binds a rank to the current device
-        store = dist.TCPStore(host, port, world_size, False, timeout=_timeout(timeout_s))
-        self._pg = _process_group(backend, store, rank, world_size, timeout_s)
+        self._store = RendezvousStore(host, port, timeout_s)  # kept: torch calls back into it
+        self._pg = _process_group(backend, self._store, rank, world_size, timeout_s)
 
     def receive(self, specs: list, size: int) -> list:
         """[(name, tensor)] of one bucket broadcast by rank 0 (views of one fresh buffer on ``device``);
@@ -396,6 +412,12 @@ def check_nccl_peers(clients: Sequence) -> None:
             raise EngineError(f"weight_transport nccl: engine {c.name!r} has NCCL {theirs or 'none'}, this trainer "
                               f"{mine}: every rank of the group must load the same NCCL release (the engine image "
                               "and the trainer's), or use gloo")
+        # torch releases exchange NCCL's unique id differently above 128 ranks (2.9 gathers one per root under
+        # keys 2.4 never writes), so an nccl group also needs one torch major.minor
+        other = c.info.get("torch")
+        if other is not None and _minor(other) != _minor(torch_version()):
+            raise EngineError(f"weight_transport nccl: engine {c.name!r} runs torch {other}, this trainer "
+                              f"{torch_version()}: an nccl group needs one torch major.minor in every rank; use gloo")
 
 
 def _collective(clients: Sequence, fn, joining: bool = False) -> None:

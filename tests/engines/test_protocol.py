@@ -51,7 +51,7 @@ def test_hello_reports_engine_and_info(toy):
     _, client = toy
     assert client.engine == TOY and client.info == {
         "model": "toy", "vocab_size": 50, "sleep_releases": {"1": ["kv_cache"], "2": ["kv_cache", "weights"]},
-        "wake_tags": ["weights", "kv_cache"]}
+        "wake_tags": ["weights", "kv_cache"], "torch": torch.__version__}
     assert client.health()["running"] == 0
 
 

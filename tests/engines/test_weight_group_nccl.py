@@ -119,6 +119,10 @@ def test_an_nccl_group_needs_nccl_here_and_the_same_release_in_every_engine(monk
         WG.check_nccl_peers([Client("a", {"nccl": "2.21.5"}), Client("b", {"nccl": "2.27.3"})])
     with pytest.raises(EngineError, match="engine 'a' has NCCL none"):  # a CPU engine, or one receiving itself
         WG.check_nccl_peers([Client("a", {})])
+    monkeypatch.setattr(WG, "torch_version", lambda: "2.4.0a0+3bcc3cd")
+    WG.check_nccl_peers([Client("a", {"nccl": "2.21.5", "torch": "2.4.1"})])  # the same major.minor
+    with pytest.raises(EngineError, match=r"engine 'b' runs torch 2\.9\.0, this trainer 2\.4\.0a0"):
+        WG.check_nccl_peers([Client("a", {"nccl": "2.21.5"}), Client("b", {"nccl": "2.21.5", "torch": "2.9.0"})])
 
 
 def test_contract_vllms_workers_join_over_nccl_on_their_own_gpu(monkeypatch):
