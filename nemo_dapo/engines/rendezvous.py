@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import socket
 import struct
 import threading
@@ -151,8 +152,8 @@ class RendezvousServer:
             conn.close()
 
     def _wait_for(self, keys: list, timeout_s) -> None:
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s < 0:
-            raise ValueError("timeout_s must be a number >= 0")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 <= timeout_s < math.inf:
+            raise ValueError("timeout_s must be a finite number >= 0")  # JSON may carry NaN and Infinity
         deadline = time.monotonic() + min(float(timeout_s), self._max_wait_s)
         while not all(k in self._data for k in keys):
             left = deadline - time.monotonic()

@@ -114,6 +114,8 @@ def test_a_malformed_frame_ends_that_connection_and_the_server_stays_up(server, 
     ({"op": "add", "key": "k", "amount": "1"}, "integer"),
     ({"op": "wait", "keys": "k", "timeout_s": 1}, "list"),
     ({"op": "get", "key": "k", "timeout_s": -1}, "timeout_s"),
+    ({"op": "wait", "keys": ["k"], "timeout_s": float("nan")}, "finite"),
+    ({"op": "wait", "keys": ["k"], "timeout_s": float("inf")}, "finite"),
 ])
 def test_a_bad_request_gets_an_error_reply_and_the_connection_goes_on(server, request_, fragment):
     conn = _raw(server.port)
