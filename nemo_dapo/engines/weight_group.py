@@ -25,10 +25,9 @@ the receivers copy it to their GPU); ``nccl`` moves GPU tensors, GPU to GPU, one
 CUDA device, and each engine worker's own (vLLM's and TensorRT-LLM's workers receive the broadcast themselves:
 engines/vllm.py, engines/trtllm_worker.py; an engine that receives in its server process takes gloo only). Every rank
 must load the same NCCL release and torch major.minor (the engine's ``info["nccl"]`` / ``info["torch"]`` are
-compared before a group forms). A dead peer ends a
-gloo broadcast at once; an NCCL broadcast is polled, so the trainer names the engine that died instead of waiting out
-NCCL's time-out (the engine's workers of a trainer that died are ended by NCCL's own watchdog after
-``group_timeout_s``; a restarted run forms a new group).
+compared before a group forms). A dead peer ends a gloo broadcast at once; an NCCL broadcast is polled, so the
+trainer names the engine that died instead of waiting out NCCL's time-out (the engine's workers of a trainer that
+died are ended by NCCL's own watchdog after ``group_timeout_s``; a restarted run forms a new group).
 ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` pick the network interface where the default is the wrong one.
 """
 from __future__ import annotations
