@@ -15,10 +15,10 @@ What it enforces from the release: ``LLM(**kw)`` validates ``TorchLlmArgs`` (ext
 
 The toy model: sample token t of a request is ``(seed + 3 t + prompt[-1] + W) % vocab`` with W the rounded sum of
 ``model.norm.weight`` (so a weight update changes the outputs); log-prob ``-0.1 (t + 1)``. The toy reads the request's
-seed so that the tests can tell samples apart; the release's TorchSampler does not (one engine-wide generator). Calls are appended as JSON
-lines to ``$FAKE_TRTLLM_LOG``; ``$FAKE_TRTLLM_FAIL`` names a weight whose bucket makes ``update_weights`` raise.
-Use ``make_engine`` as the server's ``--engine tests.engines.fake_trtllm:make_engine``; ``write_package(dir)`` puts an
-importable ``tensorrt_llm`` package (re-exporting this module) under ``dir``.
+seed so that the tests can tell samples apart; the release's TorchSampler does not (one engine-wide generator). Calls
+are appended as JSON lines to ``$FAKE_TRTLLM_LOG``; ``$FAKE_TRTLLM_FAIL`` names a weight whose bucket makes
+``update_weights`` raise. Use ``make_engine`` as the server's ``--engine tests.engines.fake_trtllm:make_engine``;
+``write_package(dir)`` puts an importable ``tensorrt_llm`` package (re-exporting this module) under ``dir``.
 """
 from __future__ import annotations
 
