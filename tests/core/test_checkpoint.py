@@ -198,7 +198,7 @@ def test_safe_load_on_a_torch_without_scoped_allowlists(tmp_path, monkeypatch):
     from nemo_dapo.core.dynamic_sampling import Group
 
     before = torch.serialization.get_safe_globals()
-    monkeypatch.delattr(torch.serialization, "safe_globals")
+    monkeypatch.delattr(torch.serialization, "safe_globals", raising=False)  # absent in a real torch 2.4
     try:
         group = Group(uid=3, acc=torch.tensor([1.0, 0.0]), rewards=torch.tensor([1.0, -1.0]))
         got = load_checkpoint(save_checkpoint(str(tmp_path), 2, {"groups": [group]}))["groups"][0]

@@ -172,9 +172,9 @@ def scored_groups(n, start_uid, concentration, gen, group_size=16):
     return [Group(uid=start_uid + i, acc=acc[i], rewards=acc[i] * 2 - 1) for i in range(n)]
 
 
-def simulate(concentration, adaptive, steps=12, num_groups=32):
+def simulate(concentration, adaptive, steps=12, num_groups=32, seed=1):
     """(generated / trained groups, kept / generated groups, discarded groups) over ``steps`` rollout steps."""
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(seed)
     if adaptive:
         f = BatchFiller(num_groups, on_budget_exhausted="unbounded")
     else:  # the reference: fixed 3x generation batch, surplus discarded
@@ -194,15 +194,20 @@ def simulate(concentration, adaptive, steps=12, num_groups=32):
 
 # Beta shapes of the per-prompt pass rate -> share of groups kept: ~0.85, ~0.6, ~0.23 (the reference then needs two
 # 3x generation batches per step). The last case is compared with a looser bound: 1 / pass rate is a floor for
-# every policy, and at ~0.23 it is already 0.7 of the reference's 6x.
-@pytest.mark.parametrize("concentration,bound", [((1.0, 3.0), 0.7), ((0.3, 1.5), 0.7), ((0.1, 2.0), 0.8)])
+# every policy, and at ~0.23 it is already 0.7 of the reference's 6x. The ratio is the mean over 5 seeds: one seed's
+# moves by +-0.08 in the last case (0.68-0.85 over seeds 1-10; torch 2.4's Beta draws give seed 1 0.84 where 2.13's
+# give 0.68), the means 0.40 / 0.61 / 0.79 under both.
+@pytest.mark.parametrize("concentration,bound", [((1.0, 3.0), 0.5), ((0.3, 1.5), 0.7), ((0.1, 2.0), 0.85)])
 def test_adaptive_oversampling_generates_less_than_fixed_3x(concentration, bound):
-    ours, pass_rate, discarded = simulate(concentration, adaptive=True)
-    reference, _, reference_discarded = simulate(concentration, adaptive=False)
-    assert reference >= 3.0 and reference_discarded > 0
-    assert ours <= bound * reference, (ours, reference)
-    # carrying the surplus over leaves filtering as the only waste
-    assert discarded == 0 and ours <= 1.05 / pass_rate
+    ratios = []
+    for seed in range(1, 6):
+        ours, pass_rate, discarded = simulate(concentration, adaptive=True, seed=seed)
+        reference, _, reference_discarded = simulate(concentration, adaptive=False, seed=seed)
+        assert reference >= 3.0 and reference_discarded > 0
+        # carrying the surplus over leaves filtering as the only waste
+        assert discarded == 0 and ours <= 1.05 / pass_rate, (seed, ours, pass_rate)
+        ratios.append(ours / reference)
+    assert sum(ratios) / len(ratios) <= bound, ratios
 
 
 def test_state_dict_round_trip_through_torch_save():
