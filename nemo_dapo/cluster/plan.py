@@ -40,8 +40,9 @@ from nemo_dapo.cluster.plan_generation import (MODEL_LABELS, PlanError, Response
                                               decode_step_seconds, engine_memory, generation_times,
                                               inflight_tokens_per_s_per_gpu, needed_fraction)
 from nemo_dapo.cluster.plan_report import format_plan
-from nemo_dapo.cluster.plan_model import (ARCH_KEYS, ARCH_PRESETS, GPUS, Arch, Gpu, Layout, default_hfu,
-                                         expert_alltoall, params_per_gpu, training_memory, training_seconds)
+from nemo_dapo.cluster.plan_model import (ARCH_KEYS, ARCH_PRESETS, FORWARD_SENDS, GPUS, Arch, Gpu, Layout,
+                                         default_hfu, expert_alltoall, params_per_gpu, training_memory,
+                                         training_seconds, update_sends)
 from nemo_dapo.core import engine_registry
 
 __all__ = ["PlanError", "make_plan", "format_plan", "run_cli", "Arch", "Gpu", "GPUS", "Layout", "ARCH_PRESETS",
@@ -337,7 +338,7 @@ def _step_time(cfg: dict, plan: dict) -> dict:
     logprob_hfu = a["logprob_hfu"] or LOGPROB_HFU_RATIO * hfu
     bubble = _pipeline_bubble(cfg, layout, seq_len * select(cfg, "model.global_batch_size"))
     a2a = alltoall(cfg, plan, layout, tokens)
-    a2a["sends"] = 2 * passes + (6 if recompute else 4)
+    a2a["sends"] = FORWARD_SENDS * passes + update_sends(recompute)
     a2a["step_seconds"] = a2a["sends"] * a2a["seconds"] * (1.0 + bubble)
     t.update(training_seconds(arch, gpu, world=layout.world, tokens=tokens, seq_len=seq_len, hfu=hfu,
                               logprob_hfu=logprob_hfu, recompute=recompute, logprob_passes=passes,

@@ -35,7 +35,8 @@ from typing import Optional
 from nemo_dapo.cluster.plan_shapes import ARCH_KEYS, ARCH_PRESETS, GPUS, Arch, Gpu, Layout
 
 __all__ = ["ARCH_KEYS", "ARCH_PRESETS", "GPUS", "Arch", "Gpu", "Layout", "params_per_gpu",
-           "training_memory", "default_hfu", "update_flops_per_token", "expert_alltoall", "training_seconds"]
+           "training_memory", "default_hfu", "update_flops_per_token", "expert_alltoall", "FORWARD_SENDS",
+           "update_sends", "training_seconds"]
 
 
 def params_per_gpu(arch: Arch, layout: Layout) -> tuple[float, float]:
@@ -99,17 +100,25 @@ def expert_alltoall(arch: Arch, layout: Layout, *, tokens: float, devices: int, 
             "seconds": crossing / (gb_per_s * 1e9)}
 
 
+FORWARD_SENDS = 2  # a dispatch and a combine per MoE layer
+
+
+def update_sends(recompute: bool) -> int:
+    """All-to-all sends of one update: a forward's and the backward's (twice a forward's), + a recompute forward."""
+    return FORWARD_SENDS * (3 if recompute else 2)
+
+
 def training_seconds(arch: Arch, gpu: Gpu, *, world: int, tokens: float, seq_len: float, hfu: float,
                      logprob_hfu: float, recompute: bool, logprob_passes: int = 1, bubble: float = 0.0,
                      alltoall_s: float = 0.0) -> dict:
     """Seconds of the log-prob passes and the update for ``tokens`` trained tokens of mean length ``seq_len``:
     ``logprob_passes`` forwards (old policy, + a reference policy) at ``logprob_hfu``, the update at ``hfu``, plus
-    the MoE all-to-all's ``alltoall_s`` (expert_alltoall's seconds of one send: 2 a forward, 4 an update, 6 with
-    recompute), all stretched by the pipeline ``bubble`` fraction."""
+    the MoE all-to-all's ``alltoall_s`` (expert_alltoall's seconds of one send; FORWARD_SENDS a forward,
+    update_sends an update), all stretched by the pipeline ``bubble`` fraction."""
     stretch = (1.0 + bubble) / (world * gpu.bf16_tflops * 1e12)  # seconds per FLOP at utilisation 1
     forward = tokens * (2 * arch.active_params() + arch.attention_flops_per_token(seq_len))
     a2a = (1.0 + bubble) * alltoall_s
-    return {"old_logprob": forward * stretch / logprob_hfu + 2 * a2a,
-            "reference_logprob": (logprob_passes - 1) * (forward * stretch / logprob_hfu + 2 * a2a),
+    return {"old_logprob": forward * stretch / logprob_hfu + FORWARD_SENDS * a2a,
+            "reference_logprob": (logprob_passes - 1) * (forward * stretch / logprob_hfu + FORWARD_SENDS * a2a),
             "training": tokens * update_flops_per_token(arch, seq_len, recompute) * stretch / hfu
-            + (6 if recompute else 4) * a2a}
+            + update_sends(recompute) * a2a}
