@@ -6,7 +6,8 @@ NGC PyTorch 24.07, torch 2.4; TensorRT-LLM 1.3.0rc1's, torch 2.9), and TCPStore'
 across them: a 2.9 client sends PING right after connecting (PyTorch PR #129985), a 2.4 server drops the connection
 on the unknown query, and the client retries until its time-out. Here both sides speak this module's protocol, and
 each side's torch only sees a Store. ProcessGroupGloo / ProcessGroupNCCL use set / get / wait / add / check on it
-during rendezvous (the gloo addresses, the NCCL unique id).
+during rendezvous (the gloo addresses, the NCCL unique id); torch 2.9's NCCL heartbeat thread also polls ``check``
+about once a second in a process whose first NCCL group this is (its dump-on-timeout key).
 
 Frames: 4-byte big-endian length, then a JSON object. Request ``{"op": ..., "key" | "keys", "value" (base64),
 "amount", "expected", "desired", "timeout_s"}``; reply ``{"ok": true, ...}`` or ``{"error": message}``. ``get`` and
@@ -31,6 +32,7 @@ MAX_FRAME = 1 << 20  # one request or reply (rendezvous values are addresses and
 MAX_KEYS = 65536  # keys held at once
 MAX_BYTES = 64 << 20  # key and value bytes held at once
 MAX_CONNECTIONS = 8192  # two per group rank, at most (a rank's store and its clone)
+REPLY_S = 60.0  # a reply's deadline beyond the wait a request asks for: a host that stops answering fails the call
 _HEADER = struct.Struct(">I")
 
 
@@ -220,6 +222,7 @@ class RendezvousStore(dist.Store):
         super().__init__()
         self.host, self.port, self.timeout_s = host, int(port), float(timeout_s)
         self._lock = threading.Lock()
+        self._clones = []  # torch may clone from C++, which holds no reference to the Python object it gets
         deadline = time.monotonic() + (self.timeout_s if connect_timeout_s is None else connect_timeout_s)
         while True:  # the server may not listen yet
             try:
@@ -230,17 +233,18 @@ class RendezvousStore(dist.Store):
                     raise RendezvousError(f"cannot reach the weight group's rendezvous at {host}:{port}: {e}") \
                         from None
                 time.sleep(0.2)
-        self._sock.settimeout(None)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def _call(self, op: str, **fields):
         with self._lock:
             try:
+                self._sock.settimeout(fields.get("timeout_s", 0.0) + REPLY_S)
                 _send(self._sock, {"op": op, **fields})
                 reply = _recv(self._sock)
             except (OSError, ValueError) as e:
+                self._sock.close()  # a reply may still be in flight: this connection's framing is lost
                 raise RendezvousError(f"the weight group's rendezvous at {self.host}:{self.port} failed during "
-                                      f"{op}: {e}") from None
+                                      f"{op}: {type(e).__name__}: {e}") from None
         if "error" in reply:
             raise RendezvousError(f"rendezvous {op}: {reply['error']}")
         return reply.get("value")
@@ -280,10 +284,14 @@ class RendezvousStore(dist.Store):
         self.timeout_s = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
 
     def clone(self):
-        return RendezvousStore(self.host, self.port, self.timeout_s)
+        twin = RendezvousStore(self.host, self.port, self.timeout_s)
+        self._clones.append(twin)
+        return twin
 
     def close(self) -> None:
-        try:
-            self._sock.close()
-        except OSError:
-            pass
+        """Closes this connection and its clones' (the group that used them is done)."""
+        for store in [self, *self._clones]:
+            try:
+                store._sock.close()
+            except OSError:
+                pass

@@ -26,8 +26,9 @@ CUDA device, and each engine worker's own (vLLM's and TensorRT-LLM's workers rec
 engines/vllm.py, engines/trtllm_worker.py; an engine that receives in its server process takes gloo only). Every rank
 must load the same NCCL release and torch major.minor (the engine's ``info["nccl"]`` / ``info["torch"]`` are
 compared before a group forms). A dead peer ends a gloo broadcast at once; an NCCL broadcast is polled, so the
-trainer names the engine that died instead of waiting out NCCL's time-out (the engine's workers of a trainer that
-died are ended by NCCL's own watchdog after ``group_timeout_s``; a restarted run forms a new group).
+trainer names the engine that died instead of waiting out NCCL's time-out; the engine's workers of a trainer that
+died fail their broadcast after ``group_timeout_s`` and drop the group, before NCCL's watchdog would end them
+(``_process_group``), and a restarted run forms a new group.
 ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` pick the network interface where the default is the wrong one.
 """
 from __future__ import annotations
@@ -50,6 +51,7 @@ MAX_BUCKET_BYTES = 16 << 30  # one bucket of a group update (the recipes' bucket
 TRANSPORTS = engine_registry.WEIGHT_TRANSPORTS  # what a trainer may choose: "shm", or a group's backend
 BACKENDS = tuple(t for t in TRANSPORTS if t != "shm")  # gloo, nccl
 POLL_S = 0.01  # an NCCL broadcast's completion is polled this often, its peers' liveness every second
+NCCL_WATCHDOG_MARGIN_S = 60.0  # an NCCL group's time-out exceeds the poll's (_await), which therefore fires first
 
 
 class GroupBroken(EngineError):
@@ -148,13 +150,16 @@ def _views(flat: torch.Tensor, specs: Sequence[dict]) -> list:
 
 
 def _process_group(backend: str, store, rank: int, world_size: int, timeout_s: float):
-    """The group's own process group (never the trainer's world). NCCL: every rank's current CUDA device."""
+    """The group's own process group (never the trainer's world). NCCL: every rank's current CUDA device, and a
+    time-out ``NCCL_WATCHDOG_MARGIN_S`` past ``timeout_s``: at its own time-out NCCL's watchdog ends the process
+    (``TORCH_NCCL_ASYNC_ERROR_HANDLING``'s default in torch 2.4 and 2.9), where ``_await``'s raises an error the
+    caller reports and the group is dropped (its destructor aborts the communicator)."""
     prefixed = dist.PrefixStore(PREFIX, store)
     if backend == "nccl":
         problem = nccl_problem()
         if problem is not None:
             raise RuntimeError(f"an nccl weight group needs CUDA and NCCL: {problem}; use gloo")
-        return dist.ProcessGroupNCCL(prefixed, rank, world_size, _timeout(timeout_s))
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size, _timeout(timeout_s + NCCL_WATCHDOG_MARGIN_S))
     return dist.ProcessGroupGloo(prefixed, rank, world_size, _timeout(timeout_s))
 
 
@@ -257,10 +262,13 @@ class GroupMember:
     def receive(self, specs: list, size: int) -> list:
         """[(name, tensor)] of one bucket broadcast by rank 0 (views of one fresh buffer on ``device``);
         GroupBroken when the broadcast fails (a peer closed, or the time-out)."""
+        if self._pg is None:
+            raise GroupBroken("this weight group failed on an earlier bucket; the trainer forms a new one")
         flat = torch.empty(size, dtype=torch.uint8, device=self.device)
         try:
             _await(self._pg.broadcast(flat, 0), self.backend, self.timeout_s)
         except RuntimeError as e:
+            self._pg = None  # dropped before NCCL's watchdog would end this process; the next join forms another
             raise GroupBroken(f"{type(e).__name__}: {e}") from None
         return _views(flat, specs)
 

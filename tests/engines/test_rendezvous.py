@@ -2,6 +2,7 @@
 every operation, blocking reads across threads, a real gloo group formed through it without torch's TCPStore, and a
 hostile client that leaves the server up."""
 import datetime
+import gc
 import os
 import socket
 import subprocess
@@ -52,6 +53,23 @@ def _ops(store):
 def test_every_operation_answers_as_torchs_own_hashstore(server):
     ours = R.RendezvousStore("127.0.0.1", server.port, 5.0)
     assert _ops(ours) == _ops(dist.HashStore())
+
+
+def test_a_clone_made_by_torch_is_its_own_connection_to_the_same_keys(server):
+    """torch clones a store from C++ (a PrefixStore's clone clones the store under it; ProcessGroup's split does):
+    the clone, which only C++ references, answers from the same keys on a connection of its own, and closing the
+    store closes its clones."""
+    ours = R.RendezvousStore("127.0.0.1", server.port, 5.0)
+    ours.set("p/k", b"v")
+    twin = dist.PrefixStore("p", ours).clone()
+    gc.collect()
+    assert twin.get("k") == b"v"
+    twin.set("k2", b"w")
+    assert ours.get("p/k2") == b"w" and len(ours._clones) == 1
+    assert ours._clones[0]._sock is not ours._sock
+    ours.close()
+    with pytest.raises(R.RendezvousError, match="failed during get"):
+        twin.get("k")
 
 
 def test_get_and_wait_block_until_another_client_sets_the_key(server):
@@ -143,6 +161,25 @@ def test_a_closed_server_fails_a_waiting_client_at_once():
     with pytest.raises(R.RendezvousError):
         store.get("never")
     assert time.monotonic() - t0 < 10
+
+
+def test_a_host_that_stops_answering_fails_the_call_and_the_connection(monkeypatch):
+    """A rendezvous host that accepts and then never replies (a partitioned node): the call fails after the wait it
+    asked for plus REPLY_S, not never (torch 2.9's NCCL heartbeat thread calls in, and a group's destructor joins
+    that thread), and the connection, whose framing a late reply would break, fails every later call at once."""
+    monkeypatch.setattr(R, "REPLY_S", 0.3)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        store = R.RendezvousStore("127.0.0.1", listener.getsockname()[1], 1.0)
+        t0 = time.monotonic()
+        with pytest.raises(R.RendezvousError, match="during check: TimeoutError"):
+            store.check(["k"])
+        assert 0.25 < time.monotonic() - t0 < 3
+        t0 = time.monotonic()
+        with pytest.raises(R.RendezvousError, match="during wait"):
+            store.wait(["k"], datetime.timedelta(seconds=0.5))
+        assert time.monotonic() - t0 < 0.2
 
 
 def test_an_unreachable_rendezvous_is_named():

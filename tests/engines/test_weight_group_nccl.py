@@ -60,7 +60,8 @@ def test_contract_an_nccl_group_moves_every_receivers_bucket_in_the_shared_memor
     group.broadcast(BUCKET, specs, size, check=lambda: None)
     for t in threads:
         t.join(30)
-    assert sorted(fake_nccl.made) == [(0, 3, 30.0), (1, 3, 30.0), (2, 3, 30.0)]
+    watchdog = 30.0 + WG.NCCL_WATCHDOG_MARGIN_S  # past the poll's 30 s, which therefore fires first
+    assert sorted(fake_nccl.made) == [(0, 3, watchdog), (1, 3, watchdog), (2, 3, watchdog)]
     for rank in (1, 2):
         assert [n for n, _ in got[rank]] == [n for n, _ in BUCKET]
         for (_, t), (_, want) in zip(got[rank], BUCKET):
@@ -101,6 +102,27 @@ def test_an_nccl_broadcast_that_never_completes_times_out_here_and_gloo_waits():
     work = Never()
     WG._await(work, "gloo", 1.0)
     assert work.waited
+
+
+def test_contract_a_member_whose_broadcast_times_out_drops_its_group_before_the_nccl_watchdog(fake_nccl, monkeypatch):
+    """At its own time-out NCCL's watchdog ends the process; the member's poll fires first, drops the group (whose
+    destructor aborts the communicator) and names the failure on the next bucket too."""
+    group = WG.WeightGroup("127.0.0.1", 1, timeout_s=1.0, backend="nccl", device="cpu")
+    joined = threading.Thread(target=group.connect)
+    joined.start()
+    host, port, rank, world, timeout_s, backend = WG.check_join(group.join_message(1))
+    member = WG.GroupMember(host, port, rank, world, timeout_s, backend, device="cpu")
+    joined.join(30)
+    monkeypatch.setattr(FakeNCCL, "broadcast", lambda self, tensor, root: Never())
+    specs, size = P.weight_layout(BUCKET)
+    t0 = time.monotonic()
+    with pytest.raises(WG.GroupBroken, match="did not complete within 1 s"):
+        member.receive(specs, size)
+    assert time.monotonic() - t0 < 1.0 + WG.NCCL_WATCHDOG_MARGIN_S / 2
+    assert fake_nccl.made[-1][2] == 1.0 + WG.NCCL_WATCHDOG_MARGIN_S and member._pg is None
+    with pytest.raises(WG.GroupBroken, match="failed on an earlier bucket"):
+        member.receive(specs, size)
+    group.close()
 
 
 class Client:
