@@ -22,13 +22,15 @@ travel by ``engine_server.weight_transport`` gloo or nccl (engines/weight_group.
 workers; the engines never share a GPU with training, so they need not sleep (``sleep_level`` 0).
 
 Generation. The ranks of one model-parallel (TP x PP) group hold the same prompts (one data-parallel replica). The
-owners inside the group split its rows in order (owner j of k takes rows [j B / k, (j + 1) B / k)), and each owner
-in turn broadcasts its part to the group (tensors of a broadcast size, :func:`broadcast_generation`), so every rank
-returns the same ``Generation``. Every group needs at least one owner (engine GPUs <= TP, or a layout where each
-TP x PP group contains an engine's first GPU); the builder checks it. Partial rollouts
-(``trainer.dapo.rollout.on_filler_full: suspend``) go through ``stream_requests`` the same way: the owners split a
-round's groups in order, and each round runs to its end (the loop hands finished groups over between rounds, in
-prompt order, core/loop_stream.py), so every rank of every data-parallel replica follows the same rounds.
+owners inside the group split its rows in order (owner j of k takes rows [j B / k, (j + 1) B / k)), and each owner in
+turn broadcasts its part to the group (tensors of a broadcast size, :func:`broadcast_generation`), so every rank
+returns the same ``Generation``. The ranks first meet in a gloo twin of the group (``wait_group``), so that the others
+wait out the owners' generation on the CPU, not inside the NCCL broadcast (core/collective.py). Every group needs at
+least one owner (engine GPUs <= TP, or a layout where each TP x PP group contains an engine's first GPU); the builder
+checks it. Partial rollouts (``trainer.dapo.rollout.on_filler_full: suspend``) go through ``stream_requests`` the same
+way: the owners split a round's groups in order, and each round runs to its end (the loop hands finished groups over
+between rounds, in prompt order, core/loop_stream.py), so every rank of every data-parallel replica follows the same
+rounds.
 
 Weights. Every rank runs the HF-named gather (``megatron.refit_hf.hf_weight_buckets``: TP all-gathers, expert
 broadcasts, PP broadcasts) to the end; only owners send the buckets. A failure on any owner is finished in step
@@ -66,7 +68,7 @@ import torch.distributed as dist
 
 from nemo_dapo.aligner.training_offload import AFTER_REFIT, BEFORE_REFIT, offload_enabled, training_state_offload
 from nemo_dapo.cluster.config_validate import required
-from nemo_dapo.core.collective import collective_device
+from nemo_dapo.core.collective import collective_device, cpu_wait_group
 from nemo_dapo.core.loop_data import mix_seed
 from nemo_dapo.core.types import Generation
 
@@ -283,13 +285,16 @@ class AlignerEngineGenerator:
     """``Generator`` (core/types.py) of one rank of the NeMo-Aligner run over the engine servers (module doc).
 
     ``engine``: this rank's ``engines.generator.EngineGenerator`` when it owns a connection, else None;
-    ``owners``: the owners of this rank's model-parallel group (global ranks); ``mp_group``: that group."""
+    ``owners``: the owners of this rank's model-parallel group (global ranks); ``mp_group``: that group;
+    ``wait_group``: a gloo group of the same ranks (``core.collective.cpu_wait_group``) where the ranks wait for the
+    owners' engines before the results exchange, or None (a group of one rank, or tests)."""
 
     def __init__(self, actor, engine, *, owners: list, mp_group, hf_config, dtype: Optional[torch.dtype] = None,
-                 pad_id: int, training_offload=None):
+                 pad_id: int, training_offload=None, wait_group=None):
         if not owners:
             raise ValueError("a model-parallel group without an engine owner cannot generate (see EngineLayout)")
         self.actor, self.engine, self.owners, self.mp_group = actor, engine, list(owners), mp_group
+        self.wait_group = wait_group
         self.pad_id = int(pad_id)
         self._weights = _ActorWeights(actor, hf_config, dtype)
         self.last_update: dict = {}
@@ -306,10 +311,17 @@ class AlignerEngineGenerator:
         return dist.get_rank()
 
     # ---- generation ------------------------------------------------------------------------------------------------
+    def _wait_for_owners(self) -> None:
+        """Every rank of the model-parallel group meets here, on the CPU, once the owners have their engines' results
+        (core/collective.py: the others would otherwise wait out the whole generation inside the NCCL exchange)."""
+        if self.wait_group is not None:
+            dist.barrier(group=self.wait_group)
+
     def _gather(self, part: Optional[Generation]) -> Generation:
         size = dist.get_world_size(self.mp_group) if self.mp_group is not None else 1
         if size == 1:
             return part
+        self._wait_for_owners()
         parts = [broadcast_generation(part if owner == self.rank else None, owner, self.mp_group)
                  for owner in self.owners]
         return Generation.cat(parts, self.pad_id)
@@ -358,6 +370,7 @@ class AlignerEngineGenerator:
                 lo, hi = shares[self.owners.index(self.rank)]
                 outs = dict(stream)
                 mine = ([outs.get(k) for k in range(hi - lo)], stream.generated_tokens)
+            self._wait_for_owners()
             parts, generated = [], 0
             for j, (lo, hi) in enumerate(shares):
                 got, tokens = self._exchange_groups(mine if self.owners[j] == self.rank else None, self.owners[j],
@@ -531,8 +544,9 @@ def build_engine_generator(actor, cfg, *, hf_config=None, world: Optional[int] =
     engine = _connect_engine(actor, srv, engine_name, layout, rank, separate) if owns else None
     dtype = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[srv["dtype"]]
     offload = training_state_offload(actor) if offload_enabled(actor.cfg) else None
+    wait_group = cpu_wait_group(mp_group) if dist.get_world_size(mp_group) > 1 else None
     gen = AlignerEngineGenerator(actor, engine, owners=owners, mp_group=mp_group, hf_config=hf_config, dtype=dtype,
-                                 pad_id=actor.tokenizer.eos_id, training_offload=offload)
+                                 pad_id=actor.tokenizer.eos_id, training_offload=offload, wait_group=wait_group)
     gen.push_initial_weights()
     if offload is not None:  # the first push's offload is not a rollout step's
         offload.pop_stats()

@@ -49,6 +49,7 @@ from nemo_dapo.megatron.reduction import DPReducer
 from nemo_dapo.megatron.step import megatron_grad_norm, skip_update
 from nemo_dapo.aligner.reward_client import ClientReward
 from nemo_dapo.aligner.training_offload import onload_for_use, pop_metrics
+from nemo_dapo.core.collective import cpu_wait_group
 from nemo_dapo.core.loop import DAPOLoop
 from nemo_dapo.core.loop_data import PromptSampler, PromptSet
 from nemo_dapo.core.loop_eval import evaluate
@@ -269,6 +270,14 @@ class TimeBudget:
         return False
 
 
+def _dp_reducer() -> DPReducer:
+    """The loop's reducer over megatron's data-parallel group, with its gloo twin to wait for slower replicas in."""
+    reducer = DPReducer()
+    if reducer.world_size > 1:
+        reducer.wait_group = cpu_wait_group(reducer.group)
+    return reducer
+
+
 class DAPOTrainer:
     """Runs DAPO rollout steps with NeMo-Aligner's trainer conventions (see the module doc).
 
@@ -284,7 +293,7 @@ class DAPOTrainer:
         self.cfg, self.model, self.optimizer, self.scheduler = cfg, model, optimizer, scheduler
         self.train_ds, self.val_ds, self.rm, self.generator = train_ds, val_ds, rm, generator
         self.logger, self.ckpt_callback, self.run_timer = logger, ckpt_callback, run_timer
-        self.reducer = reducer or DPReducer()
+        self.reducer = reducer or _dp_reducer()
         self.settings, filler, loss_fn = aligner_loop_parts(cfg, model.cfg)
         model.loss_fn = loss_fn  # built once: the actor's default loss is the loop's
         self.reward_fn = ClientReward(rm)

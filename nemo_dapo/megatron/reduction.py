@@ -124,15 +124,20 @@ def sum_grads_over_tp(grads: list) -> None:
 
 class DPReducer:
     """The core ``Reducer`` over megatron's data-parallel group: the step loop runs once per DP rank, and the
-    ranks of one TP/PP/CP group see the same data. ``rank`` / ``world_size`` are the DP rank and size."""
+    ranks of one TP/PP/CP group see the same data. ``rank`` / ``world_size`` are the DP rank and size.
 
-    def __init__(self, group: Optional[dist.ProcessGroup] = None):
+    ``wait_group``: a gloo group of the same ranks (``core.collective.cpu_wait_group``) that ``gather_objects`` meets
+    in first: the loop gathers right after each rank generated its share, so a replica that finished early waits
+    for the others there, on the CPU, rather than inside the NCCL gather (core/collective.py)."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, wait_group: Optional[dist.ProcessGroup] = None):
         if group is None and not parallel_state.model_parallel_is_initialized():
             raise RuntimeError("DPReducer: megatron's parallel state is not initialised; call "
                                "model.initialize_parallel(...) (or initialize_model_parallel) first, or pass group=")
         self.group = group if group is not None else parallel_state.get_data_parallel_group()
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
+        self.wait_group = wait_group
 
     def _reduce(self, x: torch.Tensor, op) -> torch.Tensor:
         x = torch.as_tensor(x)
@@ -152,6 +157,8 @@ class DPReducer:
     def gather_objects(self, obj: Any) -> list:
         if self.world_size == 1:
             return [obj]
+        if self.wait_group is not None:
+            dist.barrier(group=self.wait_group)
         out = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
