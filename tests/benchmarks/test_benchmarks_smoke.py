@@ -194,3 +194,11 @@ def test_eager_launch_fits_a_line_over_the_layer_count():
     assert fields["device"] == "cpu" and 0 < float(fields["eager_ms_per_layer"]) < 100
     assert all(math.isnan(float(fields[k])) for k in ("graph_ms_per_layer", "graph_fixed_ms", "ratio"))
     assert "  2 layers: eager" in out and "  4 layers: eager" in out
+
+
+def test_gpu_timeslice_says_it_needs_cuda():
+    """The CPU has nothing to time-slice: --quick ends with the skip, and a full run refuses (exit 2)."""
+    assert run_quick("gpu_timeslice.py") == {"device": "cpu", "skipped": "no_cuda"}
+    full = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_timeslice.py")], capture_output=True, text=True,
+                          timeout=120)
+    assert full.returncode == 2 and full.stdout.strip().endswith("skipped=no_cuda")

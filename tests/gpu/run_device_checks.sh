@@ -16,9 +16,10 @@
 # machine's own. Pass 2 ($OUT/gpu_checks_tf_image.log) repeats the conversion and local-backend checks with the
 # machine's own transformers, to record what a newer release changes. $OUT/results.txt collects the RESULT lines.
 # $OUT/state_offload.log holds the benchmark (~90 s: it checks every byte of 8 GB after each round trip),
-# $OUT/eager_launch.log the eager decode step's host time per layer against a CUDA graph's (a measurement). The exit
-# status is pass 1's, else the offload benchmark's. Everything stays under 10 minutes (timeouts 300 s + 180 s + 60 s +
-# 90 s; the previous release's checks took 213-257 s on one H200).
+# $OUT/eager_launch.log the eager decode step's host time per layer against a CUDA graph's, $OUT/gpu_timeslice.log
+# the cost of a spinning kernel in another process to the work beside it (measurements). The exit status is pass
+# 1's, else the offload benchmark's. Everything stays under 12 minutes (timeouts 300 s + 180 s + 60 s + 90 s + 90 s;
+# the previous release's checks took 213-257 s on one H200).
 set -u -o pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/gpu_checks}
@@ -85,6 +86,10 @@ note "== state_offload.py exit status $bench_rc"
 # never a failure
 PYTHONPATH=$PINNED timeout 60 python3 benchmarks/eager_launch.py 2>&1 | tee "$OUT/eager_launch.log"
 note "== eager_launch.py exit status $?"
+# what a kernel spinning in another process (a rank waiting inside an NCCL collective) costs the GPU work beside it;
+# a measurement, never a failure
+PYTHONPATH=$PINNED timeout 90 python3 benchmarks/gpu_timeslice.py 2>&1 | tee "$OUT/gpu_timeslice.log"
+note "== gpu_timeslice.py exit status $?"
 
 if [ "$PINNED" != "$BASE" ]; then
     LOG=$LOG2
@@ -96,6 +101,7 @@ if [ "$PINNED" != "$BASE" ]; then
     note "== pass 2 exit status $?"
 fi
 # pytest's progress dots can precede a RESULT on its line
-grep -ho "RESULT .*" "$OUT/gpu_checks.log" "$OUT/state_offload.log" "$OUT/eager_launch.log" "$LOG2" 2>/dev/null \
+grep -ho "RESULT .*" "$OUT/gpu_checks.log" "$OUT/state_offload.log" "$OUT/eager_launch.log" "$OUT/gpu_timeslice.log" \
+    "$LOG2" 2>/dev/null \
     >"$OUT/results.txt"
 exit $rc
