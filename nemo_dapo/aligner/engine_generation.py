@@ -5,13 +5,15 @@ The servers (``python -m nemo_dapo.engines.server``) are started by the launcher
 GPUs of the training ranks, colocated; this module connects the trainer to them.
 
 Rank -> server (:class:`EngineLayout`). An engine spans ``G = engine_server.tensor_parallel_size x
-pipeline_parallel_size`` GPUs inside one node; node n runs ``gpus_per_node / G`` engines, engine ``i`` of node n on
-the node-local GPUs ``[i G, (i + 1) G)``. Global rank r (node ``r // gpus_per_node``, local rank
-``l = r % gpus_per_node``) belongs to engine ``i = l // G`` of its node, and the rank with ``l % G == 0`` (the first
-GPU of the engine) OWNS the connection: it is the only rank that talks to that server (a server takes one client at
-a time) and sends it the weights. Its address is ``engine_server.address`` (or ``$<address_env>``) formatted with
-``node``, ``local`` (= i), ``port`` (= base_port + i) and ``rank`` (the owner's global rank); the launcher starts the
-servers with the same template. Weights travel through node-local shared memory, so owner and server share a node.
+pipeline_parallel_size`` GPUs inside one node; node n runs ``gpus_per_node / G`` engines, engine ``i`` of node n on the
+node-local GPUs ``[i G, (i + 1) G)``. Global rank r (node ``r // gpus_per_node``, local rank ``l = r % gpus_per_node``)
+belongs to engine ``i = l // G`` of its node, and the rank with ``l % G == 0`` (the first GPU of the engine) OWNS the
+connection: it is the only rank that talks to that server (a server takes one client at a time) and sends it the
+weights. Where that leaves a model-parallel group without an engine, the groups are matched to engines holding one of
+their ranks instead (``cluster/engine_owners.py``; every rank computes the same match). Its address is
+``engine_server.address`` (or ``$<address_env>``) formatted with ``node``, ``local`` (= i), ``port`` (= base_port + i)
+and ``rank`` (the owner's global rank); the launcher starts the servers with the same template. Weights travel through
+node-local shared memory, so owner and server share a node.
 
 ``engine_server.placement: separate`` connects to engines on GPUs of their own instead (``containers/dapo.sbatch``
 ``ENGINE_NODES``: servers on the last nodes of the job, on TCP): one engine per data-parallel replica, owned by the
@@ -68,6 +70,7 @@ import torch.distributed as dist
 
 from nemo_dapo.aligner.training_offload import AFTER_REFIT, BEFORE_REFIT, offload_enabled, training_state_offload
 from nemo_dapo.cluster.config_validate import required
+from nemo_dapo.cluster.engine_owners import engine_owners
 from nemo_dapo.core.collective import collective_device, cpu_wait_group
 from nemo_dapo.core.loop_data import mix_seed
 from nemo_dapo.core.types import Generation
@@ -113,19 +116,27 @@ class EngineLayout:
     def is_owner(self, rank: int) -> bool:
         return self.owner_of(rank) == rank
 
-    def address(self, rank: int, template: str, base_port: int = 0) -> str:
-        """The address of ``rank``'s engine server from ``template`` ({node}, {local}, {port}, {rank})."""
+    def address(self, rank: int, template: str, base_port: int = 0, owner: Optional[int] = None) -> str:
+        """The address of ``rank``'s engine server from ``template`` ({node}, {local}, {port}, {rank}: ``owner``, by
+        default the rank on the engine's first GPU)."""
         node, local = self.engine_of(rank)
         try:
-            return template.format(node=node, local=local, port=base_port + local, rank=self.owner_of(rank))
+            return template.format(node=node, local=local, port=base_port + local,
+                                   rank=self.owner_of(rank) if owner is None else owner)
         except (KeyError, IndexError) as e:
             raise ValueError(f"engine_server.address {template!r}: unknown field {e}; use {{node}}, {{local}}, "
                              "{port}, {rank}") from None
 
 
-def owners_in_group(layout: EngineLayout, group_ranks) -> list:
-    """The connection owners among the global ranks of one model-parallel group, in rank order."""
-    return sorted(r for r in group_ranks if layout.is_owner(r))
+def owners_in_group(layout: EngineLayout, group_ranks, groups=None) -> list:
+    """The connection owners among the global ranks of one model-parallel group, in rank order: the ranks on their
+    engines' first GPUs, or, given every model-parallel group of the world (``groups``), the assignment of
+    cluster/engine_owners.py, which also serves groups that hold no engine's first GPU (ValueError where none can)."""
+    if groups is None:
+        return sorted(r for r in group_ranks if layout.is_owner(r))
+    owners = engine_owners(layout.world, layout.engine_gpus, groups).values()
+    mine = set(group_ranks)
+    return sorted(r for r in owners if r in mine)
 
 
 def split_rows(b: int, k: int) -> list:
@@ -540,7 +551,7 @@ def build_engine_generator(actor, cfg, *, hf_config=None, world: Optional[int] =
     owners = _engine_owners(layout, mp_group, separate)
     hf_config = _engine_hf_config(srv) if hf_config is None else hf_config
     actor.valid_vocab = int(hf_config.vocab_size)  # the HF-shaped engine has no vocabulary-padding rows
-    owns = rank in owners if separate else layout.is_owner(rank)
+    owns = rank in owners
     engine = _connect_engine(actor, srv, engine_name, layout, rank, separate) if owns else None
     dtype = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[srv["dtype"]]
     offload = training_state_offload(actor) if offload_enabled(actor.cfg) else None
@@ -554,19 +565,14 @@ def build_engine_generator(actor, cfg, *, hf_config=None, world: Optional[int] =
 
 
 def _engine_owners(layout: EngineLayout, mp_group, separate: bool) -> list:
-    """The global ranks of this model-parallel group that own an engine; every rank raises if any group has none."""
+    """The global ranks of this model-parallel group that own an engine. Colocated: from every group of the world
+    (gathered), so every rank computes the same assignment, and raises the same error where a group gets none."""
+    mine = sorted(dist.get_process_group_ranks(mp_group))
     if separate:  # one engine per data-parallel replica, on GPUs of its own; the replica's first rank owns it
-        owners = [min(dist.get_process_group_ranks(mp_group))]
-    else:
-        owners = owners_in_group(layout, dist.get_process_group_ranks(mp_group))
-    missing = torch.tensor([0.0 if owners else 1.0], device=collective_device())
-    dist.all_reduce(missing, op=dist.ReduceOp.MAX)  # every rank stops, not only those of the unserved group
-    if float(missing.item()) > 0:
-        raise ValueError(f"a tensor x pipeline parallel group holds no engine's first GPU (engines of "
-                         f"{layout.engine_gpus} GPUs, {layout.gpus_per_node} per node): make "
-                         "engine_server.tensor_parallel_size x pipeline_parallel_size "
-                         "<= model.tensor_model_parallel_size")
-    return owners
+        return [mine[0]]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return owners_in_group(layout, mine, groups=sorted({tuple(g) for g in every}))
 
 
 def _engine_hf_config(srv: dict):
@@ -592,7 +598,7 @@ def _connect_engine(actor, srv: dict, engine_name: str, layout: EngineLayout, ra
                                    mcore_ps.get_data_parallel_world_size(), layout.engines_per_node,
                                    int(srv["base_port"]), rank)
     else:
-        address = layout.address(rank, template, int(srv["base_port"]))
+        address = layout.address(rank, template, int(srv["base_port"]), owner=rank)
     authkey = os.environ.get(srv["authkey_env"], "").encode() or None
     client = EngineClient(address, authkey=authkey, name=f"{engine_name}@{address}",
                           connect_timeout_s=float(srv["connect_timeout_s"]),

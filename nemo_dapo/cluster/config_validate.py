@@ -16,6 +16,7 @@ from typing import Any, Iterable, Optional, Union
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from nemo_dapo.cluster.engine_owners import engine_owners, megatron_mp_groups
 from nemo_dapo.core import engine_registry  # torch-free: trainer.dapo.rollout_engine's values
 from nemo_dapo.core import settings as algorithm  # torch-free: the rules of the algorithm block, shared with the CLI
 from nemo_dapo.core.settings import ConfigError  # the one config error of both paths
@@ -564,6 +565,23 @@ def _arch_agrees(cfg: dict, s: dict):
                "`nemo-dapo convert hf-to-nemo` (writes it) or pass ++model.qk_layernorm=True")
 
 
+def _engine_owners(cfg: dict, s: dict):
+    """Colocated engines: every model-parallel group must own an engine (cluster/engine_owners.py). A rule of its own,
+    not part of _engine_server, which the planner also runs on other frameworks' published layouts."""
+    key = "trainer.dapo.engine_server"
+    srv, devices = select(cfg, key), select(cfg, "trainer.devices")
+    if not engine_registry.is_served(select(cfg, "trainer.dapo.rollout_engine")) or not isinstance(srv, dict):
+        return
+    tp, pp = srv.get("tensor_parallel_size", 1) or 1, srv.get("pipeline_parallel_size", 1) or 1
+    if (srv.get("placement", "colocated") != "colocated" or not isinstance(tp, int) or not isinstance(pp, int)
+            or not _is_count(devices) or s["bad"] or s["dp"] is None or devices % (tp * pp)):
+        return  # the layout's own problems are reported by _layout and _engine_server
+    try:
+        engine_owners(s["world"], tp * pp, megatron_mp_groups(s["world"], tp=s["tp"], pp=s["pp"], cp=s["cp"]))
+    except ValueError as e:
+        yield f"{key}: {e} (engines of {tp * pp} GPUs, model TP{s['tp']} x PP{s['pp']}, megatron-core's rank order)"
+
+
 def _engine_server(cfg: dict, s: dict):
     """trainer.dapo.engine_server when the rollout engine is an engine server (aligner/engine_generation.py)."""
     if not engine_registry.is_served(select(cfg, "trainer.dapo.rollout_engine")):
@@ -636,7 +654,7 @@ def _engine_placement(key: str, srv: dict):
 
 
 RULES = (_moved, _layout, _layer_spec, _experts, _optimizer, _schedule, _training_offload, _batches, _rollout_engine,
-         _rollout, _algorithm, _lengths, _sampling, _reward, _data, _arch_agrees, _engine_server)
+         _rollout, _algorithm, _lengths, _sampling, _reward, _data, _arch_agrees, _engine_server, _engine_owners)
 
 
 def check_config(cfg) -> list[str]:

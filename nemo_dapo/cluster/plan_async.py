@@ -33,8 +33,9 @@ policy, as verl's ``use_rollout_log_probs``).
 (4) Disaggregated + partial rollouts: as (3), the engines generating continuously at their full-batch rate with the
     drop rule of (2), the phase being the whole step. The trainer builds less (``built``): with
     ``trainer.dapo.rollout.overlap`` it generates in prompt-order rounds and overlaps one round with the train
-    side, a round of the step's responses x min(round_tokens, E[L]) tokens at the full-batch rate, so step = train
-    side + generation side + refit - min(train side, generation side, round) (the drops of (4) kept).
+    side, a round of the step's responses x min(round_tokens, E[L]) tokens at the full-batch rate plus its
+    re-prefill, so step = train side + generation side + refit - min(train side, generation side, round) (the drops
+    of (4) kept).
 Refused (a line saying why, no estimate): a split whose trainer GPUs do not divide into the recipe's training
 layout or do not hold its training state; a cluster of one node (no whole-node split); an engine that spans nodes
 (the validator's rule); ``network_gb_per_s`` <= 0 (plan.assume ranges).
@@ -299,7 +300,7 @@ def _disaggregated(plan: dict, s: dict, split: dict, *, partial: bool) -> dict:
                                                  "prefill": fixed}
         # what the trainer builds (rollout.overlap, prompt order): one round of round_tokens per sample overlaps
         # the train side, the rest of generation runs in turn with it
-        round_s = eng["responses"] * min(s["round_tokens"], t["lengths"].max_moment(1)) / gen["tokens_per_s"]
+        round_s = eng["responses"] * min(s["round_tokens"], t["lengths"].max_moment(1)) / gen["tokens_per_s"] + fixed
         hidden = min(train_side, generation, round_s)
         extra["built"] = {"step": train_side + generation + refit - hidden, "round": round_s, "hidden": hidden}
     return {"step": _overlap(train_side, generation, refit, s["max_staleness"]),

@@ -71,8 +71,18 @@ def test_owners_of_model_parallel_groups():
     assert owners_in_group(lay, range(8, 16)) == [8, 10, 12, 14]
     # TP2 x PP2 (megatron: PP outermost), group {0, 1, 8, 9}: the engines of GPUs 0-1 and 8-9
     assert owners_in_group(lay, [0, 1, 8, 9]) == [0, 8]
-    # engine TP4 wider than a TP2 group: the group {2, 3} holds no engine's first GPU
+    # engine TP4 wider than a TP2 group: the group {2, 3} holds no engine's first GPU, and four groups share two
+    # engines, so no match serves them all
     assert owners_in_group(EngineLayout(world=8, gpus_per_node=8, engine_gpus=4), [2, 3]) == []
+    with pytest.raises(ValueError, match="4 model-parallel groups cannot each own one of the 2 engines"):
+        owners_in_group(EngineLayout(world=8, gpus_per_node=8, engine_gpus=4), [2, 3],
+                        groups=[[0, 1], [2, 3], [4, 5], [6, 7]])
+    # TP2 x PP2 over two 4-GPU nodes with engines of a node: {2, 3, 6, 7} holds no first GPU but gets node 1's engine
+    lay, groups = EngineLayout(world=8, gpus_per_node=4, engine_gpus=4), [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert owners_in_group(lay, [2, 3, 6, 7]) == []
+    owners = [owners_in_group(lay, g, groups=groups) for g in groups]
+    assert [len(o) for o in owners] == [1, 1] and all(o[0] in g for o, g in zip(owners, groups))
+    assert {o[0] // 4 for o in owners} == {0, 1}  # one engine each
 
 
 def test_split_rows_is_contiguous_and_complete():
