@@ -28,11 +28,10 @@ owners inside the group split its rows in order (owner j of k takes rows [j B / 
 turn broadcasts its part to the group (tensors of a broadcast size, :func:`broadcast_generation`), so every rank
 returns the same ``Generation``. The ranks first meet in a gloo twin of the group (``wait_group``), so that the others
 wait out the owners' generation on the CPU, not inside the NCCL broadcast (core/collective.py). Every group needs at
-least one owner (engine GPUs <= TP, or a layout where each TP x PP group contains an engine's first GPU); the builder
-checks it. Partial rollouts (``trainer.dapo.rollout.on_filler_full: suspend``) go through ``stream_requests`` the same
-way: the owners split a round's groups in order, and each round runs to its end (the loop hands finished groups over
-between rounds, in prompt order, core/loop_stream.py), so every rank of every data-parallel replica follows the same
-rounds.
+least one owner (the first GPUs, or the match above); the validator and the builder check it. Partial rollouts
+(``trainer.dapo.rollout.on_filler_full: suspend``) go through ``stream_requests`` the same way: the owners split a
+round's groups in order, and each round runs to its end (the loop hands finished groups over between rounds, in prompt
+order, core/loop_stream.py), so every rank of every data-parallel replica follows the same rounds.
 
 Weights. Every rank runs the HF-named gather (``megatron.refit_hf.hf_weight_buckets``: TP all-gathers, expert
 broadcasts, PP broadcasts) to the end; only owners send the buckets. A failure on any owner is finished in step
