@@ -466,9 +466,11 @@ class AlignerEngineGenerator:
 
     def sleep(self) -> None:
         """The engine frees its KV cache (its sleep_level); an offloaded training state then comes back (after a
-        barrier: the owner's sleep also frees the GPUs of the other ranks of its engine)."""
+        barrier: the owner's sleep also frees the GPUs of the other ranks of its engine). The others wait for the
+        owners' sleeps on the CPU (``wait_group``), not in the training's first NCCL collective."""
         if self.engine is not None:
             self.engine.sleep()
+        self._wait_for_owners()
         if self.training_offload is not None and self.training_offload.offloaded_parts:
             dist.barrier()
             self.training_offload.onload()

@@ -44,6 +44,12 @@ def test_an_owner_done_early_waits_for_the_other_owners_stream_on_the_cpu(waits)
     assert waits[0]["stream"]["groups"] == waits[1]["stream"]["groups"] == [0, 1, 2, 3]
 
 
+def test_the_other_ranks_leave_sleep_once_the_owner_has_put_its_engine_to_sleep(waits):
+    other = waits[1]["sleep"]
+    assert first(other["calls"], "barrier", "wait") < 0.5 and other["returned_s"] >= 0.8 * DELAY
+    assert waits[1]["sleep_control"]["returned_s"] < 0.5  # without the twin: straight on to the training
+
+
 def test_a_replica_done_early_waits_for_the_others_on_the_cpu_before_the_gather(waits):
     early = waits[0]["gather"]["calls"]
     assert first(early, "barrier", "wait") < 0.5 and first(early, "all_gather_object") >= 0.8 * DELAY

@@ -1,10 +1,10 @@
 """Worker (2 ranks, gloo, no NeMo): where the NeMo-Aligner path's ranks wait for engines (core/collective.py).
 
-Each case records, per rank, when (seconds after a common start) it entered each collective and on which group:
-the generator's results exchange with a slow owner (``generate``, and ``stream_requests`` with two owners), and
-DPReducer.gather_objects with a slow replica, each with its gloo twin (``cpu_wait_group``) and without one (the
-control: the exchange's first broadcast starts at once). Also the twins' ranks and backend, and a twin's time-out.
-Env: OUT_DIR. Writes waits_rank<r>.json."""
+Each case records, per rank, when (seconds after a common start) it entered each collective and on which group: the
+generator's results exchange with a slow owner (``generate``, and ``stream_requests`` with two owners), an owner's slow
+engine sleep, and DPReducer.gather_objects with a slow replica, each with its gloo twin (``cpu_wait_group``) and
+without one (the control: the exchange's first broadcast starts at once). Also the twins' ranks and backend, and a
+twin's time-out. Env: OUT_DIR. Writes waits_rank<r>.json."""
 import datetime
 import json
 import os
@@ -70,6 +70,9 @@ class SlowEngine:
                 return iter([(k, gen(1)) for k in range(len(groups))])
         return Stream()
 
+    def sleep(self):
+        time.sleep(self.delay)
+
     def idle_seconds(self):
         return 0.0
 
@@ -89,6 +92,12 @@ def main() -> None:
         begin()
         got = g.generate(torch.ones(4, 2, dtype=torch.long), torch.ones(4, 2), max_new_tokens=3)
         out[name] = {"calls": record(wait), "rows": got.response_ids.shape[0]}
+    for name, wait in (("sleep", twin), ("sleep_control", None)):
+        g = AlignerEngineGenerator(actor=None, engine=SlowEngine(DELAY) if rank == 0 else None, owners=[0],
+                                   mp_group=world, hf_config=None, pad_id=0, wait_group=wait)
+        begin()
+        g.sleep()
+        out[name] = {"calls": record(wait), "returned_s": time.monotonic() - START[0]}
     g = AlignerEngineGenerator(actor=None, engine=SlowEngine(DELAY if rank == 0 else 0.0), owners=[0, 1],
                                mp_group=world, hf_config=None, pad_id=0, wait_group=twin)
     begin()
