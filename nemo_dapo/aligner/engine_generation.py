@@ -70,7 +70,7 @@ import torch.distributed as dist
 from nemo_dapo.aligner.training_offload import AFTER_REFIT, BEFORE_REFIT, offload_enabled, training_state_offload
 from nemo_dapo.cluster.config_validate import required
 from nemo_dapo.cluster.engine_owners import engine_owners
-from nemo_dapo.core.collective import collective_device, cpu_wait_group
+from nemo_dapo.core.collective import collective_device, cpu_wait_group, every_group
 from nemo_dapo.core.loop_data import mix_seed
 from nemo_dapo.core.types import Generation
 
@@ -549,14 +549,15 @@ def build_engine_generator(actor, cfg, *, hf_config=None, world: Optional[int] =
                           engine_gpus=int(srv["tensor_parallel_size"]) * int(srv["pipeline_parallel_size"]))
     mp_group = mcore_ps.get_model_parallel_group()
     separate = srv["placement"] == "separate"
-    owners = _engine_owners(layout, mp_group, separate)
+    groups = every_group(mp_group)  # the world's model-parallel groups: the owners' match and the wait groups
+    owners = _engine_owners(layout, mp_group, separate, groups)
     hf_config = _engine_hf_config(srv) if hf_config is None else hf_config
     actor.valid_vocab = int(hf_config.vocab_size)  # the HF-shaped engine has no vocabulary-padding rows
     owns = rank in owners
     engine = _connect_engine(actor, srv, engine_name, layout, rank, separate) if owns else None
     dtype = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[srv["dtype"]]
     offload = training_state_offload(actor) if offload_enabled(actor.cfg) else None
-    wait_group = cpu_wait_group(mp_group) if dist.get_world_size(mp_group) > 1 else None
+    wait_group = cpu_wait_group(mp_group, groups=groups) if dist.get_world_size(mp_group) > 1 else None
     gen = AlignerEngineGenerator(actor, engine, owners=owners, mp_group=mp_group, hf_config=hf_config, dtype=dtype,
                                  pad_id=actor.tokenizer.eos_id, training_offload=offload, wait_group=wait_group)
     gen.push_initial_weights()
@@ -565,15 +566,14 @@ def build_engine_generator(actor, cfg, *, hf_config=None, world: Optional[int] =
     return gen
 
 
-def _engine_owners(layout: EngineLayout, mp_group, separate: bool) -> list:
+def _engine_owners(layout: EngineLayout, mp_group, separate: bool, groups: list) -> list:
     """The global ranks of this model-parallel group that own an engine. Colocated: from every group of the world
-    (gathered), so every rank computes the same assignment, and raises the same error where a group gets none."""
+    (``groups``, the same on every rank), so every rank computes the same assignment, and raises the same error where
+    a group gets none."""
     mine = sorted(dist.get_process_group_ranks(mp_group))
     if separate:  # one engine per data-parallel replica, on GPUs of its own; the replica's first rank owns it
         return [mine[0]]
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    return owners_in_group(layout, mine, groups=sorted({tuple(g) for g in every}))
+    return owners_in_group(layout, mine, groups=groups)
 
 
 def _engine_hf_config(srv: dict):

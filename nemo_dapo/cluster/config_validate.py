@@ -565,7 +565,7 @@ def _arch_agrees(cfg: dict, s: dict):
                "`nemo-dapo convert hf-to-nemo` (writes it) or pass ++model.qk_layernorm=True")
 
 
-def _engine_owners(cfg: dict, s: dict):
+def _engine_ownership(cfg: dict, s: dict):
     """Colocated engines: every model-parallel group must own an engine (cluster/engine_owners.py). A rule of its own,
     not part of _engine_server, which the planner also runs on other frameworks' published layouts."""
     key = "trainer.dapo.engine_server"
@@ -574,8 +574,10 @@ def _engine_owners(cfg: dict, s: dict):
         return
     tp, pp = srv.get("tensor_parallel_size", 1) or 1, srv.get("pipeline_parallel_size", 1) or 1
     if (srv.get("placement", "colocated") != "colocated" or not isinstance(tp, int) or not isinstance(pp, int)
-            or not _is_count(devices) or s["bad"] or s["dp"] is None or devices % (tp * pp)):
-        return  # the layout's own problems are reported by _layout and _engine_server
+            or not _is_count(devices) or s["bad"] or s["dp"] is None or devices % (tp * pp)
+            or select(cfg, "model.use_tp_pp_dp_mapping", False)):
+        return  # the layout's own problems are reported by _layout and _engine_server; NeMo's other rank order is
+        # left to the trainer, which matches owners on the groups it gets
     try:
         engine_owners(s["world"], tp * pp, megatron_mp_groups(s["world"], tp=s["tp"], pp=s["pp"], cp=s["cp"]))
     except ValueError as e:
@@ -654,7 +656,7 @@ def _engine_placement(key: str, srv: dict):
 
 
 RULES = (_moved, _layout, _layer_spec, _experts, _optimizer, _schedule, _training_offload, _batches, _rollout_engine,
-         _rollout, _algorithm, _lengths, _sampling, _reward, _data, _arch_agrees, _engine_server, _engine_owners)
+         _rollout, _algorithm, _lengths, _sampling, _reward, _data, _arch_agrees, _engine_server, _engine_ownership)
 
 
 def check_config(cfg) -> list[str]:

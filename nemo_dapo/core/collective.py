@@ -32,15 +32,21 @@ WAIT_TIMEOUT = datetime.timedelta(hours=24)  # a safety net: a rank that dies cl
 # at once), and an engine that stops answering fails its owner after the client's request_timeout_s
 
 
-def cpu_wait_group(group: dist.ProcessGroup, timeout: datetime.timedelta = WAIT_TIMEOUT):
-    """A gloo group of the same ranks as this rank's ``group``, with its own ``timeout``, to wait in (module doc).
-    Collective over the world: every rank calls it for the groups of one kind (megatron's model-parallel groups, say),
-    and every rank creates each of those groups, in one order, as ``dist.new_group`` requires."""
-    mine = tuple(sorted(dist.get_process_group_ranks(group)))
+def every_group(group: dist.ProcessGroup) -> list:
+    """The sorted global ranks of every group of ``group``'s kind (each rank's ``group``, gathered; e.g. megatron's
+    model-parallel groups), sorted: the same list on every rank. Collective over the world."""
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    dist.all_gather_object(every, tuple(sorted(dist.get_process_group_ranks(group))))
+    return sorted(set(every))
+
+
+def cpu_wait_group(group: dist.ProcessGroup, timeout: datetime.timedelta = WAIT_TIMEOUT, groups=None):
+    """A gloo group of the same ranks as this rank's ``group``, with its own ``timeout``, to wait in (module doc).
+    Collective over the world: every rank creates every group of that kind (``groups``, default ``every_group``), in
+    one order, as ``dist.new_group`` requires."""
+    mine = tuple(sorted(dist.get_process_group_ranks(group)))
     twin = None
-    for ranks in sorted(set(every)):
+    for ranks in (every_group(group) if groups is None else groups):
         made = dist.new_group(list(ranks), backend="gloo", timeout=timeout)
         if ranks == mine:
             twin = made
