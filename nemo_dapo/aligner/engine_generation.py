@@ -217,7 +217,7 @@ def refit_wake(engine) -> str:
     if released is not None and "weights" not in released:
         return ASLEEP
     if released is not None and "weights" in (info.get("wake_tags") or ()):
-        engine.client.call("wake", tags=["weights"])
+        engine.client.wake(tags=["weights"])
         return WEIGHTS_WOKEN
     if engine.client.name not in _warned_servers:
         _warned_servers.add(engine.client.name)
@@ -503,8 +503,8 @@ class _Counting:
 # ---- configuration -----------------------------------------------------------------------------------------------
 # the keys of trainer.dapo.engine_server this module reads (the engine options are the servers')
 SERVER_KEYS = ("hf_model_dir", "tensor_parallel_size", "pipeline_parallel_size", "address", "address_env",
-               "base_port", "authkey_env", "connect_timeout_s", "request_timeout_s", "bucket_mb", "dtype",
-               "sleep_level", "placement", "weight_transport")
+               "base_port", "authkey_env", "connect_timeout_s", "request_timeout_s", "weight_timeout_s", "bucket_mb",
+               "dtype", "sleep_level", "placement", "weight_transport")
 
 
 def separate_address(template: str, engine: int, engines: int, per_node: int, base_port: int, owner: int) -> str:
@@ -603,7 +603,8 @@ def _connect_engine(actor, srv: dict, engine_name: str, layout: EngineLayout, ra
     authkey = os.environ.get(srv["authkey_env"], "").encode() or None
     client = EngineClient(address, authkey=authkey, name=f"{engine_name}@{address}",
                           connect_timeout_s=float(srv["connect_timeout_s"]),
-                          request_timeout_s=float(srv["request_timeout_s"]))
+                          request_timeout_s=float(srv["request_timeout_s"]),
+                          weight_timeout_s=float(srv["weight_timeout_s"]))
     log.info("rank %d owns engine %s at %s (%s)", rank, engine_name, address, client.info)
     tok = actor.tokenizer
     top_k = int(required(actor.cfg, "dapo.sampling_params.top_k", "model"))

@@ -607,7 +607,7 @@ def _engine_server(cfg: dict, s: dict):
         yield f"{key}.free_gpu_memory_fraction={frac!r} must be in (0, 1)"
     if srv.get("dtype") not in (None, "bf16", "fp16", "fp32"):
         yield f"{key}.dtype={srv.get('dtype')!r} must be null (the model's), bf16, fp16 or fp32"
-    for k in ("connect_timeout_s", "request_timeout_s"):
+    for k in ("connect_timeout_s", "request_timeout_s", "weight_timeout_s"):
         v = srv.get(k)
         if v is not None and not (isinstance(v, (int, float)) and v > 0):
             yield f"{key}.{k}={v!r} must be a positive number of seconds"

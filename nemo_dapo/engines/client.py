@@ -41,6 +41,9 @@ class EngineClient:
 
     connect_timeout_s: the longest time to connect, authenticate and say hello (an engine may take minutes to load;
     it listens once loaded); request_timeout_s: the longest wait for a command's reply or for the next completion.
+    weight_timeout_s: the longest wait for the reply to a weight or memory command (sleep, wake, each bucket of a
+    weight update, its end) and for a weight group's broadcast: short, since a trainer's other ranks wait meanwhile in
+    the refit's collectives, which NCCL's watchdog ends at their own time-out (30 min under NeMo), unexplained.
     authkey: the engine key; None = the key of ``process`` (a server we started), else ``protocol.read_authkey()``
     (``$NEMO_DAPO_ENGINE_AUTHKEY`` or ``$NEMO_DAPO_ENGINE_AUTHKEY_FILE``). wait_if_busy: a server that serves another
     client is retried until the connect time-out (False: EngineBusy at once). check_shared_memory: prove at hello that
@@ -49,9 +52,10 @@ class EngineClient:
 
     def __init__(self, address: str, *, authkey: Optional[bytes] = None, name: str = "engine",
                  connect_timeout_s: float = 120.0, request_timeout_s: float = 600.0,
-                 process: Optional["EngineProcess"] = None, wait_if_busy: bool = True,
-                 check_shared_memory: bool = True):
+                 weight_timeout_s: float = 300.0, process: Optional["EngineProcess"] = None,
+                 wait_if_busy: bool = True, check_shared_memory: bool = True):
         self.address, self.name, self.request_timeout_s = address, name, request_timeout_s
+        self.weight_timeout_s = weight_timeout_s
         self.process, self.wait_if_busy = process, wait_if_busy
         P.parse_address(address)  # AddressError (a ValueError) for a malformed one
         deadline = time.monotonic() + connect_timeout_s
@@ -283,13 +287,13 @@ class EngineClient:
                 specs, size = P.weight_layout(bucket)
                 fresh = buffer.reserve(size)
                 if fresh is not None:
-                    self.call("update_weights", shm=fresh, tensors=[])
+                    self.call("update_weights", shm=fresh, tensors=[], timeout_s=self.weight_timeout_s)
                 buffer.fill(bucket, specs)
-                self.call("update_weights", shm=buffer.name, tensors=specs)
+                self.call("update_weights", shm=buffer.name, tensors=specs, timeout_s=self.weight_timeout_s)
                 stats["buckets"] += 1
                 stats["tensors"] += len(specs)
                 stats["bytes"] += sum(P.nbytes(P.dtype_of(s["dtype"]), s["shape"]) for s in specs)
-            self.call("update_weights_done")
+            self.call("update_weights_done", timeout_s=self.weight_timeout_s)
             stats["buffer_bytes"] = buffer.size
         finally:
             buffer.close()
@@ -297,10 +301,12 @@ class EngineClient:
         return stats
 
     def sleep(self, level: int = 1) -> None:
-        self.call("sleep", level=level)
+        self.call("sleep", level=level, timeout_s=self.weight_timeout_s)
 
-    def wake(self) -> None:
-        self.call("wake")
+    def wake(self, tags: Optional[Sequence[str]] = None) -> None:
+        """Wake what ``sleep`` released; ``tags`` (the server's ``info["wake_tags"]``): only those parts."""
+        fields = {} if tags is None else {"tags": list(tags)}
+        self.call("wake", timeout_s=self.weight_timeout_s, **fields)
 
     def health(self, timeout_s: Optional[float] = None) -> dict:
         return self.call("health", timeout_s=min(30.0, self.request_timeout_s) if timeout_s is None else timeout_s)

@@ -353,15 +353,17 @@ class ServerSide:
 
 
 # ---- trainer side: one update to many servers ---------------------------------------------------------------------
-def update_over_group(clients: Sequence, buckets, *, host: str = "127.0.0.1", timeout_s: float = 300.0,
-                      group: Optional[WeightGroup] = None, backend: str = "gloo") -> tuple:
+def update_over_group(clients: Sequence, buckets, *, host: str = "127.0.0.1", group: Optional[WeightGroup] = None,
+                      backend: str = "gloo") -> tuple:
     """Broadcast every (name, tensor) bucket to ``clients`` (EngineClient), then ``update_weights_done`` each.
 
-    ``group``: a joined group from an earlier update (None: form one over ``backend``, its rendezvous on ``host``).
+    ``group``: a joined group from an earlier update (None: form one over ``backend``, its rendezvous on ``host``,
+    its broadcasts bounded by the clients' ``weight_timeout_s``, as is each server's reply to a weight command).
     Returns (stats, the group to reuse). A server that dies or refuses raises EngineError / EngineWeightError, after
     the group was dropped."""
     stats = {"buckets": 0, "tensors": 0, "bytes": 0, "seconds": 0.0, "transport": "group"}
     t0 = time.perf_counter()
+    timeout_s = max(c.weight_timeout_s for c in clients)
 
     def alive():
         for c in clients:
@@ -374,13 +376,13 @@ def update_over_group(clients: Sequence, buckets, *, host: str = "127.0.0.1", ti
             specs, size = P.weight_layout(bucket)
             cmds = [c.send("update_weights", via="group", size=size, tensors=specs) for c in clients]
             for c, k in zip(clients, cmds):
-                c.reply(k, "update_weights")
+                c.reply(k, "update_weights", timeout_s=c.weight_timeout_s)
             _collective(clients, lambda: group.broadcast(bucket, specs, size, check=alive))
             stats["buckets"] += 1
             stats["tensors"] += len(specs)
             stats["bytes"] += size
         for k, c in [(c.send("update_weights_done"), c) for c in clients]:
-            c.reply(k, "update_weights_done")
+            c.reply(k, "update_weights_done", timeout_s=c.weight_timeout_s)
     except BaseException:
         if group is not None:
             group.close()
@@ -399,7 +401,7 @@ def _form(clients: Sequence, host: str, timeout_s: float, backend: str = "gloo")
     firsts = [1 + sum(ranks[:k]) for k in range(len(clients))]
     try:
         for k, c in [(c.send("join_weights", **group.join_message(r)), c) for r, c in zip(firsts, clients)]:
-            c.reply(k, "join_weights")
+            c.reply(k, "join_weights", timeout_s=c.weight_timeout_s)
         _collective(clients, group.connect, joining=True)
     except BaseException:
         group.close()

@@ -129,6 +129,7 @@ class EngineServerConfig:
     address: Optional[str] = MISSING
     connect_timeout_s: float = MISSING
     request_timeout_s: float = MISSING
+    weight_timeout_s: float = MISSING
     bucket_mb: int = MISSING
     weight_transport: str = MISSING
     max_batch_size: int = MISSING
@@ -301,7 +302,8 @@ def _check_numbers(cfg: Config) -> None:
             raise ConfigError(f"config key 'optim.betas[{i}]' = {cfg.optim.betas[i]} must be in [0, 1) "
                               "(Adam's decay rates, default [0.9, 0.999])")
     for key in ("optim.grad_clip", "warmup.grad_clip", "trainer.max_time_s",
-                "warmup.max_seconds", "rollout.server.connect_timeout_s", "rollout.server.request_timeout_s"):
+                "warmup.max_seconds", "rollout.server.connect_timeout_s", "rollout.server.request_timeout_s",
+                "rollout.server.weight_timeout_s"):
         _in_range(cfg, key, 0, math.inf, lo_open=True, fix="a positive number, or null where allowed")
     for key in ("warmup.slip_prob", "warmup.format_prob", "warmup.ramble_prob", "warmup.target_low",
                 "warmup.target_high"):

@@ -53,8 +53,8 @@ RESUME_SAFE_KEYS = (
     "trainer.val_every", "trainer.val_samples", "trainer.val_problems", "trainer.save_every", "trainer.keep_last",
     "trainer.threads", "trainer.cpus", "trainer.tensorboard", "trainer.plots", "reward.num_workers",
     "rollout.server.python", "rollout.server.address", "rollout.server.connect_timeout_s",
-    "rollout.server.request_timeout_s", "rollout.server.bucket_mb", "rollout.server.sleep_level",
-    "rollout.server.threads", "rollout.server.cpus", "rollout.server.weight_transport",
+    "rollout.server.request_timeout_s", "rollout.server.weight_timeout_s", "rollout.server.bucket_mb",
+    "rollout.server.sleep_level", "rollout.server.threads", "rollout.server.cpus", "rollout.server.weight_transport",
     "eval.",  # the final evaluation only (a warning says that the stored base evaluation used the old keys)
 )
 BUDGET_KEYS = ("trainer.max_steps", "trainer.max_samples", "trainer.max_time_s")

@@ -43,7 +43,8 @@ class EngineRollouts:
                 _save_hf(model, tokenizer, model_dir)
                 address = self._start(cfg, model_dir)
             self.client = EngineClient(address, name=engine, connect_timeout_s=srv.connect_timeout_s,
-                                       request_timeout_s=srv.request_timeout_s, process=self.proc,
+                                       request_timeout_s=srv.request_timeout_s,
+                                       weight_timeout_s=srv.weight_timeout_s, process=self.proc,
                                        check_shared_memory=srv.weight_transport == "shm")
             log.info("rollouts through engine %s at %s (%s)", engine, address, self.client.info)
             self.generator = EngineGenerator(self.client, eos_id=tokenizer.eos_token_id,

@@ -60,3 +60,13 @@ def test_a_replica_done_early_waits_for_the_others_on_the_cpu_before_the_gather(
 def test_a_twins_time_out_is_its_own(waits):
     timed_out = waits[0]["timeout"]
     assert timed_out["raised"] is not None and timed_out["after_s"] < 2.9  # 1 s, not the partner's 3 s late arrival
+
+
+def test_a_refit_whose_engine_stops_answering_ends_on_every_rank_with_the_gather_drained(waits):
+    """The owner's client gives up after ``weight_timeout_s`` (short: the others wait in the gather's collectives
+    meanwhile); the owner then finishes the gather in step, and every rank raises instead of hanging."""
+    owner, other = waits[0]["refit"], waits[1]["refit"]
+    assert owner["raised"].startswith("EngineError: engine 'stuck' did not answer")
+    assert other["raised"].startswith("RuntimeError: an engine weight update failed on another rank")
+    assert owner["all_reduces"] == other["all_reduces"] == 4 + 1  # every bucket's collective, then the failure flag
+    assert max(owner["after_s"], other["after_s"]) < 10

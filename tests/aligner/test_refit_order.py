@@ -80,16 +80,15 @@ class FakeClient:
                 self.released.discard(tag)
                 self.gpu.alloc("engine_weights" if tag == "weights" else tag)
 
-    def wake(self):
+    def wake(self, tags=None):
+        if tags is not None:
+            assert list(tags) == ["weights"], tags
+            self.gpu.note("wake:weights")
+            self._wake(["weights"])
+            return
         self.gpu.note("wake")
         self._wake(["weights", "kv_cache"])
         self.sleeping = False
-
-    def call(self, op, **fields):
-        assert op == "wake" and fields == {"tags": ["weights"]}, (op, fields)
-        self.gpu.note("wake:weights")
-        self._wake(["weights"])
-        return {}
 
     def update_weights(self, buckets):
         self.gpu.note("update_weights")
@@ -272,10 +271,10 @@ def test_a_failing_weights_wake_is_raised_after_the_gather_is_drained(world_of_o
     loop, gen, client = colocated_loop(gpu, sleep_level=2, releases=TRTLLM_LIKE)
     gen.sleep()
 
-    def broken(op, **fields):
+    def broken(tags=None):
         raise EngineError("fake engine: wake refused")
 
-    client.call = broken
+    client.wake = broken
     drained = []
     gen._weights = type("W", (), {"hf_weight_buckets": lambda self, b: (drained.append(i) or [] for i in range(3))})()
     with pytest.raises(EngineError, match="wake refused"):

@@ -194,6 +194,20 @@ def test_a_stuck_engine_times_out(tmp_path):
         proc.stop(client)
 
 
+def test_a_stuck_weight_load_fails_at_the_weight_deadline_not_the_request_one(tmp_path):
+    """A trainer's other ranks wait in the refit's collectives while an owner sends a bucket: a stuck engine must
+    fail the owner within ``weight_timeout_s``, not the long ``request_timeout_s`` of a generation."""
+    proc, client = start(tmp_path, load_delay_s=30.0)
+    client.weight_timeout_s = 1.0
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(EngineError, match="did not answer 'update_weights' within 1 s"):
+            client.update_weights([[("w", torch.ones(4))]])
+        assert time.monotonic() - t0 < 5 and client.request_timeout_s == 20
+    finally:
+        proc.stop()
+
+
 def test_generator_batch_and_stream_agree_and_stream_abort_counts_tokens(tmp_path):
     proc, client = start(tmp_path, lengths=[3, 3, 3, 40])
     try:

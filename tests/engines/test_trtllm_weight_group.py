@@ -52,7 +52,7 @@ def test_the_workers_receive_exactly_the_engines_names_and_shapes_as_shared_memo
     assert client.next_completion().samples[0].token_ids == expect(req, 0, w)
 
     n1 = sum(1 for _ in open(log))
-    stats, group = WG.update_over_group([client], timeout_s=60, buckets=split_qkv(weights, 3.0))
+    stats, group = WG.update_over_group([client], buckets=split_qkv(weights, 3.0))
     via_group = loaded(log, n1)
     assert client.health()["weight_group"] == "joined (in the engine's workers)"
     assert stats["tensors"] == len(weights) + 1  # what the trainer sent, lm_head included
@@ -73,14 +73,14 @@ def test_a_refused_or_non_finite_tensor_names_itself_and_the_next_update_is_read
     client, weights, log = tp2
     norm = "model.norm.weight"
     with pytest.raises(EngineWeightError) as e:  # refused from its spec, before anyone enters the broadcast
-        WG.update_over_group([client], timeout_s=60, buckets=[[("model.bogus.weight", torch.ones(3))]])
+        WG.update_over_group([client], buckets=[[("model.bogus.weight", torch.ones(3))]])
     assert e.value.name == "model.bogus.weight"
     with pytest.raises(EngineWeightError) as e:  # seen by the workers: nothing of the bucket loaded
         nan = torch.full_like(weights[norm], float("nan"))
-        WG.update_over_group([client], timeout_s=60, buckets=[[(norm, nan)]])
+        WG.update_over_group([client], buckets=[[(norm, nan)]])
     assert e.value.name == norm and "NaN" in str(e.value)
     assert all(norm not in r for r in loaded(log))
-    WG.update_over_group([client], timeout_s=60, buckets=split_qkv(weights, 3.0))  # a new group, read in step
+    WG.update_over_group([client], buckets=split_qkv(weights, 3.0))  # a new group, read in step
     req = Request(id="c", prompt_ids=[3, 5], max_new_tokens=5, seed=4)
     client.submit([req])
     assert client.next_completion().samples[0].token_ids == expect(req, 0, round(float(weights[norm].sum() * 3)))
@@ -90,7 +90,7 @@ def test_a_fused_module_left_incomplete_fails_the_update_by_name(tp2):
     client, weights, _ = tp2
     bucket = [(n, weights[n]) for n in sorted(weights) if not n.startswith(L + "self_attn.v_proj")]
     with pytest.raises(EngineWeightError, match="only part of fused module"):
-        WG.update_over_group([client], timeout_s=60, buckets=[bucket])
+        WG.update_over_group([client], buckets=[bucket])
 
 
 def test_the_extension_is_the_releases_hook_plus_two_decorated_methods():

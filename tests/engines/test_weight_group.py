@@ -98,6 +98,18 @@ def test_a_server_killed_mid_transfer_raises_engine_died_and_the_other_stays_usa
             proc.stop(client if client.alive else None)
 
 
+def test_a_server_stuck_loading_a_bucket_fails_the_update_at_the_weight_deadline(tmp_path):
+    stuck = start(tmp_path, "stuck", load_delay_s=30.0)
+    stuck[1].weight_timeout_s = 2.0
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(EngineError, match="'stuck' did not answer 'update_weights(_done)?' within 2 s"):
+            WG.update_over_group([stuck[1]], [[("w", torch.ones(4))], [("w", torch.zeros(4))]])
+        assert time.monotonic() - t0 < 10 and stuck[1].request_timeout_s == 20
+    finally:
+        stuck[0].stop()
+
+
 @pytest.mark.parametrize("fields, message", [
     ({"address": "http://x:1", "rank": 1, "world_size": 2}, "tcp://HOST:PORT"),
     ({"address": "tcp://127.0.0.1:99999", "rank": 1, "world_size": 2}, "tcp://HOST:PORT"),

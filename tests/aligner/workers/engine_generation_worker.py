@@ -86,7 +86,8 @@ def main() -> None:
         "hf_model_dir": os.environ["HF_DIR"], "tensor_parallel_size": TP, "pipeline_parallel_size": 1,
         "address": os.environ["ENGINE_ADDRESS"], "address_env": "UNSET_IN_THIS_TEST", "base_port": 0,
         "authkey_env": "NEMO_DAPO_ENGINE_AUTHKEY", "connect_timeout_s": 120.0, "request_timeout_s": 300.0,
-        "bucket_mb": 1, "dtype": None, "sleep_level": 0 if PLACEMENT == "separate" or overlap else 1, "placement": PLACEMENT,
+        "weight_timeout_s": 60.0, "bucket_mb": 1, "dtype": None,
+        "sleep_level": 0 if PLACEMENT == "separate" or overlap else 1, "placement": PLACEMENT,
         "weight_transport": "gloo" if PLACEMENT == "separate" else "shm"}}}})
     generator = build_generator(actor, cfg=cfg)  # connects (rank 0 owns the one engine) and pushes the weights
     assert isinstance(generator, AlignerEngineGenerator)

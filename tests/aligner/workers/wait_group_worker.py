@@ -3,8 +3,8 @@
 Each case records, per rank, when (seconds after a common start) it entered each collective and on which group: the
 generator's results exchange with a slow owner (``generate``, and ``stream_requests`` with two owners), an owner's slow
 engine sleep, and DPReducer.gather_objects with a slow replica, each with its gloo twin (``cpu_wait_group``) and
-without one (the control: the exchange's first broadcast starts at once). Also the twins' ranks and backend, and a
-twin's time-out. Env: OUT_DIR. Writes waits_rank<r>.json."""
+without one (the control: the exchange's first broadcast starts at once). Also the twins' ranks and backend, a
+twin's time-out, and a refit whose owner's engine stops answering. Env: OUT_DIR. Writes waits_rank<r>.json."""
 import datetime
 import json
 import os
@@ -16,6 +16,7 @@ import torch.distributed as dist
 from nemo_dapo.aligner.engine_generation import AlignerEngineGenerator
 from nemo_dapo.core.collective import cpu_wait_group
 from nemo_dapo.core.types import Generation
+from nemo_dapo.engines.base import EngineError
 from nemo_dapo.megatron.reduction import DPReducer
 
 DELAY = 1.5  # seconds the slow rank's engine (or share) takes
@@ -30,7 +31,7 @@ def recorded(name, fn):
     return call
 
 
-for _name in ("broadcast", "barrier", "all_gather_object"):
+for _name in ("broadcast", "barrier", "all_gather_object", "all_reduce"):
     setattr(dist, _name, recorded(_name, getattr(dist, _name)))
 
 
@@ -77,6 +78,45 @@ class SlowEngine:
         return 0.0
 
 
+class StuckRefitEngine:
+    """An owner's EngineGenerator whose engine stops answering after the first weight bucket: what its client raises
+    after ``weight_timeout_s`` (tests/engines/test_protocol.py shows the deadline)."""
+    asleep, bucket_bytes = False, 1 << 20
+
+    def update_weights(self, buckets, wake=True):
+        next(iter(buckets))
+        raise EngineError("engine 'stuck' did not answer 'update_weights' within 300 s")
+
+    def idle_seconds(self):
+        return 0.0
+
+
+class GatheredWeights:
+    """The refit gather's face: every bucket costs a collective of the model-parallel group, as megatron's does."""
+    buckets = 4
+
+    def hf_weight_buckets(self, bucket_bytes):
+        for k in range(self.buckets):
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            yield [(f"w{k}", t)]
+
+
+def refit_case() -> dict:
+    """The refit with a stuck owner's engine: both ranks finish the gather's collectives in step, then raise."""
+    g = AlignerEngineGenerator(actor=None, engine=StuckRefitEngine() if dist.get_rank() == 0 else None, owners=[0],
+                               mp_group=dist.group.WORLD, hf_config=None, pad_id=0)
+    g._weights = GatheredWeights()
+    begin()
+    try:
+        g.update_weights()
+        raised = None
+    except Exception as e:  # noqa: BLE001 - what each rank raised is the result
+        raised = f"{type(e).__name__}: {e}"
+    return {"raised": raised, "all_reduces": sum(1 for name, _, _ in CALLS if name == "all_reduce"),
+            "after_s": time.monotonic() - START[0]}
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.group.WORLD
@@ -110,6 +150,7 @@ def main() -> None:
             time.sleep(DELAY)  # this replica's share takes longer
         gathered = reducer.gather_objects(rank)
         out[name] = {"calls": record(wait), "gathered": gathered}
+    out["refit"] = refit_case()
     short = dist.new_group([0, 1], backend="gloo", timeout=datetime.timedelta(seconds=1))
     begin()
     if rank == 1:
