@@ -59,7 +59,8 @@ def test_docker_ignore_keeps_virtualenvs_out_of_the_context():
 def test_sbatch_script_parses_and_has_the_cluster_pieces():
     subprocess.run(["bash", "-n", str(SBATCH)], check=True)
     text = SBATCH.read_text()
-    for piece in ("#SBATCH --ntasks-per-node=8", "srun --overlap --mpi=\"${TRAINER_MPI:-pmix}\"", "--container-image=",
+    for piece in ("#SBATCH --ntasks-per-node=8", "srun --overlap --kill-on-bad-exit=1 --mpi=\"${TRAINER_MPI:-pmix}\"",
+                  "--container-image=",
                   "--container-mounts=", "--no-container-mount-home", "export CUDA_DEVICE_MAX_CONNECTIONS=1",
                   "examples/train_gpt_dapo.py --config-name recipes/", "trap cleanup EXIT INT TERM"):
         assert piece in text, piece
@@ -135,7 +136,7 @@ def trainer_call(calls):
 def test_sbatch_command_composes_with_the_recipe_and_validates(fake_srun, tmp_path):
     _, calls = run_sbatch(fake_srun, tmp_path, "trainer.dapo.max_steps=2", RECIPE="qwen2.5-32b_h20")
     args = trainer_call(calls)
-    assert args[:4] == ["--overlap", "--mpi=pmix", "--nodes=16", "--ntasks-per-node=8"]
+    assert args[:5] == ["--overlap", "--kill-on-bad-exit=1", "--mpi=pmix", "--nodes=16", "--ntasks-per-node=8"]
     mounts = next(a for a in args if a.startswith("--container-mounts="))
     assert "/ckpt/qwen:/ckpt/qwen:ro" in mounts and f"{tmp_path}/results:/results" in mounts
     assert "/hf/Qwen2.5-32B:/tokenizer:ro" in mounts  # the converter's tokenizer path does not exist in the job

@@ -85,6 +85,15 @@ def test_every_step_gets_cpus_per_task_from_the_node_and_overrides(srun_bin, tmp
     assert got["server"] == 16 and got["trainer"] == 3  # four servers per node share the engines' 64
 
 
+def test_a_failing_server_or_trainer_rank_ends_its_whole_step(srun_bin, tmp_path):
+    """Slurm's --kill-on-bad-exit=1 on both steps (tests/containers/standin_srun.py plays its semantics end to end):
+    a trainer rank that fails alone would leave the others in an NCCL collective for the watchdog's 30 minutes."""
+    out, calls, _, _ = run(srun_bin, tmp_path)
+    assert out.returncode == 0, out.stderr
+    for step in ("server", "trainer"):
+        assert "--kill-on-bad-exit=1" in next(c for c in calls if kind(c) == step), step
+
+
 def test_cuda_device_max_connections_only_in_the_trainer_step(srun_bin, tmp_path):
     out, calls, envs, _ = run(srun_bin, tmp_path, CUDA_DEVICE_MAX_CONNECTIONS="1")  # even if the submitter set it
     assert out.returncode == 0, out.stderr
