@@ -383,7 +383,7 @@ class TRTLLMEngine:
         """One broadcast bucket (checked by ``check_weight_specs``), received and loaded by the workers; the parts of
         a fused module are held there until their module is complete. A failed broadcast raises ``GroupBroken``
         (the update stays open: the next full update completes it)."""
-        from .weight_group import GroupBroken
+        from .weight_group import GroupBroken, workers_failure
         skip = [HF_HEAD] if self._tied else []  # tied: TensorRT-LLM's HF mapper shares the embedding
         first = not self._updating  # nothing of this update is in the model yet
         ready = [n for s in specs if s["name"] not in skip for n, _ in self._hold(s["name"], None)]
@@ -394,7 +394,7 @@ class TRTLLMEngine:
         except Exception as e:  # a failed load leaves the model half-updated
             self._broken = f"TensorRT-LLM failed to load a broadcast bucket ({type(e).__name__}: {e})"
             raise EngineWeightError(f"engine {self.name!r}: {self._broken}", specs[0]["name"] if specs else "") from e
-        bad = next((a for a in answers if a is not None), None)
+        bad = workers_failure(answers)
         if bad is not None and bad[0] == "broken":
             raise GroupBroken(bad[1])
         if bad is not None:  # nothing of the bucket loaded: as the server's own check on the shm path

@@ -2,6 +2,9 @@
 
 * In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, forced): ``step()`` is one schedule + forward; no ``__main__``
   guard. vLLM's CPU worker then binds no threads and forbids ``torch.set_num_threads`` later: pass ``num_threads``.
+  Tensor parallel (``tensor_parallel_size=2, distributed_executor_backend="mp"``; on CPU one core per worker by
+  ``VLLM_CPU_OMP_THREADS_BIND="0|1"``) spawns the workers; the weight group then has a rank per worker, each
+  answering for its own broadcast and shard (tests/engines/test_vllm_tp2.py).
 * Token ids only (``skip_tokenizer_init``; never downloads); config.json's EOS ids join every request's stop ids.
   Sample k of request ``id`` is vLLM request ``"id#k"`` (n=1, DELTA outputs, seed ``seed * 1_000_003 + k``): greedy
   n > 1 works, aborts keep partial tokens. Log-probs: ``logprobs=0``, ``logprobs_mode="processed_logprobs"``.
@@ -264,16 +267,17 @@ class VLLMEngine:
     def receive_weights(self, specs: list, size: int) -> None:
         """One broadcast bucket (checked by ``check_weight_specs``), received and loaded by the workers. A failed
         broadcast raises ``GroupBroken`` and leaves the update open (the next full update completes it)."""
-        from .weight_group import GroupBroken
+        from .weight_group import GroupBroken, workers_failure
         if specs and not self._updating:  # an empty bucket is still read: every rank takes every broadcast
             self._reload("start")
             self._updating, self._received = True, set()
         dtype = str(self._dtype).replace("torch.", "")
         try:
-            bad = self._engine.collective_rpc(_rpc_group, args=("receive", (specs, size, dtype, self._tied)))[0]
+            answers = self._engine.collective_rpc(_rpc_group, args=("receive", (specs, size, dtype, self._tied)))
         except Exception as e:  # a failed load leaves the model half-updated
             self._broken = f"vLLM failed to load a broadcast bucket ({type(e).__name__}: {e})"
             raise EngineWeightError(f"engine {self.name!r}: {self._broken}", specs[0]["name"] if specs else "") from e
+        bad = workers_failure(answers)
         if bad is not None and bad[0] == "broken":
             raise GroupBroken(bad[1])
         if bad is not None:  # nothing of the bucket loaded: as the server's own check on the shm path

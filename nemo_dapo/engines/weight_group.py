@@ -58,6 +58,14 @@ class GroupBroken(EngineError):
     """A broadcast of the weight group failed: the group is gone (the trainer dropped it, or a peer died)."""
 
 
+def workers_failure(answers) -> Optional[tuple]:
+    """An engine's verdict on a broadcast bucket from its workers' answers (one per worker, each for its own
+    broadcast and its own shard: None, ("broken", why) or ("nan", name)): a broken broadcast on any worker first,
+    since its group is gone whatever the others say, then any other failure, else None."""
+    failed = [a for a in answers if a is not None]
+    return next((a for a in failed if a[0] == "broken"), failed[0] if failed else None)
+
+
 def check_transport(name: str) -> str:
     """A weight transport of ``TRANSPORTS`` (by name only: a cluster config is checked where it cannot run)."""
     if name not in TRANSPORTS:
