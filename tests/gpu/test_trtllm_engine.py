@@ -149,8 +149,7 @@ def test_the_weight_group_loads_in_the_workers_what_the_reference_holds(served, 
     else:
         sent = state
     stats, group = WG.update_over_group([client], [[(n, sent[n]) for n in names[:half]],
-                                                   [(n, sent[n]) for n in names[half:]]], timeout_s=300,
-                                        backend=backend)
+                                                   [(n, sent[n]) for n in names[half:]]], backend=backend)
     suffix = " over nccl" if backend == "nccl" else ""
     assert client.health()["weight_group"] == "joined (in the engine's workers)" + suffix
     assert stats["tensors"] == len(names)
