@@ -85,7 +85,7 @@ def test_every_step_gets_cpus_per_task_from_the_node_and_overrides(srun_bin, tmp
     assert got["server"] == 16 and got["trainer"] == 3  # four servers per node share the engines' 64
 
 
-def test_a_failing_server_or_trainer_rank_ends_its_whole_step(srun_bin, tmp_path):
+def test_both_steps_ask_slurm_to_end_the_step_when_one_task_fails(srun_bin, tmp_path):
     """Slurm's --kill-on-bad-exit=1 on both steps (tests/containers/standin_srun.py plays its semantics end to end):
     a trainer rank that fails alone would leave the others in an NCCL collective for the watchdog's 30 minutes."""
     out, calls, _, _ = run(srun_bin, tmp_path)
