@@ -112,9 +112,6 @@ class EngineLayout:
         node, local = self.engine_of(rank)
         return node * self.gpus_per_node + local * self.engine_gpus
 
-    def is_owner(self, rank: int) -> bool:
-        return self.owner_of(rank) == rank
-
     def address(self, rank: int, template: str, base_port: int = 0, owner: Optional[int] = None) -> str:
         """The address of ``rank``'s engine server from ``template`` ({node}, {local}, {port}, {rank}: ``owner``, by
         default the rank on the engine's first GPU)."""
@@ -127,12 +124,10 @@ class EngineLayout:
                              "{port}, {rank}") from None
 
 
-def owners_in_group(layout: EngineLayout, group_ranks, groups=None) -> list:
-    """The connection owners among the global ranks of one model-parallel group, in rank order: the ranks on their
-    engines' first GPUs, or, given every model-parallel group of the world (``groups``), the assignment of
-    cluster/engine_owners.py, which also serves groups that hold no engine's first GPU (ValueError where none can)."""
-    if groups is None:
-        return sorted(r for r in group_ranks if layout.is_owner(r))
+def owners_in_group(layout: EngineLayout, group_ranks, groups) -> list:
+    """The connection owners among the global ranks of one model-parallel group, in rank order, from the assignment
+    over every model-parallel group of the world (``groups``, cluster/engine_owners.py: the ranks on the engines'
+    first GPUs where they serve every group, else a match; ValueError where none can)."""
     owners = engine_owners(layout.world, layout.engine_gpus, groups).values()
     mine = set(group_ranks)
     return sorted(r for r in owners if r in mine)

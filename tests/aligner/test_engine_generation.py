@@ -11,6 +11,7 @@ import os
 import pytest
 
 from nemo_dapo.aligner.engine_generation import EngineLayout, owners_in_group, split_rows
+from nemo_dapo.cluster.engine_owners import megatron_mp_groups
 from tests.aligner.conftest import needs_nemo
 from tests.support.dist import ROOT, free_port, run_torchrun
 
@@ -21,7 +22,7 @@ def test_rank_to_server_mapping_by_hand():
     table = {0: (0, 0, 0), 3: (0, 0, 0), 4: (0, 1, 4), 7: (0, 1, 4), 8: (1, 0, 8), 13: (1, 1, 12)}
     for rank, (node, local, owner) in table.items():
         assert lay.engine_of(rank) == (node, local) and lay.owner_of(rank) == owner
-    assert [r for r in range(16) if lay.is_owner(r)] == [0, 4, 8, 12]
+    assert [r for r in range(16) if lay.owner_of(r) == r] == [0, 4, 8, 12]
     assert lay.address(13, "unix:/tmp/e/engine-{local}.sock") == "unix:/tmp/e/engine-1.sock"
     assert lay.address(13, "tcp://127.0.0.1:{port}", base_port=29600) == "tcp://127.0.0.1:29601"
     assert lay.address(9, "unix:/s/n{node}-r{rank}.sock") == "unix:/s/n1-r8.sock"
@@ -68,18 +69,19 @@ def test_server_settings_are_the_yaml_values_and_a_missing_key_is_named():
 def test_owners_of_model_parallel_groups():
     lay = EngineLayout(world=16, gpus_per_node=8, engine_gpus=2)
     # TP8 groups of contiguous ranks: four engines each, owners every second rank
-    assert owners_in_group(lay, range(8, 16)) == [8, 10, 12, 14]
+    assert owners_in_group(lay, range(8, 16), groups=[list(range(8)), list(range(8, 16))]) == [8, 10, 12, 14]
     # TP2 x PP2 (megatron: PP outermost), group {0, 1, 8, 9}: the engines of GPUs 0-1 and 8-9
-    assert owners_in_group(lay, [0, 1, 8, 9]) == [0, 8]
+    tp2pp2 = megatron_mp_groups(16, tp=2, pp=2)
+    assert [0, 1, 8, 9] in tp2pp2 and owners_in_group(lay, [0, 1, 8, 9], groups=tp2pp2) == [0, 8]
     # engine TP4 wider than a TP2 group: the group {2, 3} holds no engine's first GPU, and four groups share two
     # engines, so no match serves them all
-    assert owners_in_group(EngineLayout(world=8, gpus_per_node=8, engine_gpus=4), [2, 3]) == []
+    wide = EngineLayout(world=8, gpus_per_node=8, engine_gpus=4)
+    assert not any(wide.owner_of(r) == r for r in (2, 3))
     with pytest.raises(ValueError, match="4 model-parallel groups cannot each own one of the 2 engines"):
-        owners_in_group(EngineLayout(world=8, gpus_per_node=8, engine_gpus=4), [2, 3],
-                        groups=[[0, 1], [2, 3], [4, 5], [6, 7]])
+        owners_in_group(wide, [2, 3], groups=[[0, 1], [2, 3], [4, 5], [6, 7]])
     # TP2 x PP2 over two 4-GPU nodes with engines of a node: {2, 3, 6, 7} holds no first GPU but gets node 1's engine
     lay, groups = EngineLayout(world=8, gpus_per_node=4, engine_gpus=4), [[0, 1, 4, 5], [2, 3, 6, 7]]
-    assert owners_in_group(lay, [2, 3, 6, 7]) == []
+    assert not any(lay.owner_of(r) == r for r in (2, 3, 6, 7))
     owners = [owners_in_group(lay, g, groups=groups) for g in groups]
     assert [len(o) for o in owners] == [1, 1] and all(o[0] in g for o, g in zip(owners, groups))
     assert {o[0] // 4 for o in owners} == {0, 1}  # one engine each
