@@ -7,11 +7,15 @@ from typing import Optional
 
 import torch
 
+from nemo_dapo.core.settings import MIN_TEMPERATURE
+
 
 def sampling_logp(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
     """fp32 log-probs [N, V] of the distribution tokens are drawn from: logits / temperature, then all but the k
     largest masked (ties at the k-th value survive), then ``sample_next``'s top-p rule (the smallest prefix whose
     mass reaches top_p; the top token always survives)."""
+    if not temperature >= MIN_TEMPERATURE:
+        raise ValueError(f"sampling temperature {temperature!r} is below {MIN_TEMPERATURE} (0 is greedy: sample_next)")
     z = logits.float() / temperature
     if 0 < top_k < z.shape[-1]:
         z = z.masked_fill(z < z.topk(top_k, dim=-1).values[:, -1:], float("-inf"))
@@ -19,6 +23,7 @@ def sampling_logp(logits: torch.Tensor, temperature: float, top_p: float, top_k:
         sorted_z, order = z.sort(dim=-1, descending=True)
         probs = torch.softmax(sorted_z, dim=-1)
         drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop_sorted[:, 0] = False  # a top_p that rounds to 0 in float32 would otherwise mask every token
         z = z.masked_fill(torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted), float("-inf"))
     return torch.log_softmax(z, dim=-1)
 

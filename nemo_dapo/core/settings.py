@@ -29,6 +29,10 @@ TIS_LEVELS = ("token", "sequence")
 # The most skips in a row of history-based prompt skipping (core/prompt_history.py): with it every prompt is
 # generated again within MAX_SKIPS + 1 epochs, a bound a run reaches; 10**12 would mean "skip forever".
 MAX_SKIPS = 100
+# The smallest temperature above 0 (greedy) a sampler takes (core/sampling.py, the engine servers' requests, both
+# validators): below it sampling is greedy in effect, and a tiny one (under ~1e-37 for logits of order 10) divides
+# float32 logits into inf, so every log-prob is NaN.
+MIN_TEMPERATURE = 1e-4
 
 
 class ConfigError(ValueError):

@@ -25,6 +25,8 @@ from typing import Iterable, Optional, Protocol, Sequence
 
 import torch
 
+from nemo_dapo.core.settings import MIN_TEMPERATURE
+
 FINISH_REASONS = ("stop", "length", "aborted")
 MAX_SAMPLES_PER_REQUEST = 1024  # n of one request (DAPO's groups are 16; pass@k evaluations use up to a few hundred)
 
@@ -74,6 +76,13 @@ class Request:
         if self.temperature < 0 or not 0.0 < self.top_p <= 1.0 or self.top_k < 0:
             raise ValueError(f"request {self.id}: need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got "
                              f"{self.temperature}, {self.top_p}, {self.top_k}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"request {self.id}: temperature {self.temperature:.3g} is below {MIN_TEMPERATURE}: "
+                             "that samples greedily in effect, and a tiny one divides the logits into inf (NaN "
+                             "log-probs); use 0 for greedy decoding")
+        for k in ("logprobs", "ignore_eos"):
+            if not isinstance(getattr(self, k), bool):
+                raise ValueError(f"request {self.id}: {k} must be true or false, got {getattr(self, k)!r:.40}")
         if self.seed is not None and not 0 <= _integer(self.id, "seed", self.seed) < 2 ** 63:
             raise ValueError(f"request {self.id}: seed must be an int in [0, 2**63) or null, got {self.seed}")
 
@@ -101,9 +110,13 @@ def _integer(rid: str, field: str, value) -> int:
 
 
 def _number(rid: str, field: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    try:  # an int too large for a float (JSON allows any) raises OverflowError here
+        number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    except OverflowError:
+        number = math.nan
+    if not math.isfinite(number):
         raise ValueError(f"request {rid}: {field} must be a finite number, got {value!r:.40}")
-    return float(value)
+    return number
 
 
 def _token_ids(rid: str, field: str, ids) -> list:
@@ -190,8 +203,11 @@ class EngineAdapter(Protocol):
 WAKE_TAGS = ("weights", "kv_cache")
 
 
-def check_weight(name: str, tensor: torch.Tensor, target: Optional[torch.Tensor], engine: str) -> None:
-    """Raise EngineWeightError unless ``target`` (the engine's parameter of that name) can take ``tensor``."""
+def check_weight(name: str, tensor: torch.Tensor, target: Optional[torch.Tensor], engine: str,
+                 into: Optional[torch.dtype] = None) -> None:
+    """Raise EngineWeightError unless ``target`` (the engine's parameter of that name) can take ``tensor``: its
+    name, shape and kind of dtype, and (a tensor with values: not on the meta device) values the dtype it is cast to
+    can hold (``into``, default ``target``'s; a float64 1e300 would load into float32 as inf)."""
     if target is None:
         raise EngineWeightError(f"engine {engine!r}: no parameter named {name!r}; the trainer sends Hugging Face "
                                 "names: check that both sides load the same architecture", name)
@@ -202,17 +218,34 @@ def check_weight(name: str, tensor: torch.Tensor, target: Optional[torch.Tensor]
     if not (tensor.dtype.is_floating_point and target.dtype.is_floating_point) and tensor.dtype != target.dtype:
         raise EngineWeightError(f"engine {engine!r}: weight {name!r} has dtype {tensor.dtype}, the engine's is "
                                 f"{target.dtype}", name)
+    into = target.dtype if into is None else into
+    if tensor.dtype.is_floating_point and into.is_floating_point and narrower(tensor.dtype, into):
+        check_finite(name, tensor, engine, into=into)  # the server checked finiteness; this is for the range
 
 
-def check_finite(name: str, tensor: torch.Tensor, engine: str, chunk: int = 1 << 24) -> None:
-    """Raise EngineWeightError if a floating-point weight holds NaN or inf (checked in chunks: no full-size mask)."""
-    if not tensor.dtype.is_floating_point:
+def narrower(dtype: torch.dtype, into: torch.dtype) -> bool:
+    """Whether floating-point ``into`` holds a smaller range than ``dtype`` (float32 -> float16 or bfloat16)."""
+    return torch.finfo(into).max < torch.finfo(dtype).max
+
+
+def check_finite(name: str, tensor: torch.Tensor, engine: str, chunk: int = 1 << 24,
+                 into: Optional[torch.dtype] = None) -> None:
+    """Raise EngineWeightError if a floating-point weight holds NaN or inf, or (``into``: the dtype the engine casts
+    it to, where narrower) a value that dtype cannot hold. Checked in chunks: no full-size mask."""
+    if not tensor.dtype.is_floating_point or tensor.device.type == "meta":
         return
+    narrowing = into is not None and into.is_floating_point and narrower(tensor.dtype, into)
+    limit = torch.finfo(into).max if narrowing else math.inf
     flat = tensor.reshape(-1)
     for start in range(0, flat.numel(), chunk):
-        if not bool(torch.isfinite(flat[start:start + chunk]).all()):
+        part = flat[start:start + chunk]
+        if not bool(torch.isfinite(part).all()):
             raise EngineWeightError(f"engine {engine!r}: weight {name!r} holds NaN or inf values; refusing it (the "
                                     "trainer's weights diverged, or a conversion overflowed the dtype)", name)
+        if narrowing and part.numel() and float(part.abs().max()) > limit:
+            raise EngineWeightError(f"engine {engine!r}: weight {name!r} holds {float(part.abs().max()):.3g}, "
+                                    f"beyond {str(into).replace('torch.', '')}'s range (the engine's dtype): it "
+                                    "would load as inf; refusing it", name)
 
 
 HF_EMBED, HF_HEAD = "model.embed_tokens.weight", "lm_head.weight"

@@ -289,7 +289,8 @@ class EngineClient:
                 if fresh is not None:
                     self.call("update_weights", shm=fresh, tensors=[], timeout_s=self.weight_timeout_s)
                 buffer.fill(bucket, specs)
-                self.call("update_weights", shm=buffer.name, tensors=specs, timeout_s=self.weight_timeout_s)
+                self.call("update_weights", shm=buffer.name, tensors=specs, begins=not stats["buckets"],
+                          timeout_s=self.weight_timeout_s)
                 stats["buckets"] += 1
                 stats["tensors"] += len(specs)
                 stats["bytes"] += sum(P.nbytes(P.dtype_of(s["dtype"]), s["shape"]) for s in specs)

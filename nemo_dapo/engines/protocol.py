@@ -24,10 +24,12 @@ one ``{"op": "reply", "cmd": k, ...}`` or ``{"op": "error", "cmd": k, "type": ..
                                                         level frees, of "weights", "kv_cache") and wake_tags
     submit           {requests: [Request]}           -> {}   queued; completions follow as they finish
     abort            {ids: [str]}                    -> {aborted: n}; the aborted requests' completions follow
-    update_weights   {shm, tensors: [WeightSpec]}    -> {loaded: n}; one bucket, read from shared memory
+    update_weights   {shm, tensors: [WeightSpec], begins?} -> {loaded: n}; one bucket, read from shared memory
     join_weights     {address, rank, world_size, ...} -> {joining}; the collective transport (weight_group.py)
-    update_weights   {via: "group", size, tensors}   -> {receiving: n}; one bucket, broadcast by the trainer
-    update_weights_done {}                           -> {}   post-process, reset caches; generation may resume
+    update_weights   {via: "group", size, tensors, begins?} -> {receiving: n}; one bucket, broadcast by the trainer
+    update_weights_done {}                           -> {}   post-process, reset caches; generation may resume;
+                                                        refused after a refused bucket until an update begins
+                                                        again (its first bucket has begins: true)
     sleep            {level: 1|2}                    -> {}   level 1 frees the KV cache, 2 the weights too
     wake             {tags?: ["weights"|"kv_cache"]} -> {}   without tags: everything asleep (then submit works);
                                                              with tags: only that part (hello info's wake_tags)
@@ -74,6 +76,10 @@ MIN_KEY_BYTES = 16
 # The largest frame either side sends or accepts. The largest real ones are a completion of n long samples (~26
 # bytes a token: id and log-prob) and a submit of a generation batch: a few MB at the recipes' sizes.
 MAX_FRAME_BYTES = 256 << 20
+# A completion frame's bytes per generated token, at most: a 6-digit token id and a 17-digit log-prob in JSON take
+# 31 (measured); a server refuses a request whose completion could pass MAX_FRAME_BYTES (n x its token cap).
+COMPLETION_BYTES_PER_TOKEN = 32
+MAX_COMPLETION_TOKENS = (MAX_FRAME_BYTES - (1 << 16)) // COMPLETION_BYTES_PER_TOKEN
 HANDSHAKE_MAX_BYTES = 4096  # what an unauthenticated peer can make a server allocate
 HANDSHAKE_TIMEOUT_S = 10.0  # a peer that has not proved the key within this is dropped
 IO_TIMEOUT_S = 60.0  # a frame that has started must be fully read or written within this

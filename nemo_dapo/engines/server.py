@@ -7,8 +7,10 @@
 One thread does everything: it reads a command when one is waiting, otherwise advances the engine (``adapter.step``)
 and streams each finished request back as a ``completion``. One client at a time (the trainer rank that owns this
 engine); a connection that arrives meanwhile is told ``busy`` and closed; when the client disconnects, its requests
-are aborted and the server waits for the next. A connection that fails the handshake (no key, wrong key, silence past
-``--handshake-timeout-s``), a malformed frame or a refused request never stops the server.
+are aborted and the server waits for the next. Between clients each new connection proves the key in a thread of its
+own (at most ``MAX_HANDSHAKES`` at once), so peers that never answer hold up no one. A connection that fails the
+handshake (no key, wrong key, silence past ``--handshake-timeout-s``), a malformed frame or a refused request never
+stops the server.
 
 The key (``protocol.read_authkey``): ``$NEMO_DAPO_ENGINE_AUTHKEY``, or a chmod-600 file named by
 ``$NEMO_DAPO_ENGINE_AUTHKEY_FILE``; never an argument. Without one the server starts only on a Unix socket whose
@@ -28,6 +30,7 @@ import argparse
 import json
 import logging
 import os
+import queue
 import select
 import socket
 import sys
@@ -43,6 +46,7 @@ from nemo_dapo.engines.base import WAKE_TAGS, EngineError, EngineWeightError, Re
 
 log = logging.getLogger("nemo_dapo.engine")
 
+MAX_HANDSHAKES = 64  # connections proving the key at once; more are closed at once (the client retries)
 MAX_SAMPLES_IN_FLIGHT = 65536  # samples queued or running at once (the recipes hold at most a few thousand)
 
 
@@ -94,16 +98,22 @@ class EngineServer:
         self.adapter, self.listener, self.authkey = adapter, listener, authkey
         self.name = name or getattr(adapter, "name", "engine")
         self.handshake_timeout_s, self.max_samples_in_flight = handshake_timeout_s, max_samples_in_flight
-        self.vocab_size = adapter.info().get("vocab_size")
+        info = adapter.info()
+        self.vocab_size, self.max_seq_len = info.get("vocab_size"), info.get("max_seq_len")
         # the NCCL release of an engine whose GPU workers can join an nccl weight group (weight_group.py)
         self.nccl = WG.nccl_version() if hasattr(adapter, "join_weight_group") else None
         self.inflight: dict = {}  # request id -> its sample count
         self.weights_ok = True
+        # a bucket of the current update that was refused (its first tensor's name): update_weights_done is refused
+        # until an update begins again (a bucket with "begins"), since the engine holds part old, part new weights
+        self._refused: Optional[str] = None
         self.sleeping = False
         self.started = time.time()
         self._buffer: Optional[P.AttachedBuffer] = None
         self._group = WG.ServerSide(self.adapter)
         self._then = None  # a collective to enter once the reply is sent (join_weights, update_weights via group)
+        self._authenticated: "queue.Queue[P.Channel]" = queue.Queue()  # by the handshake threads, in their order
+        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self._stop = False
 
     # ---- sessions -------------------------------------------------------------------------------------------------
@@ -124,17 +134,34 @@ class EngineServer:
         return 0
 
     def _accept(self) -> Optional[P.Channel]:
-        """The next authenticated client, or None (nobody came within a moment, or a connection failed the
-        handshake: logged, closed, and the server goes on)."""
-        sock = self.listener.accept(0.5)
-        if sock is None:
-            return None
+        """The next authenticated client, or None (none within a moment). New connections are handed to handshake
+        threads; one that fails the handshake is logged and closed there, and the server goes on."""
+        sock = self.listener.accept(0.05)
+        for _ in range(MAX_HANDSHAKES):
+            if sock is None:
+                break
+            self._start_handshake(sock)
+            sock = self.listener.accept(0)
         try:
-            return P.server_handshake(sock, self.authkey, self.handshake_timeout_s)
+            return self._authenticated.get(timeout=0.05)
+        except queue.Empty:
+            return None
+
+    def _start_handshake(self, sock: socket.socket) -> None:
+        if not self._handshakes.acquire(blocking=False):
+            log.warning("closed a connection: %d others are proving the key", MAX_HANDSHAKES)
+            sock.close()
+            return
+        threading.Thread(target=self._handshake, args=(sock,), daemon=True, name="handshake").start()
+
+    def _handshake(self, sock: socket.socket) -> None:
+        try:
+            self._authenticated.put(P.server_handshake(sock, self.authkey, self.handshake_timeout_s))
         except Exception as e:  # noqa: BLE001 - whatever a peer does before it is authenticated, we serve on
             log.warning("refused a connection: %s (%s)", e or "closed", type(e).__name__)
             sock.close()
-            return None
+        finally:
+            self._handshakes.release()
 
     def _end_session(self, ch: P.Channel) -> None:
         try:
@@ -253,6 +280,7 @@ class EngineServer:
             raise _BadRequest(f"request ids already in flight or repeated: {dup[:5]}")
         for r in requests:
             check_token_ids(r, self.vocab_size, self.name)
+            self._check_completion_fits(r)
         held, want = sum(self.inflight.values()), sum(r.n for r in requests)
         if held + want > self.max_samples_in_flight:
             raise _BadRequest(f"submit of {want} samples refused: {held} are in flight and this engine server holds at "
@@ -272,6 +300,16 @@ class EngineServer:
             raise
         return {"queued": len(requests)}, []
 
+    def _check_completion_fits(self, r: Request) -> None:
+        """Refuse a request whose completion could be too large for one frame (sent, it would end the session)."""
+        cap = r.max_new_tokens if self.max_seq_len is None else min(r.max_new_tokens,
+                                                                    self.max_seq_len - len(r.prompt_ids))
+        if r.n * cap > P.MAX_COMPLETION_TOKENS:
+            raise _BadRequest(f"request {r.id}: n={r.n} samples of up to {cap} tokens could make a completion larger "
+                              f"than the protocol's {P.MAX_FRAME_BYTES >> 20} MiB frame (at most "
+                              f"{P.MAX_COMPLETION_TOKENS:,} tokens a request); split it into requests of fewer "
+                              "samples, or lower max_new_tokens")
+
     def _op_abort(self, msg):
         if not isinstance(msg.get("ids"), list):
             raise _BadRequest("abort needs 'ids': a list of request ids")
@@ -288,10 +326,19 @@ class EngineServer:
             raise _BadRequest(f"{len(self.inflight)} requests are still running: let them finish or abort them "
                               "before updating weights")
         self._group.raise_failed()  # a bucket that failed after its reply: the update is refused from here on
+        if not isinstance(msg.get("begins", False), bool):
+            raise _BadRequest(f"update_weights: begins must be true or false, got {msg.get('begins')!r:.40}")
+        if msg.get("begins"):
+            self._refused = None
+        name = _first_name(msg.get("tensors"))
         if msg.get("via", "shm") == "group":
-            receive = self._group.receive_later(msg, self._load_checked)
+            try:
+                receive = self._group.receive_later(msg, self._load_checked)
+            except Exception:
+                self._refused = name
+                raise
             self.weights_ok = False
-            self._then = receive
+            self._then = lambda: self._received(receive, name)
             return {"receiving": len(msg["tensors"])}, []
         if msg.get("via", "shm") != "shm":
             raise _BadRequest(f"update_weights: via must be 'shm' or 'group', got {msg.get('via')!r:.40}")
@@ -301,12 +348,22 @@ class EngineServer:
             self._close_buffer()
             self._buffer = P.AttachedBuffer(msg.get("shm"))  # maps the block and removes its name
         self.weights_ok = False  # an update has begun (a refused block name above changes nothing)
-        named = self._buffer.tensors(msg["tensors"])
         try:
-            self._load_checked(named)
-        finally:
-            del named  # the adapter copied them; drop the views before the block can be closed
+            named = self._buffer.tensors(msg["tensors"])
+            try:
+                self._load_checked(named)
+            finally:
+                del named  # the adapter copied them; drop the views before the block can be closed
+        except Exception:
+            self._refused = name if msg["tensors"] else self._refused  # a block's attach loads nothing
+            raise
         return {"loaded": len(msg["tensors"])}, []
+
+    def _received(self, receive, name: str) -> None:
+        """A group bucket, received after the reply: a failure is answered on the next weight command."""
+        receive()
+        if self._group.failed is not None:
+            self._refused = name
 
     def _load_checked(self, named: list) -> None:
         for name, t in named:  # the whole bucket before any of it is loaded: a refused bucket changes nothing
@@ -316,6 +373,10 @@ class EngineServer:
 
     def _op_update_weights_done(self, msg):
         self._group.raise_failed()
+        if self._refused is not None:
+            raise _BadRequest(f"update_weights_done refused: a bucket of this update (from {self._refused!r}) was "
+                              "refused, so the engine holds part old, part new weights and still refuses to "
+                              "generate; send the whole update again, its first bucket with begins=true")
         self._close_buffer()
         self.adapter.finish_weights()
         self.weights_ok = True
@@ -358,6 +419,12 @@ class EngineServer:
         if self._buffer is not None:
             self._buffer.close()
             self._buffer = None
+
+
+def _first_name(specs) -> str:
+    """The first tensor name of a bucket's weight specs, to name a refused bucket by ("?" where none reads)."""
+    first = specs[0] if isinstance(specs, list) and specs else None
+    return first["name"][:200] if isinstance(first, dict) and isinstance(first.get("name"), str) else "?"
 
 
 def _error(cmd, kind: str, message: str) -> dict:

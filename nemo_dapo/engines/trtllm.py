@@ -373,7 +373,8 @@ class TRTLLMEngine:
         """``check_weight`` against the checkpoint's shape; a refusal after part of an update breaks the engine."""
         shape = self._shapes.get(name)
         try:
-            check_weight(name, tensor, None if shape is None else torch.empty(shape, device="meta"), self.name)
+            check_weight(name, tensor, None if shape is None else torch.empty(shape, device="meta"), self.name,
+                         into=self._dtype)
         except EngineWeightError:
             if self._updating:
                 self._broken = f"a weight update was interrupted by the rejected tensor {name!r}"
@@ -402,8 +403,8 @@ class TRTLLMEngine:
                 self._updating, self._pending = False, {}
             else:
                 self._broken = f"a weight update was interrupted by the rejected tensor {bad[1]!r}"
-            raise EngineWeightError(f"engine {self.name!r}: weight {bad[1]!r} holds NaN or inf values; refusing it",
-                                    bad[1])
+            raise EngineWeightError(f"engine {self.name!r}: weight {bad[1]!r} holds NaN or inf values, or values "
+                                    "beyond the engine's dtype; refusing it", bad[1])
         self._received.update(ready)
 
     def _send(self, ready: list) -> None:

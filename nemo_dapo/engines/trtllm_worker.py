@@ -56,13 +56,13 @@ def _receive(worker, specs: list, size: int, dtype: str, ready: list, skip: list
         return ("broken", str(e))
     skip = set(skip)
     named = [(n, t) for n, t in named if n not in skip]
+    device, cast = _device(worker), getattr(torch, dtype)
     for name, t in named:
         try:
-            check_finite(name, t, "trtllm")
+            check_finite(name, t, "trtllm", into=cast)
         except EngineWeightError:
             return ("nan", name)
     held = worker.__dict__.setdefault("nemo_dapo_held", {})
-    device, cast = _device(worker), getattr(torch, dtype)
     held.update({n: t.to(device=device, dtype=cast, copy=True) for n, t in named})
     weights = {n: held.pop(n) for n in ready}
     if weights:

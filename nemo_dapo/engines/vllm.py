@@ -79,7 +79,7 @@ def _rpc_group(worker, op: str, args):
         return ("broken", str(e))
     for name, t in named:
         try:
-            check_finite(name, t, "vllm")
+            check_finite(name, t, "vllm", into=getattr(torch, dtype))
         except EngineWeightError:
             return ("nan", name)
     batch = {name: t.to(dtype=getattr(torch, dtype), copy=True) for name, t in named}
@@ -281,8 +281,8 @@ class VLLMEngine:
         if bad is not None and bad[0] == "broken":
             raise GroupBroken(bad[1])
         if bad is not None:  # nothing of the bucket loaded: as the server's own check on the shm path
-            raise EngineWeightError(f"engine {self.name!r}: weight {bad[1]!r} holds NaN or inf values; refusing it",
-                                    bad[1])
+            raise EngineWeightError(f"engine {self.name!r}: weight {bad[1]!r} holds NaN or inf values, or values "
+                                    "beyond the engine's dtype; refusing it", bad[1])
         names = {s["name"] for s in specs}
         self._received.update(names | {self._tied[n] for n in names if n in self._tied})
 
@@ -295,7 +295,8 @@ class VLLMEngine:
 
     def _checked(self, name: str, tensor: torch.Tensor, shape) -> None:
         try:
-            check_weight(name, tensor, None if shape is None else torch.empty(shape, device="meta"), self.name)
+            check_weight(name, tensor, None if shape is None else torch.empty(shape, device="meta"), self.name,
+                         into=self._dtype)
         except EngineWeightError:
             if self._updating:  # earlier buckets of this update are in: the model is half-updated
                 self._broken = f"a weight update was interrupted by the rejected tensor {name!r}"

@@ -382,7 +382,8 @@ def update_over_group(clients: Sequence, buckets, *, host: str = "127.0.0.1", gr
         for bucket in buckets:
             bucket = list(bucket)
             specs, size = P.weight_layout(bucket)
-            cmds = [c.send("update_weights", via="group", size=size, tensors=specs) for c in clients]
+            cmds = [c.send("update_weights", via="group", size=size, tensors=specs, begins=not stats["buckets"])
+                    for c in clients]
             for c, k in zip(clients, cmds):
                 c.reply(k, "update_weights", timeout_s=c.weight_timeout_s)
             _collective(clients, lambda: group.broadcast(bucket, specs, size, check=alive))

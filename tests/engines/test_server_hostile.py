@@ -116,21 +116,22 @@ def test_a_failed_handshake_never_stops_the_server(server, attack):
     assert serves(server)
 
 
-def test_an_idle_peer_is_dropped_and_a_trainer_behind_it_fails_within_its_connect_time_out(server):
+def test_idle_peers_are_dropped_at_the_handshake_deadline_and_hold_up_no_trainer(server):
     time.sleep(0.3)  # the last test's session has ended (a peer arriving during one is told busy)
-    idle = P.connect_socket(server[1], 10)  # connects, never answers the challenge
+    idle = [P.connect_socket(server[1], 10) for _ in range(12)]  # connect, never answer the challenge
     try:
-        ch = P.Channel(idle)
-        assert ch.recv(5)["op"] == "challenge"  # the server is in the idle peer's handshake now
+        channels = [P.Channel(sock) for sock in idle]
+        assert all(ch.recv(5)["op"] == "challenge" for ch in channels)  # all twelve are in their handshakes now
         t0 = time.monotonic()
-        with pytest.raises(EngineError, match="not reachable"):
-            EngineClient(server[1], authkey=KEY, connect_timeout_s=1.0)
-        assert time.monotonic() - t0 < 4.0
-        with pytest.raises(EOFError):  # dropped at the server's handshake deadline
-            ch.read_frame(HANDSHAKE_S + 5)
+        assert serves(server)  # served at once: one after the other, the handshakes held it 12 x 2 s
+        assert time.monotonic() - t0 < HANDSHAKE_S
+        for ch in channels:
+            with pytest.raises(EOFError):  # dropped at the server's handshake deadline
+                ch.read_frame(HANDSHAKE_S + 5)
         assert time.monotonic() - t0 < HANDSHAKE_S + 2
     finally:
-        idle.close()
+        for sock in idle:
+            sock.close()
     assert serves(server)
 
 
@@ -173,9 +174,16 @@ def test_hostile_requests_are_refused_with_a_clear_message(server):
         refused("temperature must be a finite number, got nan", temperature=float("nan"))
         refused("top_p must be a finite number", top_p=float("inf"))
         refused("seed must be an int", seed=2 ** 70)
+        refused("temperature 1e-39 is below 0.0001: .* use 0 for greedy", temperature=1e-39)  # NaN log-probs
+        refused("temperature must be a finite number", temperature=2 ** 1100)  # no OverflowError unnamed
+        refused("logprobs must be true or false, got 'false'", logprobs="false")
+        refused("ignore_eos must be true or false", ignore_eos="x")
+        # sent, its completion could pass the frame limit: the session would end with every request in flight
+        refused(f"request h: n=40 samples of up to 1000000 tokens .* frame \\(at most "
+                f"{P.MAX_COMPLETION_TOKENS:,} tokens", n=40, max_new_tokens=10 ** 6)
         with pytest.raises(EngineError, match=f"submit of 40 samples refused: 40 are in flight .* at most "
                                               f"{MAX_IN_FLIGHT} \\(--max-samples-in-flight\\)"):
-            client.submit([Request(id="long", prompt_ids=[1], n=40, max_new_tokens=10 ** 9)])
+            client.submit([Request(id="long", prompt_ids=[1], n=40, max_new_tokens=10 ** 5)])
             client.submit([Request(id="more", prompt_ids=[1], n=40, max_new_tokens=2)])
         assert client.abort(["long"]) == 1 and client.next_completion().id == "long"
         assert client.health()["running"] == 0
@@ -194,6 +202,24 @@ def test_nan_and_inf_weights_are_refused_naming_the_tensor(server):
             with pytest.raises(EngineError, match="mixed weights"):  # nothing is generated from a broken update
                 client.submit([Request(id="after-nan", prompt_ids=[1])])
         client.update_weights([[("w", torch.zeros(4))]])
+    finally:
+        client.close()
+    assert serves(server)
+
+
+def test_a_weight_beyond_the_engines_dtype_is_refused_and_a_refused_update_cannot_be_declared_done(server):
+    client = EngineClient(server[1], authkey=KEY, connect_timeout_s=30, request_timeout_s=30)
+    try:
+        huge = torch.tensor([0.0, 1e300, 0.0, 0.0], dtype=torch.float64)  # finite, but inf in the engine's float32
+        with pytest.raises(EngineWeightError, match="weight 'w' holds 1e\\+300, beyond float32's range") as e:
+            client.update_weights([[("w", huge)]])
+        assert e.value.name == "w"
+        # a client that declares the refused update done anyway: still no generation from mixed weights
+        with pytest.raises(EngineError, match="update_weights_done refused: a bucket of this update \\(from 'w'\\)"):
+            client.call("update_weights_done")
+        with pytest.raises(EngineError, match="mixed weights"):
+            client.submit([Request(id="after-refused", prompt_ids=[1])])
+        client.update_weights([[("w", torch.zeros(4, dtype=torch.float64))]])  # the whole update again: it begins
     finally:
         client.close()
     assert serves(server)

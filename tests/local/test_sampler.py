@@ -5,6 +5,7 @@ from nemo_dapo.core.types import Generator, RolloutBatch
 from nemo_dapo.models.decoder import position_ids_from_mask
 from tests.support.reference import reference_logprobs
 from nemo_dapo.core.sampling import sample_next
+from nemo_dapo.core.settings import MIN_TEMPERATURE
 from nemo_dapo.local.sampler import LocalSampler
 from tests.local.tiny_models import EOS, PAD, left_padded, tiny_model
 
@@ -118,6 +119,18 @@ def test_top_p_tiny_is_greedy_and_sampling_follows_the_distribution():
     assert set(tok.tolist()) == {0, 1}
     kept = torch.softmax(logits[0, :2], -1)
     torch.testing.assert_close(lp, kept.log()[tok])
+
+
+def test_a_top_p_that_rounds_to_zero_keeps_the_top_token_and_a_tiny_temperature_is_refused():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).repeat(4, 1)
+    for top_p in (1e-50, 1e-300):  # 0 in float32: every token was masked, and the log-probs were NaN
+        tok, lp = sample_next(logits, 1.0, top_p, torch.Generator().manual_seed(0))
+        assert tok.tolist() == [0] * 4 and lp.tolist() == [0.0] * 4
+    for temperature in (1e-39, MIN_TEMPERATURE / 2):  # 1e-39 divided the logits into inf
+        with pytest.raises(ValueError, match="below 0.0001"):
+            sample_next(logits, temperature, 1.0, None)
+    tok, lp = sample_next(logits, MIN_TEMPERATURE, 1.0, torch.Generator().manual_seed(0))
+    assert tok.tolist() == [0] * 4 and bool(torch.isfinite(lp).all())
 
 
 def test_update_weights_copies_a_separate_model():
