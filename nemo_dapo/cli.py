@@ -91,6 +91,9 @@ def _eval(args) -> int:
     if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         raise ArgumentError(f"--out {args.out!r}: directory {os.path.dirname(os.path.abspath(args.out))!r} does not "
                             "exist. Fix: create it or write elsewhere (checked before the evaluation runs)")
+    if args.out and os.path.isdir(args.out):
+        raise ArgumentError(f"--out {args.out!r} is a directory; it names the JSON file to write. Fix: a file name, "
+                            f"e.g. {os.path.join(args.out, 'eval.json')!r}")
     result = evaluate_model(args.model, args.data, fmt=args.format, samples=args.samples, limit=args.limit,
                             temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
                             verifier=args.verifier, batch_size=args.batch_size, seed=args.seed, threads=args.threads)

@@ -121,6 +121,16 @@ def test_non_utf8_file_names_the_byte_offset(tmp_path):
     assert "latin1.jsonl: row 2: not UTF-8" in str(e.value) and f"byte offset {offset}" in str(e.value)
 
 
+def test_a_parquet_file_given_to_a_jsonl_reader_is_named_as_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    path = tmp_path / "gsm8k.parquet"
+    pq.write_table(pa.table({"question": ["1+1?"], "answer": ["#### 2"]}), path)
+    with pytest.raises(DataFormatError, match="a parquet file, read here as jsonl") as e:  # was "not UTF-8"
+        read_gsm8k(path)
+    assert "re-encode" not in str(e.value)
+
+
 def test_utf8_byte_order_mark_is_skipped(tmp_path):
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + b'{"problem": "p", "answer": "1"}\n')
@@ -170,6 +180,19 @@ def test_far_too_long_prompt_is_dropped_before_tokenizing():
     ("optim.betas=[0.9,1.5]", "'optim.betas[1]' = 1.5"),
     ("trainer.max_entropy_fraction=1.5", "'trainer.max_entropy_fraction' = 1.5"),
     ("optim.betas=[0.9", "override 'optim.betas=[0.9'"),
+    ("rollout.temperature=1e-9", "'rollout.temperature' = 1e-09 is below 0.0001"),
+    ("eval.temperature=1e-39", "'eval.temperature' = 1e-39 is below 0.0001"),
+    ("eval.max_new_tokens=0", "'eval.max_new_tokens' must be >= 1 or null, got 0"),  # was read as null
+    ("warmup.max_new_tokens=-5", "'warmup.max_new_tokens' must be >= 1 or null, got -5"),
+    ("data.train_file=/x/train.jsonl", "'data.train_file' is set, but data.task=arithmetic"),
+    ("data.heldout_file=/x/aime.parquet", "'data.heldout_file' is set, but data.task=arithmetic"),
+    ("name=a/../..", "'name' = 'a/../..' must be a plain folder name"),
+    ("name=''", "'name' = '' must be a plain folder name"),
+    ("run_dir=/dev/null", "'run_dir' = '/dev/null' is a file, not a directory"),
+    # the penalty would start past the cap (40) of every response: overlong shaping silently off
+    ("algorithm.overlong.l_max=100", "'algorithm.overlong.l_max' = 100 puts the soft penalty's start (l_max - l_cache "
+                                     "= 88) at or past the generation cap 40"),
+    ("algorithm.group_size=${oops}", "'algorithm.group_size' (in "),  # names the key, not only the recipe
 ], ids=lambda v: v if "=" in str(v) else None)
 def test_untrainable_config_values_exit_2_with_the_key(override, fragment, capsys):
     err = err_of(["train", "--print-config", override], capsys, 2)
@@ -186,6 +209,29 @@ def test_checks_that_need_the_model_run_before_any_work(override, fragment, tmp_
     err = err_of(["train", f"run_dir={run_dir}", override], capsys, 2)
     assert fragment in err and "Fix:" in err
     assert not run_dir.exists()  # refused before the run directory was touched
+
+
+def test_an_interpolation_in_an_override_resolves_in_the_whole_config():
+    from nemo_dapo.local.config import load_config
+    cfg = load_config("tiny_cpu", ["run_dir=/tmp/x/${name}", "trainer.max_steps=${trainer.train_batch_size}"])
+    assert cfg.run_dir == "/tmp/x/tiny_cpu" and cfg.trainer.max_steps == cfg.trainer.train_batch_size == 16
+
+
+@pytest.mark.parametrize("damage", ["weights missing", "weights truncated"])
+def test_a_model_directory_with_damaged_weights_exits_2_naming_it(damage, tmp_path, capsys):
+    from nemo_dapo.models.decoder import build_model, save_model
+    model = save_model(build_model(dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64),
+                                   vocab_size=32), tmp_path / "m")
+    weights = os.path.join(model, "model.safetensors")
+    if damage == "weights missing":
+        os.remove(weights)
+    else:
+        with open(weights, "r+b") as f:
+            f.truncate(40)
+    data = write_jsonl(tmp_path / "a.jsonl", [{"problem": "p", "answer": "1"}])
+    err = err_of(["eval", "--model", model, "--data", str(data), "--format", "gsm8k"], capsys, 2)
+    assert f"cannot load the model in {model!r}" in err and "missing or damaged" in err
 
 
 def test_max_new_tokens_against_a_model_directory(tmp_path, capsys):
@@ -232,7 +278,9 @@ def model_dir(tmp_path):
     (["--format", "aime24"], "--format 'aime24' is not one of"),
     (["--verifier", "exact"], "--verifier 'exact' is not one of"),
     (["--top-p", "0"], "--top-p must be in (0, 1]"),
-    (["--temperature", "nan"], "--temperature must be a finite number"),
+    (["--temperature", "nan"], "--temperature must be 0 (greedy) or a finite number >= 0.0001"),
+    (["--temperature", "1e-9"], "--temperature must be 0 (greedy) or a finite number >= 0.0001"),
+    (["--out", "."], "--out '.' is a directory; it names the JSON file"),  # refused before the evaluation runs
 ])
 def test_eval_arguments_exit_2_naming_the_flag(extra, fragment, model_dir, tmp_path, capsys):
     data = write_jsonl(tmp_path / "a.jsonl", [{"problem": "p", "answer": "1"}])

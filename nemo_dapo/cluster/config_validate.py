@@ -10,6 +10,7 @@ from ``plan.arch.*`` (what the recipe declares for ``nemo-dapo plan``).
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 from typing import Any, Iterable, Optional, Union
 
@@ -421,6 +422,14 @@ def _batches(cfg: dict, s: dict):
     yield from _gen_batches(cfg, prompts, dp_gen)
 
 
+def _chunks(cfg: dict, s: dict):
+    """The actor's token budgets: the log-prob chunk (an int) and the packed micro-batch (an int, or null: rows)."""
+    for key, nullable in (("model.dapo.logprob_chunk_size", False), ("model.dapo.micro_batch_tokens", True)):
+        value = select(cfg, key)
+        if not (value is None and nullable) and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            yield f"{key}={value!r} must be an integer >= 1{' or null' if nullable else ''} (tokens)"
+
+
 def _gen_batches(cfg: dict, prompts: int, dp_gen: int):
     """Groups are never split between ranks while scoring, so every generation batch is whole prompts per rank."""
     ds = f"{ALGORITHM_BLOCK}.dynamic_sampling"
@@ -519,15 +528,21 @@ def _lengths(cfg: dict, s: dict):
                "fix: set them equal (the penalty must reach -1 exactly at the cap)")
 
 
+def _number(value) -> float:
+    """``value`` as a float, nan for what is not a number (a YAML string such as 'nan' or '1e-9' stays a string)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+
+
 def _sampling(cfg: dict, s: dict):
     for key in ("model.dapo.sampling_params", "trainer.dapo.val"):
         if select(cfg, f"{key}.use_greedy", False):
             continue
         temperature, top_p = select(cfg, f"{key}.temperature", 1.0), select(cfg, f"{key}.top_p", 1.0)
-        if not temperature > 0:
-            yield f"{key}.temperature={temperature} must be > 0 (or set {key}.use_greedy=True)"
-        if not 0 < top_p <= 1:
-            yield f"{key}.top_p={top_p} must be in (0, 1]"
+        if not _number(temperature) >= algorithm.MIN_TEMPERATURE:
+            yield (f"{key}.temperature={temperature!r} must be a number >= {algorithm.MIN_TEMPERATURE} (below it "
+                   f"sampling is greedy in effect and a tiny one gives NaN log-probs; or set {key}.use_greedy=True)")
+        if not 0 < _number(top_p) <= 1:
+            yield f"{key}.top_p={top_p!r} must be a number in (0, 1]"
     for key in ("trainer.dapo.val.n_samples", "trainer.dapo.val.batch_size", "trainer.dapo.ppo_epochs"):
         value = select(cfg, key, 1)
         if not isinstance(value, int) or value < 1:
@@ -655,8 +670,9 @@ def _engine_placement(key: str, srv: dict):
                "training, so sleeping frees nothing and costs a wake every step; set sleep_level=0")
 
 
-RULES = (_moved, _layout, _layer_spec, _experts, _optimizer, _schedule, _training_offload, _batches, _rollout_engine,
-         _rollout, _algorithm, _lengths, _sampling, _reward, _data, _arch_agrees, _engine_server, _engine_ownership)
+RULES = (_moved, _layout, _layer_spec, _experts, _optimizer, _schedule, _training_offload, _batches, _chunks,
+         _rollout_engine, _rollout, _algorithm, _lengths, _sampling, _reward, _data, _arch_agrees, _engine_server,
+         _engine_ownership)
 
 
 def check_config(cfg) -> list[str]:

@@ -388,6 +388,12 @@ def run_cli(args) -> int:
     except PlanError as e:
         print(f"nemo-dapo plan: error: cannot plan: {e}", file=sys.stderr)
         return 2
+    except (ArithmeticError, TypeError, ValueError) as e:
+        if not problems:
+            raise  # a valid config the planner cannot take: a bug
+        print(f"nemo-dapo plan: error: cannot plan with the config problems above ({type(e).__name__}: {e}); fix "
+              "them first", file=sys.stderr)
+        return 2
     print(format_plan(plan, title=str(args.recipe), band=error_band()))
     return 2 if problems else (0 if plan["fits"] else 1)
 

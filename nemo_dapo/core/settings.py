@@ -266,6 +266,12 @@ def _overlong_problems(values: Mapping[str, Any], out: list, max_new_tokens: Opt
         check(ov + "l_cache", lambda v: _is_int(v) and 0 < v < bound,
               f"must be an integer in (0, l_max={l_max}): the buffer before the cap where the soft penalty ramps "
               "(paper: 4096 of 20480)")
+        l_cache = values.get(ov + "l_cache")
+        if _is_int(max_new_tokens) and _is_int(l_max) and _is_int(l_cache) and l_max - l_cache >= max_new_tokens:
+            check(ov + "l_max", lambda v: False,
+                  f"puts the soft penalty's start (l_max - l_cache = {l_max - l_cache}) at or past the generation "
+                  f"cap {max_new_tokens}: no response reaches it, so overlong shaping is off. Fix: null (the cap, "
+                  "as in the paper)")
 
 
 def _raise(found: list, where: str) -> None:

@@ -100,6 +100,10 @@ def _check_exists(path, what: str) -> str:
 def iter_jsonl(path) -> Iterator[tuple]:
     """(1-based line number, dict) for each non-blank line; bytes are decoded as UTF-8 line by line."""
     with open(path, "rb") as f:
+        if f.read(4) == b"PAR1":  # parquet's magic bytes: the wrong reader, not a badly encoded file
+            raise DataFormatError(f"{path}: a parquet file, read here as jsonl (one JSON object per line). Fix: a "
+                                  "format that reads parquet (dapo_math, aime2024), or convert the file to jsonl")
+        f.seek(0)
         offset = 0
         for lineno, raw in enumerate(f, 1):
             start, offset = offset, offset + len(raw)

@@ -121,14 +121,15 @@ class ArithmeticTask:
     def problems(self, split: str, n: int, seed: int, unique: bool = True) -> list:
         """``n`` problems of one split; distinct when ``unique`` (raises if the knobs allow too few)."""
         out, seen = [], set()
-        tries = 0
+        stale = 0  # draws since the last new problem: the split is exhausted once it far exceeds those found
         for problem in self.iter_problems(split, seed):
-            tries += 1
-            if tries > 200 * n + 10_000:
-                raise ValueError(f"ArithmeticTask: could not draw {n} distinct {split} problems ({len(out)} found); "
-                                 "raise max_terms or max_operand, or pass unique=False")
             if unique and problem in seen:
+                stale += 1
+                if stale > 20 * len(out) + 10_000:  # (a new one among N distinct is due within N draws)
+                    raise ValueError(f"ArithmeticTask: could not draw {n} distinct {split} problems (the knobs allow "
+                                     f"about {len(out)}); raise max_terms or max_operand, or ask for fewer")
                 continue
+            stale = 0
             seen.add(problem)
             out.append(problem)
             if len(out) == n:

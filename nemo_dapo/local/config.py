@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional
 from nemo_dapo.core import engine_registry
 from nemo_dapo.core.affinity import cpu_set_problem
 from nemo_dapo.core import settings as algorithm_settings  # torch-free: the algorithm block's fields
-from nemo_dapo.core.settings import ConfigError  # the one config error of both paths
+from nemo_dapo.core.settings import MIN_TEMPERATURE, ConfigError  # the one config error of both paths
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")  # nemo_dapo/conf
 DEFAULT_CONFIG = "tiny_cpu"
@@ -312,6 +312,11 @@ def _check_numbers(cfg: Config) -> None:
               fix="e.g. 0.9, or null to disable the entropy check")
     for key in ("eval.temperature", "warmup.temperature"):
         _in_range(cfg, key, 0, math.inf)
+    for key in ("eval.temperature", "warmup.temperature", "rollout.temperature"):
+        if 0 < _get(cfg, key) < MIN_TEMPERATURE:
+            raise ConfigError(f"config key '{key}' = {_get(cfg, key)} is below {MIN_TEMPERATURE}: greedy in effect, "
+                              "and a tiny one turns every log-prob into NaN. Fix: 0 for greedy decoding (not for "
+                              f"rollouts), or a temperature of at least {MIN_TEMPERATURE}")
     _in_range(cfg, "eval.top_p", 0, 1, lo_open=True)
     for key in ("optim.warmup_steps", "warmup.lr_warmup_steps", "warmup.max_steps", "warmup.min_steps",
                 "trainer.max_skipped_updates"):
@@ -415,10 +420,16 @@ def validate(cfg: Config) -> Config:
     for key in positive:
         if _get(cfg, key) < 1:
             raise ConfigError(f"config key '{key}' must be >= 1, got {_get(cfg, key)}")
+    batch = cfg.trainer.train_batch_size * cfg.algorithm.group_size
+    if isinstance(batch, int) and cfg.trainer.mini_batch_size > batch:
+        raise ConfigError(f"config key 'trainer.mini_batch_size' = {cfg.trainer.mini_batch_size} is more than the "
+                          f"{batch} responses a step trains (trainer.train_batch_size x algorithm.group_size): every "
+                          f"step would be one update. Fix: at most {batch} (a divisor of it for equal updates)")
     for key in ("trainer.max_steps", "trainer.val_every"):
         if _get(cfg, key) < 0:
             raise ConfigError(f"config key '{key}' must be >= 0, got {_get(cfg, key)}")
-    for key in ("trainer.micro_batch_size", "trainer.threads", "trainer.val_problems", "trainer.max_samples"):
+    for key in ("trainer.micro_batch_size", "trainer.threads", "trainer.val_problems", "trainer.max_samples",
+                "eval.max_new_tokens", "warmup.max_new_tokens"):
         if _get(cfg, key) is not None and _get(cfg, key) < 1:
             raise ConfigError(f"config key '{key}' must be >= 1 or null, got {_get(cfg, key)}")
     for key in ("trainer.cpus", "rollout.server.cpus"):
@@ -434,6 +445,15 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("config key 'rollout.streaming' needs an engine server: set rollout.engine=local or "
                           "rollout.engine=vllm (or rollout.streaming=false)")
     _check_partial_rollouts(cfg)
+    for key in ("data.train_file", "data.heldout_file"):
+        if cfg.data.task == "arithmetic" and _get(cfg, key):
+            raise ConfigError(f"config key '{key}' is set, but data.task=arithmetic generates its problems and would "
+                              f"ignore it. Fix: data.task=file to train on the file (or {key}=null)")
+    if not cfg.name or cfg.name in (".", "..") or "/" in cfg.name or os.sep in cfg.name:
+        raise ConfigError(f"config key 'name' = {cfg.name!r} must be a plain folder name (run_dir defaults to "
+                          "runs/<name>). Fix: a non-empty name without '/', or set run_dir")
+    if cfg.run_dir is not None and os.path.exists(cfg.run_dir) and not os.path.isdir(cfg.run_dir):
+        raise ConfigError(f"config key 'run_dir' = {cfg.run_dir!r} is a file, not a directory. Fix: another run_dir")
     if cfg.data.task == "file" and not cfg.data.train_file:
         raise ConfigError("config key 'data.train_file' must name a verl/DAPO-Math parquet or jsonl file when "
                           "data.task=file")
@@ -576,8 +596,19 @@ def apply_overrides(tree, overrides: List[str]):
             if isinstance(e, yaml.YAMLError):
                 raise _yaml_error(f"override {raw!r}: value {value!r}", e) from None
             raise ConfigError(f"override {raw!r}: {str(e).splitlines()[0]}") from None
-        tree = OmegaConf.merge(tree, parsed) if mode != "set" else _set(tree, key, OmegaConf.select(parsed, key))
+        tree = OmegaConf.merge(tree, parsed) if mode != "set" else _set(tree, key, _unresolved(parsed, key))
     return tree
+
+
+def _unresolved(parsed, key: str):
+    """The value of ``key`` in a one-override tree as written: an interpolation (``${name}``) stays one, to be
+    resolved in the whole config (selecting it here would resolve it in the one-key tree, where it fails)."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.to_container(parsed, resolve=False)
+    for part in key.split("."):
+        node = node[part]
+    return node
 
 
 def _set(tree, key: str, value):
@@ -646,8 +677,26 @@ def load_config(name: str = DEFAULT_CONFIG, overrides: Optional[List[str]] = Non
     try:
         OmegaConf.resolve(tree)  # ${...} interpolations, e.g. run_dir: runs/${name}
     except Exception as e:  # noqa: BLE001 - omegaconf raises several types here; all mean a bad interpolation
-        raise ConfigError(f"config {path!r}: cannot resolve an interpolation: {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"config key '{_unresolvable(tree)}' (in {path!r} or an override): cannot resolve its "
+                          f"interpolation: {str(e).splitlines()[0]}") from None
     return to_config(tree)
+
+
+def _unresolvable(tree, prefix: str = "") -> str:
+    """The first key of ``tree`` whose ``${...}`` interpolation does not resolve (omegaconf's resolve names none)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    for key in tree.keys():
+        full = f"{prefix}{key}"
+        try:
+            value = OmegaConf.select(tree, str(key))
+        except Exception:  # noqa: BLE001 - any resolution error names this key
+            return full
+        if isinstance(value, DictConfig):
+            inner = _unresolvable(value, full + ".")
+            if inner != "?":
+                return inner
+    return "?"
 
 
 def config_to_yaml(cfg: Config) -> str:

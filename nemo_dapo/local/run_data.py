@@ -23,8 +23,10 @@ def make_task(cfg: Config) -> ArithmeticTask:
                           max_value=d.max_value, ops=d.ops, max_multiplier=d.max_multiplier)
 
 
-def encode(tokenizer, rows: list, *, max_prompt_tokens: int, what: str) -> PromptSet:
-    """``MathRow`` list -> PromptSet ([BOS] + prompt tokens, as ``encode_prompts`` does); overlong prompts dropped."""
+def encode(tokenizer, rows: list, *, max_prompt_tokens: int, what: str,
+           limit: str = "data.max_prompt_tokens") -> PromptSet:
+    """``MathRow`` list -> PromptSet ([BOS] + prompt tokens, as ``encode_prompts`` does); prompts longer than
+    ``max_prompt_tokens`` (named ``limit`` in the messages) dropped."""
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     kept = [row for row in rows if not prompt_far_too_long(row.prompt, max_prompt_tokens)]  # never tokenize a MB line
     ids, truths = [], []
@@ -37,11 +39,10 @@ def encode(tokenizer, rows: list, *, max_prompt_tokens: int, what: str) -> Promp
                 truths.append(row.ground_truth)
     dropped = len(rows) - len(ids)
     if dropped:
-        log.warning("%s: dropped %d of %d prompts longer than data.max_prompt_tokens=%d", what, dropped, len(rows),
+        log.warning("%s: dropped %d of %d prompts longer than %s=%d", what, dropped, len(rows), limit,
                     max_prompt_tokens)
     if not ids:
-        raise ConfigError(f"{what}: every prompt is longer than data.max_prompt_tokens={max_prompt_tokens}; "
-                          "raise it")
+        raise ConfigError(f"{what}: every prompt is longer than {limit}={max_prompt_tokens}; raise it")
     return PromptSet(ids, truths, pad_id=tokenizer.pad_token_id)
 
 
@@ -50,8 +51,13 @@ def build_prompt_sets(cfg: Config, tokenizer) -> tuple:
     d = cfg.data
     if d.task == "arithmetic":
         task = make_task(cfg)
-        train = from_verl_rows(task.rows("train", d.train_size, cfg.seed), "arithmetic train")
-        heldout = from_verl_rows(task.rows("heldout", d.heldout_size, HELDOUT_SEED), "arithmetic heldout")
+        try:
+            train = from_verl_rows(task.rows("train", d.train_size, cfg.seed), "arithmetic train")
+            heldout = from_verl_rows(task.rows("heldout", d.heldout_size, HELDOUT_SEED), "arithmetic heldout")
+        except ValueError as e:
+            raise ConfigError(f"config keys 'data.train_size' = {d.train_size} / 'data.heldout_size' = "
+                              f"{d.heldout_size} with this arithmetic task ('data.max_terms', 'data.max_operand', "
+                              f"...): {e}") from None
     else:
         if not d.heldout_file:
             raise ConfigError("config key 'data.heldout_file' must name the held-out set when data.task=file "

@@ -16,6 +16,7 @@ from nemo_dapo.local.config import ArgumentError
 from nemo_dapo.core.loop_eval import evaluate
 from nemo_dapo.core.metrics import eval_summary, length_stats
 from nemo_dapo.core.reward import MODES, RuleReward
+from nemo_dapo.core.settings import MIN_TEMPERATURE
 from nemo_dapo.data.readers import READERS, DataFormatError, read_dataset
 from nemo_dapo.data.tokenizer import load_tokenizer
 from nemo_dapo.models.decoder import load_model
@@ -41,8 +42,9 @@ def check_arguments(model_dir: str, data: str, *, fmt: str, samples: int, limit,
             raise ArgumentError(f"{flag} must be >= 1, got {value}")
     if limit is not None and limit < 1:
         raise ArgumentError(f"--limit must be >= 1 (the number of rows to evaluate; omit it for all), got {limit}")
-    if not math.isfinite(temperature) or temperature < 0:
-        raise ArgumentError(f"--temperature must be a finite number >= 0 (0 = greedy; paper: 1.0), got {temperature}")
+    if not math.isfinite(temperature) or temperature < 0 or 0 < temperature < MIN_TEMPERATURE:
+        raise ArgumentError(f"--temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE} (paper: 1.0), "
+                            f"got {temperature}")
     if not (math.isfinite(top_p) and 0 < top_p <= 1):
         raise ArgumentError(f"--top-p must be in (0, 1] (paper: 0.7), got {top_p}")
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
@@ -68,7 +70,8 @@ def evaluate_model(model_dir: str, data: str, *, fmt: str = "aime2024", samples:
         raise ArgumentError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in the model's "
                             f"{model.config.max_position_embeddings} positions ({model_dir}). Fix: "
                             f"--max-new-tokens below {model.config.max_position_embeddings}")
-    prompts = encode(tokenizer, rows, max_prompt_tokens=room, what=data)
+    prompts = encode(tokenizer, rows, max_prompt_tokens=room, what=data,
+                     limit="the model's positions less --max-new-tokens")
     if len(prompts) != len(rows):
         raise DataFormatError(f"{data}: {len(rows) - len(prompts)} prompts do not fit the model's context "
                               f"({model.config.max_position_embeddings} positions - {max_new_tokens} new tokens)")

@@ -8,6 +8,8 @@ from typing import Optional
 
 import torch
 
+from nemo_dapo.core.settings import ConfigError
+
 # The CPU default: 4 layers, hidden 64, 8 heads of 8 dims; ~0.27M parameters with the ~430-token task vocabulary.
 # Measured on the arithmetic task (1 thread): batches of 32 for ~575 warm-up updates (~100 s) take it into the
 # warm-up band; a 3-layer / 4-head model of the same width learnt the operand look-up of multi-step chains ~2x
@@ -63,8 +65,13 @@ def load_model(directory, attn_implementation: str = "sdpa"):
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"no config.json in {path!r}: point at a directory written by save_model() / "
                                 "save_pretrained() (models are never downloaded here)")
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, torch_dtype=torch.float32,
-                                                 attn_implementation=attn_implementation)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, torch_dtype=torch.float32,
+                                                     attn_implementation=attn_implementation)
+    except Exception as e:  # noqa: BLE001 - OSError, safetensors' own error, a shape mismatch: all a bad directory
+        raise ConfigError(f"cannot load the model in {path!r} ({type(e).__name__}: {str(e).splitlines()[0][:300]}): "
+                          "its weights are missing or damaged. Fix: point at a complete save_pretrained directory "
+                          "(a run's base_model/ or final_model/)") from None
     return model.train()
 
 

@@ -171,6 +171,15 @@ def test_plan_reports_config_problems(capsys):
     assert "config problem: model.dapo.algorithm.eps_low" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("override", ["model.dapo.rollout_micro_batch_size=0", "model.micro_batch_size=0",
+                                      "model.dapo.rollout_micro_batch_size=abc", "model.dapo.algorithm.group_size=0"])
+def test_a_problem_the_planner_cannot_compute_with_ends_the_plan_with_its_message(override, capsys):
+    assert run_cli("qwen2.5-32b_h100", override) == 2  # was a ZeroDivisionError / TypeError traceback
+    out, err = capsys.readouterr()
+    assert f"config problem: {override.split('=')[0]}" in out
+    assert "cannot plan with the config problems above" in err or "DOES NOT FIT" not in out
+
+
 def test_plan_names_the_missing_key(capsys):
     assert run_cli("qwen2.5-32b_h100", "plan.arch.hidden_size=null") == 2
     assert "error: cannot plan: plan.arch.hidden_size is not set" in capsys.readouterr().err

@@ -1,5 +1,6 @@
 import ast
 import random
+import re
 
 import pytest
 
@@ -102,10 +103,15 @@ def test_heldout_rows_are_distinct_and_labelled():
     assert {r["extra_info"]["split"] for r in rows} == {"heldout"}
 
 
-def test_too_few_distinct_problems_is_a_clear_error():
-    task = ArithmeticTask(min_terms=2, max_terms=2, max_operand=2, max_value=4)
-    with pytest.raises(ValueError, match="distinct"):
-        task.problems("heldout", 500, seed=0)
+def test_too_few_distinct_problems_is_a_clear_error_and_all_of_them_can_be_drawn():
+    task = ArithmeticTask(min_terms=2, max_terms=2, max_operand=4, max_value=8)
+    with pytest.raises(ValueError, match=r"could not draw 500 distinct train problems \(the knobs allow about \d+\)"
+                       ) as e:
+        task.problems("train", 500, seed=0)
+    allowed = int(re.search(r"about (\d+)", str(e.value)).group(1))
+    assert 10 < allowed < 500 and len(set(task.problems("train", allowed, seed=1))) == allowed
+    with pytest.raises(ValueError, match="too few distinct problems"):  # a split the knobs leave empty
+        ArithmeticTask(min_terms=2, max_terms=2, max_operand=2, max_value=4).problems("heldout", 5, seed=0)
 
 
 @pytest.mark.parametrize("style", ["rewrite", "steps"])
