@@ -421,7 +421,7 @@ def validate(cfg: Config) -> Config:
         if _get(cfg, key) < 1:
             raise ConfigError(f"config key '{key}' must be >= 1, got {_get(cfg, key)}")
     batch = cfg.trainer.train_batch_size * cfg.algorithm.group_size
-    if isinstance(batch, int) and cfg.trainer.mini_batch_size > batch:
+    if cfg.trainer.mini_batch_size > batch:
         raise ConfigError(f"config key 'trainer.mini_batch_size' = {cfg.trainer.mini_batch_size} is more than the "
                           f"{batch} responses a step trains (trainer.train_batch_size x algorithm.group_size): every "
                           f"step would be one update. Fix: at most {batch} (a divisor of it for equal updates)")

@@ -70,8 +70,9 @@ def load_model(directory, attn_implementation: str = "sdpa"):
                                                      attn_implementation=attn_implementation)
     except Exception as e:  # noqa: BLE001 - OSError, safetensors' own error, a shape mismatch: all a bad directory
         raise ConfigError(f"cannot load the model in {path!r} ({type(e).__name__}: {str(e).splitlines()[0][:300]}): "
-                          "its weights are missing or damaged. Fix: point at a complete save_pretrained directory "
-                          "(a run's base_model/ or final_model/)") from None
+                          "its weights are missing or damaged, or transformers does not know its architecture. Fix: "
+                          "point at a complete save_pretrained directory (a run's base_model/ or final_model/)"
+                          ) from None
     return model.train()
 
 
