@@ -356,6 +356,9 @@ class EngineProcess:
         if not os.path.exists(self.python):
             raise EngineError(f"engine {engine!r}: python {self.python!r} does not exist; {install_hint(engine)}, "
                               "or fix the python path")
+        if os.path.isdir(self.python) or not os.access(self.python, os.X_OK):
+            raise EngineError(f"engine {engine!r}: python {self.python!r} is not an executable file; give the "
+                              "engine environment's interpreter (e.g. .venv-vllm/bin/python)")
         addr, family = P.parse_address(address)
         cmd = [self.python, "-m", "nemo_dapo.engines.server", "--engine", engine, "--model", model_dir,
                "--address", address, "--parent-pid", str(os.getpid())]

@@ -238,6 +238,18 @@ def test_a_failed_or_killed_engine_start_leaves_no_socket_directory(tmp_path, mo
         assert [p for p in os.listdir(tmp) if p.startswith("nemo-dapo-")] == []
 
 
+@pytest.mark.parametrize("kind", ["missing", "not executable", "a directory"])
+def test_an_engine_python_that_cannot_run_is_named_before_anything_starts(kind, tmp_path):
+    python = tmp_path / "python"
+    if kind == "not executable":
+        python.write_text("#!/bin/sh\n")  # mode 0644: no execute bit, for root too
+    elif kind == "a directory":
+        python.mkdir()
+    match = "does not exist" if kind == "missing" else "is not an executable file"
+    with pytest.raises(EngineError, match=f"python '{python}' {match}"):  # was "Permission denied", naming nothing
+        EngineProcess(engine="local", model_dir=str(tmp_path), address=f"unix:{tmp_path}/e.sock", python=str(python))
+
+
 def test_a_bad_server_address_is_a_config_error(tmp_path):
     from nemo_dapo.cli import EXIT_BAD_INPUT, _exit_code_and_message
     from nemo_dapo.local import run_engine
