@@ -177,7 +177,7 @@ def test_a_problem_the_planner_cannot_compute_with_ends_the_plan_with_its_messag
     assert run_cli("qwen2.5-32b_h100", override) == 2  # was a ZeroDivisionError / TypeError traceback
     out, err = capsys.readouterr()
     assert f"config problem: {override.split('=')[0]}" in out
-    assert "cannot plan with the config problems above" in err or "DOES NOT FIT" not in out
+    assert "nemo-dapo plan: error: cannot plan with the config problems above" in err and "Traceback" not in err
 
 
 def test_plan_names_the_missing_key(capsys):
