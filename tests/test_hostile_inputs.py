@@ -131,6 +131,13 @@ def test_a_parquet_file_given_to_a_jsonl_reader_is_named_as_parquet(tmp_path):
     assert "re-encode" not in str(e.value)
 
 
+def test_a_directory_given_as_a_data_file_is_named_as_one(model_dir, tmp_path, capsys):
+    with pytest.raises(FileNotFoundError, match="is a directory"):  # was "file not found"
+        read_gsm8k(tmp_path)
+    err = err_of(["eval", "--model", str(model_dir), "--data", str(tmp_path), "--format", "gsm8k"], capsys, 2)
+    assert f"--data {str(tmp_path)!r}: a directory" in err
+
+
 def test_utf8_byte_order_mark_is_skipped(tmp_path):
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + b'{"problem": "p", "answer": "1"}\n')
@@ -193,9 +200,13 @@ def test_far_too_long_prompt_is_dropped_before_tokenizing():
     ("algorithm.overlong.l_max=100", "'algorithm.overlong.l_max' = 100 puts the soft penalty's start (l_max - l_cache "
                                      "= 88) at or past the generation cap 40"),
     ("algorithm.group_size=${oops}", "'algorithm.group_size' (in "),  # names the key, not only the recipe
+    ("algorithm.dynamic_sampling.max_gen_batch_size=10", "'algorithm.dynamic_sampling.max_gen_batch_size' = 10 is "
+                                                         "below gen_batch_size=100"),
 ], ids=lambda v: v if "=" in str(v) else None)
 def test_untrainable_config_values_exit_2_with_the_key(override, fragment, capsys):
-    err = err_of(["train", "--print-config", override], capsys, 2)
+    extra = ["algorithm.dynamic_sampling.adaptive=false", "algorithm.dynamic_sampling.gen_batch_size=100"] \
+        if "max_gen_batch_size" in override else []  # a fixed size above the bound: the bound did not hold
+    err = err_of(["train", "--print-config", *extra, override], capsys, 2)
     assert fragment in err and "nemo-dapo train: error:" in err
 
 

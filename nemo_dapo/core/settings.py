@@ -238,6 +238,11 @@ def _sampling_problems(values: Mapping[str, Any], out: list) -> None:
           "must be an integer >= 0 (0 discards surplus groups like the reference)")
     for name in ("gen_batch_size", "max_gen_batch_size"):
         check(ds + name, lambda v: v is None or (_is_int(v) and v >= 1), "must be an integer >= 1 or null")
+    gen, cap = values.get(ds + "gen_batch_size"), values.get(ds + "max_gen_batch_size")
+    if _is_int(gen) and _is_int(cap) and gen > cap:
+        check(ds + "max_gen_batch_size", lambda v: False,
+              f"is below gen_batch_size={gen}: the bound would not hold (the fixed size wins). Fix: raise it, or "
+              "lower gen_batch_size")
     check(ds + "prior_pass_rate", lambda v: _is_num(v) and 0 < v < 1, "is out of range: it must be in (0, 1)")
     check(ds + "prior_weight", lambda v: _is_num(v) and v > 0, "is out of range: it must be > 0 (in groups)")
     check(ds + "pass_rate_memory", lambda v: _is_num(v) and 0 <= v < 1, "is out of range: it must be in [0, 1)")

@@ -91,6 +91,9 @@ def stable_id(source: str, problem: str) -> str:
 # --- file access ---------------------------------------------------------------------------------------------------
 def _check_exists(path, what: str) -> str:
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise FileNotFoundError(f"{what} file {path!r} is a directory. Point the data path at the {what} file in "
+                                "it (a .parquet or .jsonl file)")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{what} file not found: {path!r}. Point the data path at an existing "
                                 f"{what} file (e.g. in ../shared/data or your own copy).")

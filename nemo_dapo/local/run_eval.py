@@ -51,7 +51,8 @@ def check_arguments(model_dir: str, data: str, *, fmt: str, samples: int, limit,
         raise ArgumentError(f"--model {model_dir!r} is not a model directory (no config.json). Fix: a directory "
                             "written by `nemo-dapo train`, e.g. RUN_DIR/final_model or RUN_DIR/base_model")
     if not os.path.isfile(data):
-        raise ArgumentError(f"--data {data!r}: no such file. Fix: a parquet or jsonl file of the --format {fmt!r}")
+        raise ArgumentError(f"--data {data!r}: {'a directory' if os.path.isdir(data) else 'no such file'}. Fix: a "
+                            f"parquet or jsonl file of the --format {fmt!r}")
     RuleReward(str, mode=verifier, num_workers=1)  # math_verify: the optional package, named with its install command
 
 
