@@ -23,6 +23,7 @@ run's counters it takes
                            sampling the trained tokens older weights sampled and training them)
   left out                 responses algorithm.reject_logp_diff left out of the loss (actor/rejected) per trained
                            response
+  cut off a step           tokens aborted (abort) or held suspended at a step's end (suspend), per step
   capped                   the mean over steps of actor/is_capped (the share of trained tokens whose importance
                            weight algorithm.tis_cap truncated: how far the correction is from exact)
 
@@ -181,6 +182,9 @@ def run_measures(run_dir: str) -> dict:
                 accuracy=summary["final_accuracy"], base_accuracy=summary["base_accuracy"],
                 steps=last["counters/rollout_steps"],
                 all_wrong=sum(r.get("filter/filtered_all_wrong", 0.0) for r in rows),
+                # unfinished work a step leaves (suspend: held suspended at its end; abort: thrown away), per step
+                cut_off_per_step=(last["counters/aborted_tokens"] + sum(r.get("partial/suspended_tokens", 0.0)
+                                                                        for r in steps)) / len(steps),
                 batch_acc=[r["train/batch_acc"] for r in steps],  # the trained batch's accuracy, step by step
                 batch_samples=statistics.median(r.get("train/batch_samples", 0.0) for r in steps),
                 val={r["step"]: r["val/accuracy"] for r in rows if "val/accuracy" in r},  # trainer.val_every > 0
@@ -363,8 +367,8 @@ def run_all(args: argparse.Namespace) -> list:
 
 MEDIAN_KEYS = ("discarded_frac", "tokens_per_trained", "accuracy", "rl_seconds", "to_filled_s", "s_per_1k_trained",
                "engine_idle_frac", "trained_lag_mean", "trained_tokens_per_trained", "discarded_per_trained",
-               "filtered_per_trained", "all_wrong", "step_step_s", "step_gen_s", "step_old_logp_s", "step_update_s",
-               "step_refit_s", "approx_kl", "stale_mismatch", "rejected_frac", "capped_frac")
+               "filtered_per_trained", "all_wrong", "cut_off_per_step", "step_step_s", "step_gen_s", "step_old_logp_s",
+               "step_update_s", "step_refit_s", "approx_kl", "stale_mismatch", "rejected_frac", "capped_frac")
 
 
 def medians(results: list, policies) -> dict:
@@ -389,7 +393,8 @@ def report(results: list, args: argparse.Namespace) -> None:
               f"{m['step_update_s']:.3f}, refit {m['step_refit_s']:.3f}, actor/approx_kl {m['approx_kl']:.2e}) | "
               f"stale tokens' logp mismatch {m['stale_mismatch']:.4f} | left out {m['rejected_frac']:.1%} | "
               f"capped {m['capped_frac']:.1%} | "
-              f"all-wrong groups filtered {m['all_wrong']:.0f}")
+              f"all-wrong groups filtered {m['all_wrong']:.0f} | aborted or held suspended a step "
+              f"{m['cut_off_per_step']:.0f} tokens")
     (name_a, a), (name_b, b) = med.items()
     # the same seed starts both policies from the same state: the per-seed ratio pairs them
     by_seed = {(r["policy"], r["seed"]): r["tokens_per_trained"] for r in results}
