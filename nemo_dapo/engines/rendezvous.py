@@ -33,6 +33,8 @@ MAX_KEYS = 65536  # keys held at once
 MAX_BYTES = 64 << 20  # key and value bytes held at once
 MAX_CONNECTIONS = 8192  # two per group rank, at most (a rank's store and its clone)
 REPLY_S = 60.0  # a reply's deadline beyond the wait a request asks for: a host that stops answering fails the call
+JOIN_CONNECT_S = 15.0  # an engine's connect: the trainer listens before it sends join_weights, so no answer by then
+                       # means no trainer there (the group's own time-out, minutes, held the engine server that long)
 _HEADER = struct.Struct(">I")
 
 

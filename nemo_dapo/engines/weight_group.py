@@ -43,7 +43,7 @@ import torch.distributed as dist
 from nemo_dapo.core import engine_registry
 from nemo_dapo.engines import protocol as P
 from nemo_dapo.engines.base import EngineError, EngineWeightError
-from nemo_dapo.engines.rendezvous import RendezvousServer, RendezvousStore
+from nemo_dapo.engines.rendezvous import JOIN_CONNECT_S, RendezvousServer, RendezvousStore
 
 PREFIX = "nemo_dapo/weights"
 MAX_WORLD = 4096  # servers of one trainer, plus the trainer
@@ -264,7 +264,8 @@ class GroupMember:
         self.backend, self.timeout_s, self.device = backend, float(timeout_s), _device(backend, device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # NCCL binds a rank to the current device
-        self._store = RendezvousStore(host, port, timeout_s)  # kept: torch calls back into it
+        self._store = RendezvousStore(host, port, timeout_s,  # kept: torch calls back into it
+                                      connect_timeout_s=min(float(timeout_s), JOIN_CONNECT_S))
         self._pg = _process_group(backend, self._store, rank, world_size, timeout_s)
 
     def receive(self, specs: list, size: int) -> list:

@@ -128,6 +128,17 @@ def test_a_bad_join_is_refused_by_name_and_the_server_serves_on(two, fields, mes
     assert client.health()["weight_group"] == "none"
 
 
+def test_a_join_to_an_address_where_no_trainer_listens_fails_at_the_connect_deadline_not_the_groups(two):
+    client = two[0][1]
+    t0 = time.monotonic()
+    client.call("join_weights", address=f"tcp://127.0.0.1:{free_port()}", rank=1, world_size=2, group_timeout_s=3600)
+    state = client.health()["weight_group"]  # answered once the join behind the reply gave up
+    assert time.monotonic() - t0 < WG.JOIN_CONNECT_S + 15
+    assert state.startswith("failed to join") and "cannot reach the weight group's rendezvous" in state
+    req = Request(id="z", prompt_ids=[5], max_new_tokens=3, seed=1)
+    assert first_tokens(client, req) == expected(req, 0)  # serving on
+
+
 def test_a_group_bucket_without_a_group_is_refused(two):
     client = two[0][1]
     with pytest.raises(EngineError, match="no weight group"):
