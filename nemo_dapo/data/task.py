@@ -22,6 +22,7 @@ rule, so that decisions taken during training never look at the evaluation probl
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -118,8 +119,46 @@ class ArithmeticTask:
                     raise ValueError(f"ArithmeticTask: 100000 draws in a row fell outside the {split!r} split; the "
                                      "knobs allow too few distinct problems: raise max_terms or max_operand")
 
+    def distinct_problems(self) -> int:
+        """How many distinct problem texts the knobs allow, over all splits (counted, not drawn: chains by their
+        value after each term; :func:`render_chain` writes distinct chains as distinct texts)."""
+        top, step = self.max_value, self.max_operand
+        counts = [1 if v <= step else 0 for v in range(top + 1)]  # chains of one term, by value
+        total = 0
+        for n_terms in range(1, self.max_terms + 1):
+            if n_terms >= self.min_terms:
+                total += sum(counts)
+            prefix = [0]
+            for c in counts:
+                prefix.append(prefix[-1] + c)
+            nxt = [0] * (top + 1)
+            for v in range(top + 1):  # v = u + b or u - b with b in [0, step]: a window of u
+                if "+" in self.ops:
+                    nxt[v] += prefix[v + 1] - prefix[max(0, v - step)]
+                if "-" in self.ops:
+                    nxt[v] += prefix[min(top, v + step) + 1] - prefix[v]
+            if "*" in self.ops:
+                for u, c in enumerate(counts):
+                    for b in range(self.max_multiplier + 1):
+                        if c and u * b <= top:
+                            nxt[u * b] += c
+            counts = nxt
+        return total
+
+    def most_distinct(self, split: str) -> int:
+        """The most distinct problems of one split worth drawing for: each text falls in a split with the split's
+        share as its chance, so more than 5 standard deviations past that mean cannot be there."""
+        _check_split(split)
+        share = {"heldout": self.heldout_fraction, "dev": self.dev_fraction}.get(
+            split, 1.0 - self.heldout_fraction - self.dev_fraction)
+        mean = share * self.distinct_problems()
+        return int(mean + 5 * math.sqrt(mean) + 10)
+
     def problems(self, split: str, n: int, seed: int, unique: bool = True) -> list:
         """``n`` problems of one split; distinct when ``unique`` (raises if the knobs allow too few)."""
+        if unique and n > self.most_distinct(split):  # refused at once, not after minutes of draws
+            raise ValueError(f"ArithmeticTask: cannot draw {n} distinct {split} problems (the knobs allow at most "
+                             f"{self.most_distinct(split)}); raise max_terms or max_operand, or ask for fewer")
         out, seen = [], set()
         stale = 0  # draws since the last new problem: the split is exhausted once it far exceeds those found
         for problem in self.iter_problems(split, seed):

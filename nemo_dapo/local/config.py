@@ -365,12 +365,17 @@ def _check_task(cfg: Config) -> None:
 
     d = cfg.data
     try:
-        ArithmeticTask(min_terms=d.min_terms, max_terms=d.max_terms, max_operand=d.max_operand,
-                       max_value=d.max_value, ops=d.ops, max_multiplier=d.max_multiplier)
+        task = ArithmeticTask(min_terms=d.min_terms, max_terms=d.max_terms, max_operand=d.max_operand,
+                              max_value=d.max_value, ops=d.ops, max_multiplier=d.max_multiplier)
     except ValueError as e:
         raise ConfigError(f"config keys 'data.*' of the arithmetic task: {e}") from None
     if d.max_multiplier < 0:
         raise ConfigError(f"config key 'data.max_multiplier' must be >= 0, got {d.max_multiplier}")
+    for key, split in (("train_size", "train"), ("heldout_size", "heldout")):
+        if getattr(d, key) > task.most_distinct(split):
+            raise ConfigError(f"config key 'data.{key}' = {getattr(d, key)}: this arithmetic task has at most "
+                              f"{task.most_distinct(split)} distinct {split} problems. Fix: ask for fewer, or raise "
+                              "'data.max_terms', 'data.max_operand' or 'data.max_value'")
 
 
 def _model_positions(cfg: Config) -> tuple:

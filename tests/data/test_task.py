@@ -1,12 +1,12 @@
 import ast
 import random
-import re
+import time
 
 import pytest
 
 from nemo_dapo.core.reward import verify
 from nemo_dapo.data.readers import from_verl_rows
-from nemo_dapo.data.task import ArithmeticTask, Sloppiness, sloppy_solution, solve, split_score
+from nemo_dapo.data.task import ArithmeticTask, Sloppiness, render_chain, sloppy_solution, solve, split_score
 from nemo_dapo.data.template import apply_template
 
 
@@ -103,13 +103,44 @@ def test_heldout_rows_are_distinct_and_labelled():
     assert {r["extra_info"]["split"] for r in rows} == {"heldout"}
 
 
-def test_too_few_distinct_problems_is_a_clear_error_and_all_of_them_can_be_drawn():
+def all_problems(task):
+    """Every problem text the knobs allow, by enumerating the chains (the slow reference of distinct_problems)."""
+    out = set()
+
+    def grow(first, value, pairs):
+        if len(pairs) + 1 >= task.min_terms:
+            out.add(render_chain(first, pairs))
+        if len(pairs) + 1 == task.max_terms:
+            return
+        for op in set(task.ops):
+            for b in range((task.max_multiplier if op == "*" else task.max_operand) + 1):
+                new = value + b if op == "+" else value - b if op == "-" else value * b
+                if 0 <= new <= task.max_value:
+                    grow(first, new, pairs + [(op, b)])
+    for first in range(task.max_operand + 1):
+        grow(first, first, [])
+    return out
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_terms=3), dict(max_terms=4, ops="+-*", max_multiplier=3),
+                                    dict(min_terms=3, max_terms=4, ops="*-", max_operand=5, max_value=12),
+                                    dict(max_terms=2, ops="+", max_operand=7, max_value=7)])
+def test_the_counted_problems_are_the_enumerated_ones(kwargs):
+    task = ArithmeticTask(**kwargs)
+    assert task.distinct_problems() == len(all_problems(task))
+
+
+def test_too_few_distinct_problems_is_refused_at_once_and_all_of_them_can_be_drawn():
     task = ArithmeticTask(min_terms=2, max_terms=2, max_operand=4, max_value=8)
-    with pytest.raises(ValueError, match=r"could not draw 500 distinct train problems \(the knobs allow about \d+\)"
-                       ) as e:
+    train = {p for p in all_problems(task) if task.split_of(p) == "train"}
+    assert len(train) <= task.most_distinct("train") < 500
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"cannot draw 500 distinct train problems \(the knobs allow at most \d+\)"):
         task.problems("train", 500, seed=0)
-    allowed = int(re.search(r"about (\d+)", str(e.value)).group(1))
-    assert 10 < allowed < 500 and len(set(task.problems("train", allowed, seed=1))) == allowed
+    assert time.monotonic() - t0 < 1
+    assert set(task.problems("train", len(train), seed=1)) == train
+    with pytest.raises(ValueError, match=rf"could not draw {len(train) + 1} distinct train problems"):
+        task.problems("train", len(train) + 1, seed=0)  # within the bound, past what there is: found by drawing
     with pytest.raises(ValueError, match="too few distinct problems"):  # a split the knobs leave empty
         ArithmeticTask(min_terms=2, max_terms=2, max_operand=2, max_value=4).problems("heldout", 5, seed=0)
 

@@ -110,6 +110,9 @@ def test_overrides_set_add_and_delete():
     ("trainer.mini_batch_size=0", r"'trainer.mini_batch_size' must be >= 1"),
     ("~trainer.max_steps", r"'trainer.max_steps' has no value"),
     ("data.task=file", r"'data.train_file'"),
+    # counted at load, not found by minutes of draws (tiny_cpu's task holds ~86k held-out problems)
+    ("data.heldout_size=100000", r"'data.heldout_size' = 100000: this arithmetic task has at most 8\d{4} distinct"),
+    ("data.max_terms=3", r"'data.train_size' = 20000: this arithmetic task has at most \d{4} distinct train"),
     # the overlong block moved from reward into the algorithm block: an old key names its new place
     ("reward.overlong.l_cache=8", r"it moved: use 'algorithm.overlong.l_cache'"),
     ("++reward.overlong.enabled=false", r"it moved: use 'algorithm.overlong"),
