@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -82,3 +84,10 @@ def test_matches_loop_reference(pairs, scale):
     rewards = torch.tensor([p[1] for p in pairs])
     got = group_advantages(rewards, ids, scale_by_std=scale)
     torch.testing.assert_close(got.double(), loop_reference(rewards, ids, scale_by_std=scale), rtol=1e-5, atol=1e-5)
+
+
+def test_eps_is_added_to_the_group_std():
+    # eps = 1 makes the default's 1e-6 visible: [1, -1] has std sqrt(2), so each advantage is 1 / (sqrt(2) + 1)
+    adv = group_advantages(torch.tensor([1.0, -1.0]), torch.tensor([0, 0]), eps=1.0)
+    expected = 1.0 / (math.sqrt(2.0) + 1.0)
+    torch.testing.assert_close(adv, torch.tensor([expected, -expected]))

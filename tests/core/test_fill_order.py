@@ -333,6 +333,18 @@ def test_overlap_in_prompt_order_holds_the_next_batch_that_the_filler_asks_for_n
     assert any(size > carried for carried, size in asked)  # prompts were drawn ahead
 
 
+def test_overlap_in_prompt_order_does_not_continue_a_group_the_next_weights_drop_as_stale():
+    from nemo_dapo.core.partial import SampleState, SuspendedGroup
+    loop = rounds_loop(order_seed=1, seed=9, overlap=True)
+    loop._version, loop._sample_cap = 2, 0  # max_staleness 1: the next weights (3) drop version-1 work; none drawn
+    old, recent = (SuspendedGroup(index=k, uid=1000 + k, seed=k, samples=[SampleState([5], [-0.5], [v])
+                                                                          for _ in range(4)])
+                   for k, v in ((0, 1), (1, 2)))
+    loop._round_ahead([old, recent])
+    todo, live, _ = loop._ahead
+    assert [todo[k].uid for k in live] == [recent.uid]
+
+
 def test_prompt_order_with_partial_rollouts_needs_rounds():
     from nemo_dapo.core.loop import DAPOLoop
 

@@ -143,19 +143,27 @@ def test_norm_is_the_global_minibatch_count_after_overlong_filtering():
         assert norm == expected
 
 
-def test_advantages_are_group_normalised_shaped_rewards():
-    loop = make_loop(groups=3, group_size=5, mini=15, max_new_tokens=10, shuffle_minibatches=False)
+@pytest.mark.parametrize("settings, l_max, eps, scale", [
+    ({}, 10, 1e-6, True),  # the defaults: the penalty from the generation cap
+    ({"overlong": {"l_max": 8, "l_cache": 4}}, 8, 1e-6, True),  # an l_max of its own
+    ({"scale_by_std": False}, 10, 1e-6, False),  # Dr. GRPO: centred only
+    ({"adv_eps": 1.0}, 10, 1.0, True),
+])
+def test_advantages_are_group_normalised_shaped_rewards(settings, l_max, eps, scale):
+    loop = make_loop(groups=3, group_size=5, mini=15, max_new_tokens=10, shuffle_minibatches=False, **settings)
     loop.step()
     (mb, _), = loop.policy.calls
     lengths = mb.response_mask.sum(-1).long()
+    assert bool((lengths > l_max - 4).any())  # some responses are shaped
     score = mb.acc * 2 - 1
-    shaped = score + soft_overlong_penalty(lengths, l_max=10, l_cache=4)
+    shaped = score + soft_overlong_penalty(lengths, l_max=l_max, l_cache=4)
     assert torch.allclose(mb.rewards, shaped)
     # Slow obvious reference: loop over groups.
     for uid in mb.group_ids.unique():
         rows = mb.group_ids == uid
         r = shaped[rows]
-        ref = torch.zeros_like(r) if bool((r == r[0]).all()) else (r - r.mean()) / (r.std() + 1e-6)
+        ref = (torch.zeros_like(r) if bool((r == r[0]).all()) else
+               (r - r.mean()) / (r.std() + eps) if scale else r - r.mean())
         assert torch.allclose(mb.advantages[rows], ref, atol=1e-6)
 
 
@@ -311,6 +319,24 @@ def test_two_ranks_share_filler_state_and_split_minibatches_by_tokens():
         uids = [u for mb, _ in calls0[2 * step:2 * step + 2] + calls1[2 * step:2 * step + 2]
                 for u in mb.group_ids.tolist()]
         assert len(set(uids)) == 4 and all(uids.count(u) == 4 for u in set(uids))
+
+
+class OneRankOf:
+    """The reducer one rank of ``world`` sees; enough for splitting a batch into mini-batch shares."""
+
+    def __init__(self, rank, world):
+        self.rank, self.world_size = rank, world
+
+
+def test_a_last_mini_batch_smaller_than_the_world_joins_the_one_before():
+    n = 9  # mini-batches of 8 and 1: the 1 cannot give each of 2 ranks a row
+    batch = RolloutBatch(prompt_ids=torch.ones(n, 2, dtype=torch.long), prompt_mask=torch.ones(n, 2, dtype=torch.long),
+                         response_ids=torch.ones(n, 3, dtype=torch.long), response_mask=torch.ones(n, 3),
+                         group_ids=torch.arange(n), truncated=torch.zeros(n, dtype=torch.bool))
+    shares = [make_loop(mini=8, reducer=OneRankOf(rank, 2), shuffle_minibatches=False)._minibatch_shares(batch)
+              for rank in (0, 1)]
+    assert [len(s) for s in shares] == [1, 1]  # one update, every row in it
+    assert all(s[0] for s in shares) and sorted(shares[0][0] + shares[1][0]) == list(range(n))
 
 
 # ---- prompt sampler, prompt set, balanced split ---------------------------------------------------------------------

@@ -113,6 +113,15 @@ def test_metrics_hand_values():
     assert set(m) <= set(METRIC_REDUCTION)
 
 
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_metrics_are_weighted_like_the_loss_in_every_aggregation(agg):
+    # ratios 2 | 1, 1: a mean over tokens is 4/3, a mean over sequences of their token means 1.5
+    new = torch.tensor([[math.log(2.0), 0.0, 0.0], [0.0, 0.0, 0.0]])
+    _, _, m = grad_of(new, torch.zeros(2, 3), torch.tensor([1.0, -1.0]), torch.tensor([[1.0, 0, 0], [1, 1, 0]]),
+                      agg=agg)
+    assert m["ratio_mean"].item() == pytest.approx(4 / 3 if agg == "token-mean" else 1.5)
+
+
 def test_log_ratio_is_clamped_and_computed_in_fp32():
     old = torch.full((1, 2), -60.0, dtype=torch.bfloat16)
     logp = torch.zeros(1, 2, dtype=torch.bfloat16, requires_grad=True)
@@ -370,6 +379,8 @@ def test_rejection_keep_matches_a_row_by_row_reference():
             want.append(not diffs or sum(diffs) / len(diffs) <= threshold)
         assert rejection_keep(old, engine, mask, threshold).tolist() == want
     assert 0 < sum(rejection_keep(old, engine, mask, 0.08).tolist()) < 12  # the thresholds split the rows
+    at_threshold = rejection_keep(torch.zeros(1, 2), torch.full((1, 2), -0.5), torch.ones(1, 2), 0.5)
+    assert at_threshold.tolist() == [True]  # "at most"
     with pytest.raises(ValueError, match="threshold"):
         rejection_keep(old, engine, mask, 0.0)
 

@@ -104,6 +104,7 @@ def test_suspend_continue_complete_keeps_tokens_logprobs_and_versions():
 def test_a_suspended_sample_at_the_cap_counts_as_finished_and_states_round_trip():
     g = suspend(gen_rows([[5, 6], [7]], [False, False]), 3, index=0, uid=1, seed=5, max_new_tokens=2)
     assert g.unfinished() == [1] and g.samples[0].finish == "length"
+    g.resumes = 2  # every field differs from its default
     assert SuspendedGroup.from_state(g.to_state()) == g
 
 
