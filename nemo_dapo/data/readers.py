@@ -311,7 +311,8 @@ def read_aime2025(path) -> list:
 
 
 def read_math500(path, integer_only: bool = False) -> list:
-    """MATH-500 jsonl ``{problem, solution, answer, ...}``; ``integer_only`` keeps the integer-answer rows (311)."""
+    """MATH-500 jsonl ``{problem, solution, answer, ...}``; ``integer_only`` keeps the integer-answer rows (312: 311
+    plain integers and "58,500")."""
     path = _check_exists(path, "MATH-500")
     fmt = "MATH-500 {problem, solution, answer}"
     rows = _plain_rows(path, "math500", fmt, "problem",

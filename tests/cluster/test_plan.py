@@ -5,6 +5,7 @@ import random
 import statistics
 
 import pytest
+import torch
 
 from nemo_dapo.cluster import plan as P
 from nemo_dapo.cluster import plan_generation as G
@@ -128,9 +129,15 @@ def test_training_flops_match_the_design_notes():
 
 
 def test_static_batch_length_and_step_time():
-    # E[longest of 32]: no truncation -> ~3x the mean (the guess this model replaced); all truncated -> the cap
-    assert G.ResponseLengths(20480, 6000, 0.0).max_moment(32) == \
-        pytest.approx(17969, abs=2)
+    # E[longest of 32]: no truncation -> ~3x the mean (the guess this model replaced); all truncated -> the cap.
+    # Reference: sampled, by the inverse of the CDF (density ~ exp(-a u) on u = L / l_max in [0, 1)).
+    lengths = G.ResponseLengths(20480, 6000, 0.0)
+    c = torch.rand(20000, 32, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    a = lengths.shape
+    sampled = -torch.log1p(c * math.expm1(-a)) / a * 20480
+    assert sampled.mean().item() == pytest.approx(6000, rel=0.01)
+    assert lengths.max_moment(32) == pytest.approx(sampled.max(-1).values.mean().item(), rel=0.01)
+    assert 2.9 * 6000 < lengths.max_moment(32) < 3.1 * 6000
     assert G.ResponseLengths(20480, 20480, 1.0).max_moment(32) == \
         pytest.approx(20480)
     kw = dict(gen_tp=8, gen_pp=1, context=10000, efficiency=0.75)

@@ -290,3 +290,28 @@ def test_math_verify_mode_in_worker_processes():
     worker.start()
     worker.join(timeout=120)
     assert box["v"] == direct[0]  # off the main thread it ran in a worker process instead of failing on signals
+
+
+def test_only_a_trailing_eos_text_is_stripped():
+    ids = torch.tensor([[1, 2]])
+    reward = RuleReward(lambda t: "Answer: 1</s>2</s>", eos_text="</s>")
+    assert reward.decode_responses(ids, torch.ones_like(ids)) == ["Answer: 1</s>2"]
+
+
+def test_a_box_inside_the_answer_line_is_not_the_candidate():
+    # The candidate is the answer line's text, or a \boxed{} that starts AFTER that line ends.
+    assert an.match_tolerant("Answer: 3, so \\boxed{5}", "5")[0] is False
+    assert an.match_tolerant("Answer: 3\n\\boxed{5}", "5")[0] is True
+
+
+def test_the_reference_fallback_applies_to_the_answer_line_only():
+    # canonical forms differ ("5" vs "theansweris5"), the Minerva forms agree: accepted only on an answer line.
+    assert an.match_tolerant("Answer: the answer is 5", "theansweris5")[0] is True
+    assert an.match_tolerant("\\boxed{the answer is 5}", "theansweris5")[0] is False
+
+
+def test_a_ground_truth_of_exactly_the_bound_is_normalised():
+    gt = "x" * (an.MAX_GROUND_TRUTH_CHARS - 2) + "=5"  # Minerva keeps the text after the last '=': "5"
+    assert len(gt) == an.MAX_GROUND_TRUTH_CHARS
+    assert verify("Answer: 5", gt).acc
+    assert not verify("Answer: 5", "x" + gt).acc  # one longer: never normalised, never matched

@@ -3,8 +3,10 @@ import os
 
 import pytest
 
-from nemo_dapo.data.readers import (DataFormatError, MathRow, from_verl_rows, normalize_ground_truth, read_aime2024,
-                                    read_aime2025, read_dapo_math, read_dataset, read_gsm8k, read_math500, stable_id)
+from nemo_dapo.core.answer_normalize import MAX_GROUND_TRUTH_CHARS
+from nemo_dapo.data.readers import (MAX_CHARS_PER_TOKEN, DataFormatError, MathRow, from_verl_rows, ground_truth_of,
+                                    normalize_ground_truth, prompt_far_too_long, read_aime2024, read_aime2025,
+                                    read_dapo_math, read_dataset, read_gsm8k, read_math500, stable_id)
 from nemo_dapo.data.template import apply_template
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data")
@@ -205,3 +207,31 @@ def test_corrupt_parquet(tmp_path):
     path.write_bytes(b"this is not parquet")
     with pytest.raises(DataFormatError, match="d.parquet: not a readable parquet file"):
         read_dapo_math(path)
+
+
+def test_a_prompt_of_exactly_the_character_bound_is_kept():
+    # 16 tokens hold 16 * MAX_CHARS_PER_TOKEN characters: "more characters than that" only is far too long.
+    assert not prompt_far_too_long("x" * (16 * MAX_CHARS_PER_TOKEN), 16)
+    assert prompt_far_too_long("x" * (16 * MAX_CHARS_PER_TOKEN + 1), 16)
+
+
+def test_a_ground_truth_one_character_over_the_bound_is_refused():
+    assert ground_truth_of("7" * MAX_GROUND_TRUTH_CHARS, "f", 1, "gt") == "7" * MAX_GROUND_TRUTH_CHARS
+    with pytest.raises(DataFormatError, match="characters long"):
+        ground_truth_of("7" * (MAX_GROUND_TRUTH_CHARS + 1), "f", 1, "gt")
+
+
+def test_the_gsm8k_answer_is_after_the_last_marker(tmp_path):
+    path = tmp_path / "g.jsonl"
+    path.write_text('{"question": "q?", "answer": "step #### not this\\n#### 18"}\n')
+    (row,) = read_gsm8k(path)
+    assert row.ground_truth == "18" and row.solution == "step #### not this"
+
+
+def test_the_last_user_message_is_the_prompt():
+    row = {"prompt": [{"role": "user", "content": apply_template("first")},
+                      {"role": "assistant", "content": "ok"},
+                      {"role": "user", "content": apply_template("second")}],
+           "reward_model": {"ground_truth": "2"}}
+    (r,) = from_verl_rows([row])
+    assert r.problem == "second" and r.prompt == apply_template("second")

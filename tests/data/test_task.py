@@ -233,3 +233,11 @@ def test_one_ramble_pass_draws_no_extra_random_number():
     for _ in range(3 + 2):
         reference.random()
     assert rng.getstate() != reference.getstate()  # two passes draw the count: the check can fail
+
+
+def test_a_slip_always_changes_a_small_result():
+    # 1+2 = 3 (< 10): a slip writes 3-1, 3+1 or 3+10, never 3 itself (Sloppiness: "off by 1 or 10").
+    for seed in range(40):
+        text = sloppy_solution("1+2", random.Random(seed), Sloppiness(slip_prob=1.0))
+        first = text.splitlines()[0]
+        assert first.startswith("1+2=") and int(first.split("=")[1]) in (2, 4, 13), (seed, text)

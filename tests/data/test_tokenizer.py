@@ -82,3 +82,11 @@ def test_token_ids_in_one_call_equal_one_text_at_a_time(tok):
     texts = ["1+2", "12+7-5", "", "Question: 3*4?\nAnswer: 12", "99-100"]
     assert token_ids(tok, texts) == [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     assert token_ids(tok, iter(texts[:2])) == token_ids(tok, texts[:2]) and token_ids(tok, []) == []
+
+
+def test_the_vocabulary_must_leave_room_for_one_merge():
+    from nemo_dapo.data.tokenizer import train_tokenizer
+
+    with pytest.raises(ValueError, match="vocab_size"):
+        train_tokenizer(["1+1=2"] * 4, vocab_size=256 + 3)
+    train_tokenizer(["1+1=2"] * 4, vocab_size=256 + 3 + 1)  # the documented minimum, 260, is accepted

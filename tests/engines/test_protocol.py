@@ -1,8 +1,12 @@
-"""The engine server and client over a real socket and a real server process (the engine itself is a toy)."""
+"""The engine server and client over a real socket and a real server process (the engine itself is a toy), and the
+protocol's own checks at their bounds (frames, handshake, keys, addresses, weight layouts: no server)."""
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -276,3 +280,103 @@ def test_idle_seconds_count_only_the_time_with_no_request_in_flight(tmp_path):
         assert client.idle_seconds() - idle1 >= 0.35  # and idle again once the completion came back
     finally:
         proc.stop(client)
+
+
+def _spec(shape, offset, dtype="float32"):
+    return {"name": "w", "dtype": dtype, "shape": shape, "offset": offset}
+
+
+def test_a_frame_one_byte_over_the_limit_is_refused():
+    a, b = socket.socketpair()
+    try:
+        ch = P.Channel(a, max_frame=10)
+        body = b'{"op":"x"}'  # exactly 10 bytes: accepted
+        b.sendall(struct.pack("!Q", len(body)) + body)
+        assert ch.recv(2.0) == {"op": "x"}
+        b.sendall(struct.pack("!Q", 11) + b'{"op":"xy"}')
+        with pytest.raises(P.FrameTooLarge):
+            ch.read_frame(2.0)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_empty_client_nonce_is_refused_at_the_handshake():
+    key = b"k" * 32
+    a, b = socket.socketpair()
+    result = {}
+
+    def serve():
+        try:
+            result["ch"] = P.server_handshake(a, key, timeout_s=5.0)
+        except Exception as e:  # noqa: BLE001
+            result["error"] = e
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        client = P.Channel(b, P.HANDSHAKE_MAX_BYTES)
+        challenge = client.recv(5.0)
+        client.send({"op": "auth", "mac": P._mac(key, "client", challenge["nonce"]), "nonce": ""}, 5.0)
+        t.join(10.0)
+        assert isinstance(result.get("error"), P.ProtocolError), result
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_negative_offset_does_not_fit():
+    assert P.spec_fits(_spec([4], 0), 64)
+    assert not P.spec_fits(_spec([4], -4), 64)
+
+
+def test_a_spec_one_byte_past_the_block_does_not_fit():
+    assert P.spec_fits(_spec([16], 0, "uint8"), 16)  # ends exactly at the end
+    assert not P.spec_fits(_spec([16], 1, "uint8"), 16)  # 1 + 16 = 17 > 16
+
+
+def test_boolean_dimensions_are_refused():
+    with pytest.raises(P.ProtocolError, match="shape"):
+        P.spec_fits(_spec([True, 2], 0), 64)
+
+
+def test_a_key_file_its_group_can_read_is_refused(tmp_path):
+    path = tmp_path / "key"
+    path.write_text("k" * 32)
+    os.chmod(path, 0o640)
+    with pytest.raises(P.KeyConfigError, match="chmod 600"):
+        P.read_authkey({P.AUTHKEY_FILE_ENV: str(path)})
+    os.chmod(path, 0o600)
+    assert P.read_authkey({P.AUTHKEY_FILE_ENV: str(path)}) == b"k" * 32
+
+
+def test_a_socket_directory_its_group_can_enter_needs_a_key(tmp_path):
+    d = tmp_path / "sock"
+    d.mkdir()
+    os.chmod(d, 0o710)
+    assert P.keyless_problem(f"unix:{d}/e.sock") is not None
+    os.chmod(d, 0o700)
+    assert P.keyless_problem(f"unix:{d}/e.sock") is None
+
+
+def test_a_key_one_byte_short_is_refused():
+    with pytest.raises(P.KeyConfigError, match="need at least"):
+        P.read_authkey({P.AUTHKEY_ENV: "k" * (P.MIN_KEY_BYTES - 1)})
+    assert P.read_authkey({P.AUTHKEY_ENV: "k" * P.MIN_KEY_BYTES}) == b"k" * P.MIN_KEY_BYTES
+
+
+def test_port_65536_is_not_an_address():
+    assert P.parse_address("tcp://127.0.0.1:65535")[0] == ("127.0.0.1", 65535)
+    with pytest.raises(P.AddressError):
+        P.parse_address("tcp://127.0.0.1:65536")
+
+
+def test_tensors_never_overlap_in_the_weight_layout():
+    bucket = [("a", torch.zeros(65, dtype=torch.uint8)), ("b", torch.zeros(65, dtype=torch.uint8))]
+    specs, size = P.weight_layout(bucket)
+    assert [s["offset"] for s in specs] == [0, 128] and size == 256  # 65 bytes round up to 128
+
+
+def test_a_non_string_op_is_refused():
+    with pytest.raises(P.ProtocolError, match="string 'op'"):
+        P.decode(b'{"op": 5}')
