@@ -156,9 +156,10 @@ class ArithmeticTask:
 
     def problems(self, split: str, n: int, seed: int, unique: bool = True) -> list:
         """``n`` problems of one split; distinct when ``unique`` (raises if the knobs allow too few)."""
-        if unique and n > self.most_distinct(split):  # refused at once, not after minutes of draws
+        most = self.most_distinct(split) if unique else n
+        if n > most:  # refused at once, not after minutes of draws
             raise ValueError(f"ArithmeticTask: cannot draw {n} distinct {split} problems (the knobs allow at most "
-                             f"{self.most_distinct(split)}); raise max_terms or max_operand, or ask for fewer")
+                             f"{most}); raise max_terms or max_operand, or ask for fewer")
         out, seen = [], set()
         stale = 0  # draws since the last new problem: the split is exhausted once it far exceeds those found
         for problem in self.iter_problems(split, seed):

@@ -372,10 +372,11 @@ def _check_task(cfg: Config) -> None:
     if d.max_multiplier < 0:
         raise ConfigError(f"config key 'data.max_multiplier' must be >= 0, got {d.max_multiplier}")
     for key, split in (("train_size", "train"), ("heldout_size", "heldout")):
-        if getattr(d, key) > task.most_distinct(split):
-            raise ConfigError(f"config key 'data.{key}' = {getattr(d, key)}: this arithmetic task has at most "
-                              f"{task.most_distinct(split)} distinct {split} problems. Fix: ask for fewer, or raise "
-                              "'data.max_terms', 'data.max_operand' or 'data.max_value'")
+        most = task.most_distinct(split)
+        if getattr(d, key) > most:
+            raise ConfigError(f"config key 'data.{key}' = {getattr(d, key)}: this arithmetic task has at most {most} "
+                              f"distinct {split} problems. Fix: ask for fewer, or raise 'data.max_terms', "
+                              "'data.max_operand' or 'data.max_value'")
 
 
 def _model_positions(cfg: Config) -> tuple:
