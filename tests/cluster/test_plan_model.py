@@ -289,49 +289,39 @@ TINY_DENSE = Arch(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attenti
 
 
 def test_alltoall_tokens_a_gpu_are_split_over_context_parallel_ranks():
-    from nemo_dapo.cluster.plan_model import expert_alltoall
-
     # 16 GPUs = DP 8 x CP 2 (TP = PP = 1): 1600 tokens -> 100 a GPU; each sent to top-2 experts in 2 layers at
     # hidden 8 x 2 B = 100 * 2 * 2 * 8 * 2 = 6400 B; EP 8 over 4-GPU nodes: 4 peers on the node -> half leaves it.
-    a2a = expert_alltoall(TINY_MOE, Layout(world=16, tp=1, pp=1, cp=2, ep=8, etp=1), tokens=1600, devices=4,
+    a2a = M.expert_alltoall(TINY_MOE, Layout(world=16, tp=1, pp=1, cp=2, ep=8, etp=1), tokens=1600, devices=4,
                           gb_per_s=1.0)
     assert a2a["off_node"] == 0.5 and a2a["nodes"] == 2
     assert a2a["bytes"] == pytest.approx(3200.0)
 
 
 def test_no_allreduce_is_charged_without_tensor_parallelism():
-    from nemo_dapo.cluster.plan_model import GPUS
-    from nemo_dapo.cluster.plan_generation import decode_step_seconds
-
     kw = dict(batch=4, context=100.0, efficiency=0.75)
-    h100 = GPUS["h100"]
-    tp1 = [decode_step_seconds(TINY_DENSE, h100, gen_tp=1, gen_pp=1, allreduce_s=s, **kw) for s in (0.0, 1.0)]
+    h100 = M.GPUS["h100"]
+    tp1 = [P.decode_step_seconds(TINY_DENSE, h100, gen_tp=1, gen_pp=1, allreduce_s=s, **kw) for s in (0.0, 1.0)]
     assert tp1[0] == tp1[1]
-    tp2 = [decode_step_seconds(TINY_DENSE, h100, gen_tp=2, gen_pp=1, allreduce_s=s, **kw) for s in (0.0, 1.0)]
+    tp2 = [P.decode_step_seconds(TINY_DENSE, h100, gen_tp=2, gen_pp=1, allreduce_s=s, **kw) for s in (0.0, 1.0)]
     assert tp2[1] - tp2[0] == pytest.approx(2 * TINY_DENSE.num_layers * 1.0)  # two all-reduces a layer
 
 
 def test_the_pipeline_bubble_is_pp_minus_one_over_the_micro_batches():
-    from nemo_dapo.cluster.plan import _pipeline_bubble
-
     cfg = {"model": {"micro_batch_size": 1, "encoder_seq_length": 100, "dapo": {}}}
     # PP 4, DP 2: 1600 tokens an update -> 800 a DP rank -> 8 micro-batches of 100 -> bubble (4 - 1) / 8
-    assert _pipeline_bubble(cfg, Layout(world=8, tp=1, pp=4), 1600) == pytest.approx(3 / 8)
-    assert _pipeline_bubble(cfg, Layout(world=8, tp=1, pp=1), 1600) == 0.0
+    assert P._pipeline_bubble(cfg, Layout(world=8, tp=1, pp=4), 1600) == pytest.approx(3 / 8)
+    assert P._pipeline_bubble(cfg, Layout(world=8, tp=1, pp=1), 1600) == 0.0
 
 
 def test_micro_batches_in_flight_are_counted_per_data_parallel_rank():
-    from nemo_dapo.cluster.plan import training_state
-    from nemo_dapo.cluster.plan_model import training_memory
-
     # world 16 = TP 1 x PP 4 x DP 4; global batch 8 of micro-batch 1 -> 2 micro-batches a DP rank, so 2 in flight
     # on stage 0 (fewer than PP = 4)
     cfg = {"model": {"micro_batch_size": 1, "global_batch_size": 8, "encoder_seq_length": 256,
                      "activations_checkpoint_granularity": "full", "optim": {"name": "distributed_fused_adam"},
                      "dapo": {}}}
     layout = Layout(world=16, tp=1, pp=4)
-    got = training_state(cfg, TINY_DENSE, layout)
-    want = training_memory(TINY_DENSE, layout, seq_tokens=256, in_flight=2, recompute="full",
+    got = P.training_state(cfg, TINY_DENSE, layout)
+    want = M.training_memory(TINY_DENSE, layout, seq_tokens=256, in_flight=2, recompute="full",
                            distributed_optimizer=True, grad_bytes=4)
     assert got["activations"] == want["activations"]
 
