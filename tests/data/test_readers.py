@@ -11,6 +11,7 @@ from nemo_dapo.data.template import apply_template
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data")
 needs_data = pytest.mark.skipif(not os.path.isdir(DATA), reason="../shared/data is not present")
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "fixtures")  # a few real rows of each file, always present
 
 
 def write_jsonl(path, rows):
@@ -68,6 +69,37 @@ def test_read_dataset_dispatch():
     assert len(read_dataset("aime2025", os.path.join(DATA, "aime-2025.jsonl"))) == 30
     with pytest.raises(ValueError, match="aime2024"):
         read_dataset("aime24", os.path.join(DATA, "aime-2025.jsonl"))
+
+
+# --- a few rows of the real files (tests/fixtures), so that a clone alone checks every reader's real format ------
+def test_aime2025_fixture_rows():
+    rows = read_aime2025(os.path.join(FIXTURES, "aime-2025-head4.jsonl"))
+    assert [r.ground_truth for r in rows] == ["70", "588", "16", "117"]
+    assert len({r.id for r in rows}) == 4 and all(r.prompt == apply_template(r.problem) for r in rows)
+    assert rows[0].problem.startswith("Find the sum of all integer bases")
+
+
+def test_math500_fixture_rows_and_integer_filter():
+    path = os.path.join(FIXTURES, "math-500-6rows.jsonl")
+    rows = read_math500(path)
+    assert len(rows) == 6 and all(r.solution for r in rows)
+    assert rows[1].ground_truth == "p - q"
+    # '58,500' (the sixth row, MATH-500's row 344) is the one integer answer written with a comma
+    assert [r.ground_truth for r in read_math500(path, integer_only=True)] == ["9", "58500"]
+
+
+def test_gsm8k_fixture_rows():
+    rows = read_gsm8k(os.path.join(FIXTURES, "gsm8k-test-head4.jsonl"))
+    assert [r.ground_truth for r in rows] == ["18", "3", "70000", "540"]
+    assert all("####" not in r.solution and r.solution for r in rows)
+    assert rows[0].problem.startswith("Janet") and rows[0].prompt == apply_template(rows[0].problem)
+
+
+def test_read_dataset_dispatch_on_the_fixtures():
+    assert len(read_dataset("aime2025", os.path.join(FIXTURES, "aime-2025-head4.jsonl"))) == 4
+    assert len(read_dataset("math500", os.path.join(FIXTURES, "math-500-6rows.jsonl"), integer_only=True)) == 2
+    with pytest.raises(ValueError, match="aime2024"):
+        read_dataset("aime24", os.path.join(FIXTURES, "aime-2025-head4.jsonl"))
 
 
 # --- verl / DAPO-Math-17k ------------------------------------------------------------------------------------------
