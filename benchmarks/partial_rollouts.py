@@ -378,6 +378,14 @@ def medians(results: list, policies) -> dict:
             for pol in policies}
 
 
+def paired_ratio(results: list, key: str, a: str, b: str, seeds) -> float:
+    """The median over seeds of b's ``key`` / a's. The same seed starts both policies from the same state, and the
+    benchmark runs a seed's two runs one after the other, so the per-seed ratio pairs them and follows a machine whose
+    speed drifts over the benchmark less than the ratio of the two medians does."""
+    by_seed = {(r["policy"], r["seed"]): r[key] for r in results}
+    return statistics.median(by_seed[b, s] / by_seed[a, s] for s in seeds)
+
+
 def report(results: list, args: argparse.Namespace) -> None:
     """The median lines, the per-seed comparison, the step-paired lines and the RESULT line."""
     policies = COMPARISONS[args.compare]
@@ -396,9 +404,9 @@ def report(results: list, args: argparse.Namespace) -> None:
               f"all-wrong groups filtered {m['all_wrong']:.0f} | aborted or held suspended a step "
               f"{m['cut_off_per_step']:.0f} tokens")
     (name_a, a), (name_b, b) = med.items()
-    # the same seed starts both policies from the same state: the per-seed ratio pairs them
-    by_seed = {(r["policy"], r["seed"]): r["tokens_per_trained"] for r in results}
-    paired = statistics.median(by_seed[name_b, s] / by_seed[name_a, s] for s in range(1, args.seeds + 1))
+    seeds = range(1, args.seeds + 1)
+    paired = paired_ratio(results, "tokens_per_trained", name_a, name_b, seeds)
+    paired_time = paired_ratio(results, "s_per_1k_trained", name_a, name_b, seeds)
     acc_of = {(r["policy"], r["seed"]): r["accuracy"] for r in results}
     acc_change = [acc_of[name_b, s] - acc_of[name_a, s] for s in range(1, args.seeds + 1)]
     print(f"held-out accuracy, {name_b} against {name_a} per seed: {sum(d < 0 for d in acc_change)} of "
@@ -428,6 +436,7 @@ def report(results: list, args: argparse.Namespace) -> None:
           f"s_per_1k_trained_{name_a}={a['s_per_1k_trained']:.1f} "
           f"s_per_1k_trained_{name_b}={b['s_per_1k_trained']:.1f} "
           f"s_per_1k_trained_ratio={b['s_per_1k_trained'] / a['s_per_1k_trained']:.3f} "
+          f"s_per_1k_trained_ratio_paired={paired_time:.3f} "
           f"to_filled_ratio={b['to_filled_s'] / a['to_filled_s']:.3f} "
           f"accuracy_{name_a}={a['accuracy']:.3f} accuracy_{name_b}={b['accuracy']:.3f} "
           f"engine_idle_{name_a}={a['engine_idle_frac']:.3f} engine_idle_{name_b}={b['engine_idle_frac']:.3f} "

@@ -123,6 +123,8 @@ def test_partial_rollouts_quick(tmp_path):
     for key in ("discarded_abort", "discarded_suspend"):
         assert 0.0 <= float(r[key]) <= 1.0
     assert float(r["tokens_per_trained_ratio"]) > 0
+    # one seed: the per-seed ratio is the ratio of the medians
+    assert float(r["s_per_1k_trained_ratio_paired"]) == pytest.approx(float(r["s_per_1k_trained_ratio"]), abs=1e-3)
     for key in ("accuracy_abort", "accuracy_suspend"):
         assert 0.0 <= float(r[key]) <= 1.0
     rows = [json.loads(line) for line in (tmp_path / "suspend_seed1" / "metrics.jsonl").open()]

@@ -27,6 +27,17 @@ def test_paired_change_one_seed_has_no_spread():
     assert all(math.isnan(c[k]) for k in ("change_se", "seed_sd_a", "seed_sd_b"))
 
 
+def test_the_paired_ratio_is_the_median_of_per_seed_ratios_not_the_ratio_of_medians():
+    paired_ratio = load_benchmark("partial_rollouts").paired_ratio
+    # seed 3 ran while the machine was slow for both policies: per seed the overlap takes 0.5, 0.8 and 0.7 of the
+    # synchronous time, median 0.7; the medians' ratio (5.0 / 6.0) would read 0.83
+    runs = [dict(policy="sync", seed=1, s=4.0), dict(policy="overlap", seed=1, s=2.0),
+            dict(policy="sync", seed=2, s=6.0), dict(policy="overlap", seed=2, s=4.8),
+            dict(policy="sync", seed=3, s=10.0), dict(policy="overlap", seed=3, s=7.0)]
+    assert paired_ratio(runs, "s", "sync", "overlap", range(1, 4)) == pytest.approx(0.7)
+    assert paired_ratio(runs, "s", "overlap", "sync", [1]) == pytest.approx(2.0)  # b over a, as named
+
+
 def test_steps_are_paired_only_between_equal_batches():
     steps_paired = load_benchmark("partial_rollouts").steps_paired
     runs = [dict(policy="sync", batch_samples=128.0), dict(policy="sync", batch_samples=128.0),
