@@ -228,6 +228,9 @@ def test_sleep_wake_generate(model):
     eng.add(greedy_requests()[0])
     with pytest.raises(EngineError, match="asleep"):
         eng.step()
+    eng.wake(tags=["weights"])  # a partial wake readies the weights for a refit: the KV cache is still released
+    with pytest.raises(EngineError, match="asleep"):
+        eng.step()
     eng.abort(["r0"])
     eng.wake()
     again = run(eng, greedy_requests())
@@ -270,3 +273,25 @@ def test_inverse_cdf_draws_follow_the_distribution():
     torch.testing.assert_close(freq, logp[0].exp(), atol=0.015, rtol=0)  # ~5 standard errors at n = 20000
     edge = inverse_cdf(logp[:3], torch.tensor([0.0, 1.0 - 1e-12, 1.0], dtype=torch.float64))
     assert edge.tolist() == [0, 3, 3]  # u rounding up to 1 never lands on a zero-mass tail token
+
+
+def test_a_request_id_already_queued_or_running_is_refused(model):
+    eng = engine(model, eos=NEVER, max_batch_size=1, steps_per_call=1)
+    first, second = greedy_requests()[:2]
+    eng.add(first)
+    eng.add(second)
+    assert eng.step() == []
+    for rid in ("r0", "r1"):  # one running, one queued
+        with pytest.raises(ValueError, match=f"request id '{rid}' is already queued or running"):
+            eng.add(Request(id=rid, prompt_ids=[5], max_new_tokens=2, temperature=0.0))
+    assert_same(run(eng, []), run(engine(model, eos=NEVER), [first, second]))
+
+
+def test_a_checkpoint_with_several_eos_ids_stops_at_the_first(model, tmp_path):
+    model.config.eos_token_id = [EOS, EOS + 1]
+    try:
+        path = save_model(model, tmp_path / "m")
+    finally:
+        model.config.eos_token_id = EOS
+    loaded = LocalEngine.from_path(path)
+    assert loaded.eos_id == EOS and loaded.pad_id == PAD

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from nemo_dapo.engines import protocol as P
-from nemo_dapo.engines.base import EngineError, EngineWeightError, Request
+from nemo_dapo.engines.base import Completion, EngineError, EngineWeightError, Request, Sample
 from nemo_dapo.engines.client import EngineClient, EngineDied, EngineProcess
-from nemo_dapo.engines.generator import EngineGenerator
+from nemo_dapo.engines.generator import EngineGenerator, completions_to_generation, weight_buckets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOY = "tests.engines.toy_engine:ToyEngine"
@@ -380,3 +380,46 @@ def test_tensors_never_overlap_in_the_weight_layout():
 def test_a_non_string_op_is_refused():
     with pytest.raises(P.ProtocolError, match="string 'op'"):
         P.decode(b'{"op": 5}')
+
+
+def test_a_later_bucket_larger_than_the_first_moves_to_a_new_block(toy):
+    _, client = toy
+    req = Request(id="grown", prompt_ids=[5], max_new_tokens=4, seed=2)
+    # the second bucket needs two 64-byte slots where the first needed one: a new shared-memory block
+    stats = client.update_weights([[("w", torch.ones(4))], [("w", torch.ones(4)), ("w", torch.full((4,), 2.0))]])
+    assert stats["buckets"] == 2 and stats["buffer_bytes"] > 64
+    client.submit([req])
+    assert client.next_completion().samples[0].token_ids == expected(req, 0, offset=8)  # the last copy of w
+    client.update_weights([[("w", torch.zeros(4))]])
+
+
+def test_weight_buckets_fill_up_to_the_byte_limit_exactly():
+    model = torch.nn.ParameterDict({k: torch.nn.Parameter(torch.zeros(4)) for k in "abcde"})  # 16 bytes each
+    names = [[n for n, _ in b] for b in weight_buckets(model, bucket_bytes=32)]
+    assert names == [["a", "b"], ["c", "d"], ["e"]]
+    assert [[n for n, _ in b] for b in weight_buckets(model, bucket_bytes=8)] == [[k] for k in "abcde"]
+
+
+def test_a_generation_marks_cut_and_aborted_samples_truncated_and_only_aborted_ones_unfinished():
+    samples = [Sample([1, 2], [-0.1, -0.2], "stop"), Sample([3], [-0.3], "length"), Sample([4], [-0.4], "aborted")]
+    out = completions_to_generation([Completion("c", samples)], pad_id=0)
+    assert out.truncated.tolist() == [False, True, True] and out.finished.tolist() == [True, True, False]
+    assert out.response_ids.tolist() == [[1, 2], [3, 0], [4, 0]] and out.response_mask.sum().item() == 4
+
+
+def test_the_generators_requests_stop_at_eos_and_the_extra_stop_tokens():
+    gen = EngineGenerator(None, eos_id=49, pad_id=0, stop_token_ids=[7, 3])
+    [req] = gen._requests([[1, 2]], n=4, max_new_tokens=8, temperature=1.0, top_p=1.0, seed=0)
+    assert req.stop_token_ids == [3, 7, 49] and req.n == 4 and req.prompt_ids == [1, 2]
+
+
+def test_a_batch_generate_ignores_the_completions_of_a_stream_left_unread(toy):
+    _, client = toy
+    gen = EngineGenerator(client, eos_id=99, pad_id=0)  # an id the toy never emits: every sample runs its budget
+    ids, mask = torch.tensor([[0, 7], [8, 9]]), torch.tensor([[0, 1], [1, 1]])
+    gen.stream(ids, mask, n=2, max_new_tokens=3, seed=5)  # never iterated: its 2 completions arrive first
+    time.sleep(0.3)
+    out = gen.generate(ids, mask, max_new_tokens=5, seed=5)
+    assert out.response_ids.shape == (2, 5) and out.response_mask.sum().item() == 10
+    with pytest.raises(EngineError, match="no completion"):
+        client.next_completion(timeout_s=0.5)  # nothing left over: the stream's were read and dropped

@@ -209,3 +209,75 @@ def test_a_group_across_two_torch_releases(tmp_path, order):
     out = t.communicate(timeout=120)[0] + m.stdout
     print(out)
     assert t.returncode == 0 and m.returncode == 0, out
+
+
+def test_the_key_count_is_bounded_and_an_overwrite_adds_no_key(server, monkeypatch):
+    monkeypatch.setattr(R, "MAX_KEYS", 2)
+    store = R.RendezvousStore("127.0.0.1", server.port, 5.0)
+    store.set("a", b"1")
+    store.set("b", b"2")  # exactly MAX_KEYS
+    store.set("b", b"3")  # an existing key: still two
+    with pytest.raises(R.RendezvousError, match="at most 2 keys"):
+        store.set("c", b"4")
+    assert store.delete_key("a")
+    store.set("c", b"4")  # a deleted key frees its place
+    assert store.num_keys() == 2
+
+
+def test_overwritten_and_deleted_values_give_their_bytes_back(server, monkeypatch):
+    monkeypatch.setattr(R, "MAX_BYTES", 1000)
+    store = R.RendezvousStore("127.0.0.1", server.port, 5.0)
+    for _ in range(5):  # 5 x 600 bytes, but only one value is ever held
+        store.set("k", b"x" * 600)
+    assert store.delete_key("k")
+    store.set("j", b"y" * 600)
+    assert store.get("j") == b"y" * 600
+
+
+def test_closed_connections_give_their_place_back(server, monkeypatch):
+    monkeypatch.setattr(R, "MAX_CONNECTIONS", 2)
+    for k in range(4):  # twice the limit, one after the other
+        store = R.RendezvousStore("127.0.0.1", server.port, 5.0)
+        store.set(f"k{k}", b"v")
+        store.close()
+        deadline = time.monotonic() + 5
+        while server._conns and time.monotonic() < deadline:  # the server sees the close a moment later
+            time.sleep(0.01)
+    assert R.RendezvousStore("127.0.0.1", server.port, 5.0).num_keys() == 4
+
+
+def test_closing_the_server_ends_a_request_that_waits_in_it():
+    server = R.RendezvousServer("127.0.0.1")
+    failed = []
+
+    def wait():
+        try:
+            server._handle({"op": "get", "key": "never", "timeout_s": 60})
+        except R.RendezvousError as e:
+            failed.append(str(e))
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    time.sleep(0.2)
+    server.close()
+    t.join(5)
+    assert not t.is_alive() and failed == ["the rendezvous closed"]
+
+
+def test_the_server_bounds_how_long_a_request_may_wait():
+    server = R.RendezvousServer("127.0.0.1", max_wait_s=0.3)
+    try:
+        store = R.RendezvousStore("127.0.0.1", server.port, 60.0)
+        t0 = time.monotonic()
+        with pytest.raises(R.RendezvousError, match="not set within"):
+            store.get("never")  # asks for 60 s
+        assert time.monotonic() - t0 < 5
+    finally:
+        server.close()
+
+
+def test_a_long_wait_is_not_cut_by_the_reply_deadline(server, monkeypatch):
+    """The socket's time-out is the wait the request asks for plus REPLY_S, not REPLY_S alone."""
+    monkeypatch.setattr(R, "REPLY_S", 0.2)
+    reader, writer = (R.RendezvousStore("127.0.0.1", server.port, 5.0) for _ in range(2))
+    threading.Timer(0.8, lambda: writer.set("late", b"v")).start()
+    assert reader.get("late") == b"v"

@@ -2,6 +2,7 @@
 frames, hostile requests and weights, a second client and the health probe beside a connected trainer, a foreign
 user, and a trainer killed with its whole process group mid-transfer. After every hostile case the server still
 serves a real generate request, and every wait of the trainer ends within its time-out."""
+import io
 import os
 import signal
 import socket
@@ -14,9 +15,12 @@ import pytest
 import torch
 
 from nemo_dapo.engines import protocol as P
+from nemo_dapo.engines import server as S
 from nemo_dapo.engines.base import EngineError, EngineWeightError, Request
 from nemo_dapo.engines.client import EngineBusy, EngineClient
+from nemo_dapo.engines.health import main as health_main
 from nemo_dapo.engines.health import wait_healthy
+from tests.engines.toy_engine import ToyEngine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOY = "tests.engines.toy_engine:ToyEngine"
@@ -378,3 +382,117 @@ def test_a_partial_wake_readies_the_weights_and_keeps_generation_asleep(server):
     finally:
         client.close()
     assert serves(server)
+
+
+def test_submit_limits_hold_at_their_bounds_and_repeated_ids_are_refused(server):
+    client = EngineClient(server[1], authkey=KEY, connect_timeout_s=30, request_timeout_s=30)
+    try:
+        client.submit([Request(id="all", prompt_ids=[1], n=MAX_IN_FLIGHT, max_new_tokens=10 ** 5)])  # exactly
+        with pytest.raises(EngineError, match="cannot sleep with requests running"):
+            client.sleep(1)
+        with pytest.raises(EngineError, match=f"submit of 1 samples refused: {MAX_IN_FLIGHT} are in flight"):
+            client.submit([Request(id="one-more", prompt_ids=[1])])
+        assert client.abort(["all"]) == 1 and client.next_completion().id == "all"
+        with pytest.raises(EngineError, match="request ids already in flight or repeated"):
+            client.submit([Request(id="twin", prompt_ids=[1]), Request(id="twin", prompt_ids=[2])])
+        assert client.health()["running"] == 0
+        for level in (0, 3, True):
+            with pytest.raises(EngineError, match="sleep level must be 1 .* or 2"):
+                client.call("sleep", level=level)
+        assert not client.health()["sleeping"]
+    finally:
+        client.close()
+    assert serves(server)
+
+
+def test_many_failed_handshakes_one_after_another_leave_the_server_open_to_the_next(server):
+    for _ in range(S.MAX_HANDSHAKES + 6):  # more than may run at once: each gives its place back when it ends
+        sock = P.connect_socket(server[1], 10)
+        try:
+            _wrong_key(sock)
+        finally:
+            sock.close()
+    assert serves(server)
+
+
+def test_the_health_probe_leaves_and_waits_no_longer_than_its_time_out(server, monkeypatch, capsys):
+    monkeypatch.setenv(P.AUTHKEY_ENV, KEY.decode())
+    out = io.StringIO()
+    time.sleep(0.3)  # the last test's session has ended (a probe arriving during one is told busy: healthy)
+    assert wait_healthy([server[1]], timeout_s=30.0, interval_s=1.0, out=out) == []
+    assert '"weights_ok": true' in out.getvalue()
+    trainer = EngineClient(server[1], authkey=KEY, connect_timeout_s=5)  # the probe has left: the server is free
+    try:
+        with pytest.raises(EngineWeightError):
+            trainer.update_weights([[("w", torch.full((4,), float("nan")))]])  # its weights are not ok now
+    finally:
+        trainer.close()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    assert wait_healthy([server[1]], timeout_s=2.0, interval_s=30.0, out=out) == [server[1]]
+    assert time.monotonic() - t0 < 6  # the 2 s time-out, not the 30 s pause between rounds
+    assert "not healthy after 2 s" in capsys.readouterr().err
+    trainer = EngineClient(server[1], authkey=KEY, connect_timeout_s=30)
+    trainer.update_weights([[("w", torch.zeros(4))]])
+    trainer.close()
+    assert serves(server)
+
+
+def test_the_health_probes_time_out_must_be_positive(capsys):
+    with pytest.raises(SystemExit) as e:
+        health_main(["--timeout-s", "0", "unix:/nonexistent/e.sock"])
+    assert e.value.code == 2 and "must be positive" in capsys.readouterr().err
+
+
+class _Adapter(ToyEngine):
+    """The toy engine with a context length, whose add refuses a prompt that starts with ``refuse``."""
+
+    def __init__(self, max_seq_len=None, refuse=None):
+        super().__init__()
+        self.max_seq_len, self.refuse, self.aborted = max_seq_len, refuse, []
+
+    def info(self):
+        return {**super().info(), "max_seq_len": self.max_seq_len}
+
+    def add(self, request):
+        if request.prompt_ids[0] == self.refuse:
+            raise EngineError("refused by the engine")
+        super().add(request)
+
+    def abort(self, ids):
+        self.aborted += list(ids)
+        return super().abort(ids)
+
+
+class _Sent:
+    """A server's channel that keeps what is sent on it."""
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, msg, timeout_s=None):
+        self.sent.append(msg)
+
+
+def _submit(adapter, *requests) -> tuple:
+    """One submit to an in-process server (no socket): its reply, and the requests running after it."""
+    ch, server = _Sent(), S.EngineServer(adapter, listener=None)
+    server._handle(ch, {"op": "submit", "cmd": 1, "requests": [r.to_wire() for r in requests]})
+    server._handle(ch, {"op": "health", "cmd": 2})
+    return ch.sent[0], ch.sent[1]["running"]
+
+
+def test_a_submit_the_engine_refuses_part_way_runs_none_of_it():
+    adapter = _Adapter(refuse=9)
+    reply, running = _submit(adapter, Request(id="a", prompt_ids=[1]), Request(id="b", prompt_ids=[9]))
+    assert reply["op"] == "error" and "refused by the engine" in reply["message"] and running == 0
+    assert adapter.aborted == ["a"] and not adapter.has_work()  # the one already added is taken back
+
+
+def test_the_completion_bound_counts_only_the_room_the_prompt_leaves():
+    per_sample = P.MAX_COMPLETION_TOKENS // 4
+    fits = Request(id="fits", prompt_ids=[1] * 100, n=4, max_new_tokens=10 ** 9)
+    reply, running = _submit(_Adapter(max_seq_len=per_sample + 100), fits)  # 4 x per_sample tokens at most
+    assert reply["op"] == "reply" and running == 1
+    reply, running = _submit(_Adapter(max_seq_len=per_sample + 101), fits)  # one token more per sample
+    assert reply["op"] == "error" and f"n=4 samples of up to {per_sample + 1} tokens" in reply["message"]

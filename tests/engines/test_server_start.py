@@ -12,6 +12,7 @@ from nemo_dapo.engines import protocol as P
 from nemo_dapo.engines import server as S
 from nemo_dapo.engines.base import EngineError
 from nemo_dapo.engines.client import EngineClient, EngineProcess
+from tests.engines.toy_engine import ToyEngine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOY = "tests.engines.toy_engine:ToyEngine"
@@ -131,7 +132,9 @@ def test_a_server_given_cpus_runs_on_them(tmp_path):
     (["--engine", "local", "--model", "/nonexistent"], "--model '/nonexistent': not a Hugging Face checkpoint"),
     (["--engine", TOY, "--model", "-", "--option", "bogus=1"], "--option: engine .* does not take that option"),
     (["--engine", TOY, "--model", "-", "--option", "novalue"], "--option 'novalue': expected key=value"),
+    (["--engine", TOY, "--model", "-", "--option", "=1"], "--option '=1': expected key=value"),
     (["--engine", TOY, "--model", "-", "--threads", "-2"], "--threads: expected a positive int, got '-2'"),
+    (["--engine", TOY, "--model", "-", "--threads", "0"], "--threads: expected a positive int, got '0'"),
     (["--engine", TOY, "--model", "-", "--cpus", "0-x"], "--cpus: expected CPU ids such as 0,2-3, got '0-x'"),
     (["--engine", TOY, "--model", "-", "--cpus", "4096"], r"--cpus names CPUs \[4096\] that this machine does not"),
     (["--engine", "nosuch", "--model", "-"], "--engine 'nosuch': unknown"),
@@ -258,3 +261,59 @@ def test_a_bad_server_address_is_a_config_error(tmp_path):
         run_engine.EngineRollouts(_cfg(tmp_path, "rollout.server.address=localhost:5"), None, None, None)
     code, line = _exit_code_and_message("train", e.value)
     assert code == EXIT_BAD_INPUT and "error: rollout.server.address" in line
+
+
+def test_an_engine_that_refuses_its_arguments_exits_3_naming_why(env, tmp_path, capsys):
+    env.setenv(P.AUTHKEY_ENV, KEY)
+    engine = "tests.engines.toy_engine:refuses_to_start"
+    err = one_error(capsys, "--engine", engine, "--model", "-", "--address", f"unix:{tmp_path}/e.sock", code=3)
+    assert f"engine {engine!r} cannot start: need max_batch_size >= 1" in err
+
+
+def test_the_engine_is_closed_when_its_address_cannot_be_listened_on(env, tmp_path, capsys):
+    env.setenv(P.AUTHKEY_ENV, KEY)
+    (tmp_path / "file").write_text("x")
+    closed = ToyEngine.closed
+    err = one_error(capsys, "--engine", TOY, "--model", "-", "--address", f"unix:{tmp_path}/file")
+    assert "exists and is not a socket" in err and ToyEngine.closed == closed + 1  # built first, then let go
+
+
+def test_the_key_is_not_left_in_the_environment_of_the_engine(env, tmp_path, capsys):
+    env.setenv(P.AUTHKEY_ENV, KEY)
+    seen = {}
+
+    def make_engine(name, model_dir, options):  # where the engine (and the workers it starts) is built
+        seen["key"] = os.environ.get(P.AUTHKEY_ENV)
+        raise S.StartError("stop here", 3)
+    env.setattr(S, "make_engine", make_engine)
+    one_error(capsys, "--engine", TOY, "--model", "-", "--address", f"unix:{tmp_path}/e.sock", code=3)
+    assert seen == {"key": None}
+
+
+def test_a_server_shut_down_by_its_client_exits_0_and_removes_its_socket(tmp_path):
+    d = private_dir(tmp_path)
+    proc = EngineProcess(engine=TOY, model_dir="-", address=f"unix:{d}/e.sock", log_path=str(d / "e.log"),
+                         env={"PYTHONPATH": ROOT})
+    try:
+        client = EngineClient(proc.address, process=proc, connect_timeout_s=120)
+        assert os.path.exists(d / "e.sock")
+        proc.stop(client)
+        assert proc.poll() == 0 and not os.path.exists(d / "e.sock")
+    finally:
+        proc.stop()
+
+
+def test_a_trainer_with_a_key_file_still_hands_its_server_one_key(tmp_path, monkeypatch):
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY)
+    os.chmod(key_file, 0o600)
+    monkeypatch.setenv(P.AUTHKEY_FILE_ENV, str(key_file))  # the trainer's own key: never the server's second one
+    d = private_dir(tmp_path)
+    proc = EngineProcess(engine=TOY, model_dir="-", address=f"unix:{d}/e.sock", log_path=str(d / "e.log"),
+                         env={"PYTHONPATH": ROOT})
+    try:
+        client = EngineClient(proc.address, process=proc, connect_timeout_s=120)
+        assert client.health()["running"] == 0
+        proc.stop(client)
+    finally:
+        proc.stop()

@@ -3,6 +3,7 @@ one broadcast feeds several servers, the bytes equal the shared-memory path's, r
 with a clear error and never a hang, and a hostile join or bucket leaves the server serving."""
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -114,6 +115,8 @@ def test_a_server_stuck_loading_a_bucket_fails_the_update_at_the_weight_deadline
     ({"address": "http://x:1", "rank": 1, "world_size": 2}, "tcp://HOST:PORT"),
     ({"address": "tcp://127.0.0.1:99999", "rank": 1, "world_size": 2}, "tcp://HOST:PORT"),
     ({"address": "tcp://127.0.0.1:5", "rank": 0, "world_size": 2}, "rank must be"),
+    ({"address": "tcp://127.0.0.1:5", "rank": 2, "world_size": 2}, "rank must be"),  # ranks are 0 .. world - 1
+    ({"address": "tcp://127.0.0.1:65536", "rank": 1, "world_size": 2}, "tcp://HOST:PORT"),
     ({"address": "tcp://127.0.0.1:5", "rank": 1, "world_size": 10 ** 9}, "world_size must be"),
     ({"address": "tcp://127.0.0.1:5", "rank": 1, "world_size": 2, "group_timeout_s": "soon"},
      "group_timeout_s must be"),
@@ -184,3 +187,86 @@ def test_the_rendezvous_is_the_trainers_end_of_its_engine_connection(two, tmp_pa
         assert first_tokens(client, req) == expected(req, 0, offset=4)
     finally:
         proc.stop(client if client.alive else None)
+
+
+def test_the_largest_bucket_and_the_highest_port_are_accepted():
+    assert WG.check_bucket([], WG.MAX_BUCKET_BYTES) == WG.MAX_BUCKET_BYTES
+    assert WG.parse_store("tcp://127.0.0.1:65535") == ("127.0.0.1", 65535)
+    assert WG.check_join({"address": "tcp://127.0.0.1:5", "rank": 2, "world_size": 3})[2:4] == (2, 3)
+
+
+def test_closing_a_group_closes_its_rendezvous():
+    group = WG.WeightGroup("127.0.0.1", 1, timeout_s=5)
+    port = int(group.address.rsplit(":", 1)[1])
+    socket.create_connection(("127.0.0.1", port), timeout=5).close()  # listening
+    group.close()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5)
+
+
+class FakeClient:
+    """An EngineClient whose server agrees to every command (the join messages are recorded)."""
+
+    def __init__(self, name, ranks):
+        self.name, self.info, self.weight_timeout_s, self.joins = name, {"weight_group_ranks": ranks}, 5.0, []
+
+    def send(self, op, **fields):
+        self.joins.append(fields)
+        return len(self.joins)
+
+    def reply(self, cmd, op, timeout_s=None):
+        return {}
+
+
+def test_a_server_with_several_receiving_workers_gets_a_rank_for_each(monkeypatch):
+    monkeypatch.setattr(WG.WeightGroup, "connect", lambda self: None)  # no rank joins: only the messages count
+    clients = [FakeClient("tp2", 2), FakeClient("one", 1), FakeClient("tp4", 4)]
+    group = WG._form(clients, "127.0.0.1", 5.0)
+    try:
+        assert [c.joins[0]["rank"] for c in clients] == [1, 3, 4]  # after the trainer's rank 0, none shared
+        assert {c.joins[0]["world_size"] for c in clients} == {1 + 2 + 1 + 4}
+    finally:
+        group.close()
+
+
+def test_a_broken_broadcast_on_any_worker_outranks_a_refused_tensor_on_another():
+    assert WG.workers_failure([None, None]) is None
+    assert WG.workers_failure([None, ("nan", "w")]) == ("nan", "w")
+    assert WG.workers_failure([("nan", "w"), ("broken", "peer closed")]) == ("broken", "peer closed")
+
+
+def test_a_generator_drops_its_group_after_a_failed_update_and_forms_a_new_one(two):
+    client = two[0][1]
+    gen = EngineGenerator(client, eos_id=49, pad_id=0, weight_transport="gloo")
+
+    class Policy:
+        def __init__(self, buckets):
+            self.buckets = buckets
+
+        def hf_weight_buckets(self, bucket_bytes):
+            yield from self.buckets
+    gen.update_weights(Policy([[("w", torch.ones(4))]]))
+    first = gen._group
+    with pytest.raises(EngineWeightError, match="'model.bogus.weight'"):
+        gen.update_weights(Policy([[("w", torch.ones(4))], [("model.bogus.weight", torch.ones(4))]]))
+    assert gen._group is None
+    gen.update_weights(Policy([[("w", torch.zeros(4))]]))
+    assert gen._group is not None and gen._group is not first and gen.last_update["buckets"] == 1
+    req = Request(id="g", prompt_ids=[5], max_new_tokens=3, seed=1)
+    assert first_tokens(client, req) == expected(req, 0)
+
+
+def test_the_next_client_of_a_server_starts_without_the_last_ones_group(two):
+    proc, client = two[0]
+    _, group = WG.update_over_group([client], [[("w", torch.ones(4))]])
+    assert client.health()["weight_group"] == "joined"
+    client.close()
+    group.close()
+    after = EngineClient(proc.address, name="a", connect_timeout_s=30, request_timeout_s=20, process=proc)
+    try:
+        assert after.health()["weight_group"] == "none"  # its trainer forms a group of its own
+        with pytest.raises(EngineError, match="no weight group is joined"):
+            after.call("update_weights", via="group", size=16,
+                       tensors=[{"name": "w", "dtype": "float32", "shape": [4], "offset": 0}])
+    finally:
+        after.shutdown()

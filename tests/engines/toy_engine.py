@@ -7,7 +7,8 @@ of every token is ``-0.5``. Options: ``step_delay_s`` (sleep per step, so tests 
 tailed workloads), ``fail_after_steps`` (raise inside step() after that many steps: an engine crash),
 ``load_delay_s`` (sleep per weight bucket, so tests can kill a trainer mid-transfer), ``vocab_size`` (the token ids
 it accepts in prompts, reported at hello; default ``vocab``).
-``needs_missing_dependency`` is an engine factory whose dependency does not import.
+``needs_missing_dependency`` is an engine factory whose dependency does not import; ``refuses_to_start`` one whose
+constructor refuses its arguments. ``ToyEngine.closed`` counts the engines closed in this process.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from nemo_dapo.engines.base import Completion, EngineError, Sample, check_weight
 
 class ToyEngine:
     name = "toy"
+    closed = 0
 
     def __init__(self, model_dir: str = "", *, vocab: int = 50, step_delay_s: float = 0.0, lengths=None,
                  fail_after_steps: int = 0, max_batch_size: int = 1 << 30, load_delay_s: float = 0.0,
@@ -120,7 +122,7 @@ class ToyEngine:
         self.asleep = self.asleep if self.released else 0
 
     def close(self) -> None:
-        pass
+        ToyEngine.closed += 1
 
 
 def needs_missing_dependency(model_dir: str = "", **options):
@@ -128,3 +130,8 @@ def needs_missing_dependency(model_dir: str = "", **options):
     import nemo_dapo_missing_dependency  # noqa: F401 - no such module
 
     return ToyEngine(model_dir, **options)
+
+
+def refuses_to_start(model_dir: str = "", **options):
+    """An engine whose constructor refuses its arguments (as LocalEngine refuses max_batch_size=0)."""
+    raise ValueError("need max_batch_size >= 1")
