@@ -110,13 +110,17 @@ def _bad_auth(sock):
     ch.send({"op": "auth", "mac": ["not", "a", "string"], "nonce": 7})
 
 
-@pytest.mark.parametrize("attack", [_bare, _wrong_key, _garbage, _huge_prefix, _bad_auth])
-def test_a_failed_handshake_never_stops_the_server(server, attack):
+def _attack(server, attack) -> None:
     sock = P.connect_socket(server[1], 10)
     try:
         attack(sock)
     finally:
         sock.close()
+
+
+@pytest.mark.parametrize("attack", [_bare, _wrong_key, _garbage, _huge_prefix, _bad_auth])
+def test_a_failed_handshake_never_stops_the_server(server, attack):
+    _attack(server, attack)
     assert serves(server)
 
 
@@ -407,11 +411,7 @@ def test_submit_limits_hold_at_their_bounds_and_repeated_ids_are_refused(server)
 
 def test_many_failed_handshakes_one_after_another_leave_the_server_open_to_the_next(server):
     for _ in range(S.MAX_HANDSHAKES + 6):  # more than may run at once: each gives its place back when it ends
-        sock = P.connect_socket(server[1], 10)
-        try:
-            _wrong_key(sock)
-        finally:
-            sock.close()
+        _attack(server, _wrong_key)
     assert serves(server)
 
 
