@@ -403,7 +403,7 @@ def _batches(cfg: dict, s: dict):
                        ("trainer.dapo.prompts_per_step", prompts),
                        ("model.dapo.rollout_micro_batch_size", select(cfg, "model.dapo.rollout_micro_batch_size")),
                        ("model.dapo.forward_micro_batch_size", select(cfg, "model.dapo.forward_micro_batch_size"))):
-        if not isinstance(value, int) or value < 1:
+        if not _is_count(value):
             yield f"{key}={value!r} must be an integer >= 1"
             return
     if not isinstance(group, int) or group < 2:
@@ -441,7 +441,7 @@ def _gen_batches(cfg: dict, prompts: int, dp_gen: int):
             if select(cfg, f"{ds}.{key}") is not None:
                 sized.append((f"{ds}.{key}", select(cfg, f"{ds}.{key}")))
     for key, value in sized:
-        if not isinstance(value, int) or value % dp_gen:
+        if not _is_count(value) or value % dp_gen:
             yield (f"{key}={value} prompts do not split evenly over the {dp_gen} generation ranks (DP, x PP when "
                    f"trainer.dapo.trt_llm.reshard); fix: make it a multiple of {dp_gen}")
 
@@ -509,7 +509,7 @@ def _lengths(cfg: dict, s: dict):
     seq = select(cfg, "model.encoder_seq_length")
     gen = select(cfg, "model.dapo.length_params.max_length")
     inp = select(cfg, "trainer.dapo.trt_llm.max_input_len")
-    if not all(isinstance(v, int) and v > 0 for v in (seq, gen, inp)):
+    if not all(_is_count(v) for v in (seq, gen, inp)):
         yield (f"model.encoder_seq_length={seq}, model.dapo.length_params.max_length={gen}, "
                f"trainer.dapo.trt_llm.max_input_len={inp} must all be positive integers")
         return
@@ -547,7 +547,7 @@ def _sampling(cfg: dict, s: dict):
             yield f"{key}.top_p={top_p!r} must be a number in (0, 1]"
     for key in ("trainer.dapo.val.n_samples", "trainer.dapo.val.batch_size", "trainer.dapo.ppo_epochs"):
         value = select(cfg, key, 1)
-        if not isinstance(value, int) or value < 1:
+        if not _is_count(value):
             yield f"{key}={value!r} must be an integer >= 1"
 
 
@@ -555,7 +555,7 @@ def _reward(cfg: dict, s: dict):
     verifier, workers = select(cfg, "reward.verifier"), select(cfg, "reward.num_workers")
     if verifier not in VERIFIERS:
         yield f"reward.verifier={verifier!r} must be one of {VERIFIERS}"
-    if workers is not None and (not isinstance(workers, int) or workers < 1):
+    if workers is not None and not _is_count(workers):
         yield f"reward.num_workers={workers!r} must be an integer >= 1, or null (cores per rank)"
 
 

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from nemo_dapo.cluster import config_validate as cv
+from nemo_dapo.cluster.yaml_compose import compose_file
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "conf" / "gpt_dapo_actor.yaml"
@@ -374,3 +376,55 @@ def test_every_config_key_the_runtime_reads_is_documented_in_the_base():
 def test_a_decaying_schedule_with_its_own_length_is_accepted():
     assert cv.check_config(crafted(DENSE, ["model.optim.sched.name=CosineAnnealing",
                                            "model.optim.sched.max_steps=6000"])) == []
+
+
+# ---- one step past the edge of each engine_server / length rule (the BAD list above is far from the edges) ---------
+ES = "trainer.dapo.engine_server"
+EDGES = [
+    ([f"{ES}.connect_timeout_s=0"], f"{ES}.connect_timeout_s=0 must be a positive number of seconds"),
+    ([f"{ES}.free_gpu_memory_fraction=1.0"], f"{ES}.free_gpu_memory_fraction=1.0 must be in (0, 1)"),
+    ([f"{ES}.expert_parallel_size=3"], f"{ES}.expert_parallel_size=3 must divide tensor_parallel_size=8"),
+    ([f"{ES}.max_seq_len=22527"], f"{ES}.max_input_len (2048) + model.dapo.length_params.max_length (20480) exceeds"),
+    (["model.data.max_prompt_tokens=2049"], "model.data.max_prompt_tokens=2049 > trainer.dapo.trt_llm.max_input_len"),
+    (["model.dapo.algorithm.overlong.l_max=20481"], "overlong.l_max=20481 differs from the generation cap"),
+    (["trainer.devices=true"], "trainer.devices=True must be an integer >= 1"),  # a YAML bool is not a count
+    *[([f"{key}=true"], f"{key}=True must be an integer >= 1")
+      for key in ("model.micro_batch_size", "trainer.dapo.val.n_samples", "trainer.dapo.ppo_epochs",
+                  "reward.num_workers")],
+    (["model.encoder_seq_length=true"], "model.encoder_seq_length=True, "),
+]
+
+
+@pytest.mark.parametrize("overrides,key", EDGES, ids=[e[0][0] for e in EDGES])
+def test_one_step_past_each_edge_is_refused_naming_the_key(overrides, key):
+    problems = cv.check_config(crafted(DENSE, overrides))
+    assert any(key in p for p in problems), problems
+
+
+def test_the_edges_themselves_are_accepted():
+    seq = resolved(DENSE)["model"]["encoder_seq_length"]
+    edges = [f"{ES}.max_seq_len={2048 + 20480}", "model.data.max_prompt_tokens=2048", f"{ES}.connect_timeout_s=0.5",
+             f"trainer.dapo.trt_llm.max_input_len={seq - 20480}", f"{ES}.max_input_len={seq - 20480}"]
+    assert cv.check_config(crafted(DENSE, edges)) == []
+
+
+def test_the_defaults_list_is_merged_in_its_order_as_hydra_does(tmp_path):
+    """cluster/yaml_compose.py on the cases the repo's recipes do not use (_self_ first, a nested group, a loop)."""
+    (tmp_path / "opt" / "sub").mkdir(parents=True)
+    (tmp_path / "base.yaml").write_text("a: base\nb: base\n")
+    (tmp_path / "opt" / "sub" / "x.yaml").write_text("c: mounted\n")
+    (tmp_path / "self_first.yaml").write_text("defaults:\n  - _self_\n  - base\n  - opt/sub: x\na: self\n")
+    (tmp_path / "self_last.yaml").write_text("defaults:\n  - base\n  - _self_\na: self\n")
+    (tmp_path / "loop.yaml").write_text("defaults:\n  - loop\na: 1\n")
+
+    def ours(name):
+        tree = compose_file(str(tmp_path / f"{name}.yaml"), str(tmp_path), OmegaConf.load, ValueError)
+        return OmegaConf.to_container(tree)
+
+    assert ours("self_first") == {"a": "base", "b": "base", "opt": {"sub": {"c": "mounted"}}}  # later entries win
+    assert ours("self_last") == {"a": "self", "b": "base"}
+    with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
+        for name in ("self_first", "self_last"):
+            assert OmegaConf.to_container(compose(config_name=name)) == ours(name), name
+    with pytest.raises(ValueError, match="includes itself through its defaults list"):
+        ours("loop")

@@ -108,3 +108,10 @@ def test_several_tp_engines_get_nccl_allreduce_and_a_single_one_keeps_the_defaul
                                 f"{ES}.tensor_parallel_size=1", f"{ES}.expert_parallel_size=1"))["options"]
     assert "allreduce_strategy" not in tp1  # no TP all-reduce at all
     assert accepted(TRTLLMEngine.__init__, many) == []
+
+
+def test_a_max_seq_len_that_exactly_fits_is_taken_and_a_null_count_is_refused():
+    o = engine_options(cfg_of("qwen2.5-32b_h100", f"{ES}.max_seq_len={2048 + 20480}"))["options"]
+    assert (o["prompt_budget"], o["response_budget"]) == (2048, 20480)
+    with pytest.raises(EngineOptionsError, match=f"{ES}.max_batch_size is null; set a value"):
+        engine_options(cfg_of("qwen2.5-32b_h100", f"{ES}.max_batch_size=null"))
