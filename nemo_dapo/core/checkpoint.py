@@ -24,6 +24,8 @@ from typing import Iterator, Optional
 
 import torch
 
+from nemo_dapo.core.durable import fsync_dir
+
 _NAME = re.compile(r"^step_(\d+)\.pt$")
 _TMP_PREFIX = ".tmp_step_"
 
@@ -49,19 +51,6 @@ def latest_checkpoint(directory: str) -> Optional[str]:
     return ckpts[-1][1] if ckpts else None
 
 
-def _fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # some filesystems do not allow opening a directory; the rename is still atomic there
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 @contextlib.contextmanager
 def atomic_directory(directory: str) -> Iterator[str]:
     """``with atomic_directory(d) as tmp:`` write the new content into ``tmp`` (``d + ".tmp"``, fresh); on a clean
@@ -76,7 +65,7 @@ def atomic_directory(directory: str) -> Iterator[str]:
         _remove(tmp)
         raise
     _swap_in(tmp, directory)
-    _fsync_dir(os.path.dirname(os.path.abspath(directory)))
+    fsync_dir(os.path.dirname(os.path.abspath(directory)))
 
 
 def _remove(path: str) -> None:
@@ -94,7 +83,7 @@ def _fsync_tree(root: str) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync_dir(here)
+        fsync_dir(here)
 
 
 def _swap_in(tmp: str, directory: str) -> None:
@@ -148,7 +137,7 @@ def save_checkpoint(directory: str, step: int, state: dict, *, keep_last: int = 
         if isinstance(e, OSError) and not isinstance(e.filename, str):  # a failed write() names no file
             raise OSError(e.errno, e.strerror or str(e), final) from e
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)
     for _, old in list_checkpoints(directory)[:-keep_last]:
         os.unlink(old)
     for name in os.listdir(directory):  # leftovers of a save that was killed mid-write

@@ -14,6 +14,8 @@ import sys
 import time
 from typing import Optional
 
+from nemo_dapo.core.durable import fsync_dir
+
 log = _logging.getLogger("nemo_dapo")
 
 METRICS_FILE = "metrics.jsonl"
@@ -58,18 +60,21 @@ def setup_console_logging(level: int = _logging.INFO) -> None:
 
 
 def write_text(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` atomically; on failure (disk full) no temporary file is left behind."""
+    """Write ``text`` to ``path`` atomically and durably; on failure (disk full) no temporary file is left behind."""
     # A fresh name, created exclusively: a file or link planted under a fixed temporary name is never written through.
     tmp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)  # mode as open() gives, by umask
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+            f.flush()
+            os.fsync(f.fileno())  # else a crash soon after the rename can leave the final name empty
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+    fsync_dir(os.path.dirname(os.path.abspath(path)))  # the rename itself, as core/checkpoint.py does
 
 
 def write_json(path: str, obj: dict) -> None:
