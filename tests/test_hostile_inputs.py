@@ -291,6 +291,7 @@ def model_dir(tmp_path):
     (["--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--temperature", "nan"], "--temperature must be 0 (greedy) or a finite number >= 0.0001"),
     (["--temperature", "1e-9"], "--temperature must be 0 (greedy) or a finite number >= 0.0001"),
+    (["--temperature", "-1"], "--temperature must be 0 (greedy) or a finite number >= 0.0001"),
     (["--out", "."], "--out '.' is a directory; it names the JSON file"),  # refused before the evaluation runs
 ])
 def test_eval_arguments_exit_2_naming_the_flag(extra, fragment, model_dir, tmp_path, capsys):

@@ -216,3 +216,83 @@ def test_the_algorithm_schema_is_derived_from_the_settings():
     toy = _schema("Toy", {**field_types(), "overlong.toy_option": bool})
     overlong = next(f for f in dc_fields(toy) if f.name == "overlong").default_factory
     assert "toy_option" in {f.name for f in dc_fields(overlong)}
+
+
+# ---- the edges of each range: one step outside is refused naming the key, the edge itself is accepted ------------
+@pytest.mark.parametrize("override, pattern", [
+    ("optim.eps=0", r"'optim.eps' = 0.0 is out of range: it must be in \(0, inf\]"),
+    ("optim.weight_decay=-0.1", r"'optim.weight_decay' = -0.1 is out of range: it must be in \[0, inf\]"),
+    ("warmup.weight_decay=-0.1", r"'warmup.weight_decay' = -0.1 is out of range"),
+    ("optim.betas=[0.9,1.0]", r"'optim.betas\[1\]' = 1.0 must be in \[0, 1\)"),  # beta2 = 1: Adam never forgets
+    ("optim.betas=[0.9]", r"'optim.betas' must hold two numbers"),
+    ("optim.grad_clip=0", r"'optim.grad_clip' = 0.0 is out of range: it must be in \(0, inf\]"),
+    ("warmup.grad_clip=0", r"'warmup.grad_clip' = 0.0 is out of range"),
+    ("warmup.target_high=1.5", r"'warmup.target_high' = 1.5 is out of range: it must be in \[0, 1\]"),
+    ("warmup.target_high=0.2", r"'warmup.target_low' = 0.3 and 'warmup.target_high' = 0.2: need target_low <="),
+    ("trainer.max_entropy_fraction=0", r"'trainer.max_entropy_fraction' = 0.0 is out of range: it must be in "
+                                       r"\(0, 1\]"),
+    ("eval.top_p=0", r"'eval.top_p' = 0.0 is out of range: it must be in \(0, 1\]"),
+    ("rollout.top_p=0", r"'rollout.temperature'/'rollout.top_p' need temperature >= 0 and 0 < top_p <= 1"),
+    ("data.max_prompt_tokens=0", r"'data.max_prompt_tokens' must be >= 1, got 0"),
+    ("warmup.min_steps=-1", r"'warmup.min_steps' must be >= 0, got -1"),
+    ("trainer.keep_last=0", r"'trainer.keep_last' must be >= 1, got 0"),  # 0 would delete every checkpoint
+    ("model.rope_theta=0", r"'model.rope_theta' must be > 0, got 0"),
+    ("model.hidden_size=36", r"the head dimension 9 is odd, RoPE needs an even one"),  # 36 / 4 heads
+    ("data.tokenizer_vocab_size=259", r"'data.tokenizer_vocab_size' = 259 leaves no room for merges"),
+    ("trainer.mini_batch_size=129", r"'trainer.mini_batch_size' = 129 is more than the 128 responses"),  # 16 x 8
+    ("rollout.streaming=true", r"'rollout.streaming' needs an engine server"),  # tiny_cpu samples in process
+    ("name=..", r"'name' = '..' must be a plain folder name"),
+])
+def test_one_step_outside_each_range_is_refused_naming_the_key(override, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config("tiny_cpu", [override])
+
+
+@pytest.mark.parametrize("overrides", [
+    ["optim.betas=[0.0,0.999]"],  # beta1 = 0: RMSProp-like Adam, a valid choice
+    ["eval.temperature=0"],  # greedy evaluation (only rollouts must sample)
+    ["warmup.target_low=0.4", "warmup.target_high=0.4"],  # a band of one value
+    ["trainer.mini_batch_size=128"],  # the whole step's 16 x 8 responses in one update
+    ["trainer.max_entropy_fraction=1.0"],
+    ["warmup.min_steps=0", "optim.warmup_steps=0", "trainer.max_skipped_updates=0"],
+    ["data.tokenizer_vocab_size=260"],  # 256 bytes + 3 special tokens + one merge
+], ids=lambda o: " ".join(o))
+def test_the_edge_of_each_range_is_accepted(overrides):
+    cfg = load_config("tiny_cpu", overrides)
+    for item in overrides:
+        key, value = item.split("=")
+        obj = cfg
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        assert str(obj).replace(" ", "") == value or obj == float(value), key
+
+
+def test_a_generation_cap_one_below_the_positions_is_trainable():
+    from nemo_dapo.local.config import check_trainable
+
+    cfg = load_config("tiny_cpu", ["rollout.max_new_tokens=255"])  # the model has 256 positions
+    assert check_trainable(cfg).rollout.max_new_tokens == 255
+
+
+def test_the_arithmetic_tasks_exact_count_of_train_problems_may_be_asked_for():
+    from nemo_dapo.local.run_data import make_task
+
+    most = make_task(load_config("tiny_cpu", ["data.max_terms=3", "data.train_size=10"])).most_distinct("train")
+    assert load_config("tiny_cpu", ["data.max_terms=3", f"data.train_size={most}"]).data.train_size == most
+    with pytest.raises(ConfigError, match=rf"'data.train_size' = {most + 1}: this arithmetic task has at most {most}"):
+        load_config("tiny_cpu", ["data.max_terms=3", f"data.train_size={most + 1}"])
+
+
+# partial rollouts on an engine server (rollout.engine=local), each rule refusing one missing piece
+SUSPEND = ["rollout.engine=local", "rollout.streaming=true", "rollout.on_filler_full=suspend", "algorithm.tis_cap=2.0"]
+
+
+@pytest.mark.parametrize("extra, pattern", [
+    (["algorithm.tis_cap=null"], r"'rollout.on_filler_full' = suspend trains tokens sampled by older weights"),
+    (["rollout.overlap=true", "rollout.server.sleep_level=1"], r"'rollout.overlap' = true .* needs .*sleep_level=0"),
+    (["rollout.overlap=true", "rollout.max_staleness=0"], r"'rollout.overlap' = true .* rollout.max_staleness >= 1"),
+])
+def test_partial_rollouts_name_what_they_miss(extra, pattern):
+    assert load_config("tiny_cpu", SUSPEND + ["rollout.overlap=true"]).rollout.overlap  # the complete set is valid
+    with pytest.raises(ConfigError, match=pattern):
+        load_config("tiny_cpu", SUSPEND + extra)

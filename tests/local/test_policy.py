@@ -153,3 +153,12 @@ def test_logprobs_restore_training_mode_and_need_no_grad(batch):
 def test_bad_micro_batch_size():
     with pytest.raises(ValueError, match="micro_batch_size"):
         LocalPolicy(tiny_model(), micro_batch_size=0)
+
+
+def test_a_resumed_policy_keeps_its_update_and_skip_counts(batch):
+    policy = LocalPolicy(tiny_model(), lr=1e-2)
+    policy.train_step(batch, norm=float(batch.num_tokens()), loss_fn=pg_loss)
+    policy.train_step(batch, norm=1.0, loss_fn=lambda logp, ent, mb, n: (logp.sum() * float("nan"), {}))
+    resumed = LocalPolicy(tiny_model(seed=1), lr=1e-2)
+    resumed.load_state_dict(policy.state_dict())
+    assert (resumed.num_updates, resumed.num_skipped) == (policy.num_updates, policy.num_skipped) == (1, 1)

@@ -459,3 +459,109 @@ def test_the_atomic_writer_never_writes_through_a_planted_temporary_name(tmp_pat
     write_text(str(tmp_path / "summary.json"), "{}")
     assert victim.read_text() == "precious\n" and (tmp_path / "summary.json").read_text() == "{}"
     assert sorted(os.listdir(tmp_path)) == ["summary.json", "summary.json.tmp", "victim"]
+
+
+# ---- resume decisions, unit by unit (the end-to-end tests above are slow) ------------------------------------------
+def _save(directory, step, **state):
+    state = state or {"loop": {"counters": {"rollout_steps": step}}, "rng": {}, "base_eval": {}}
+    return ck.save_checkpoint(str(directory), step, state, keep_last=10)
+
+
+def test_resume_takes_the_newest_checkpoint_and_moves_a_corrupt_one_aside(tmp_path):
+    from nemo_dapo.local.run_dir import pick_checkpoint
+
+    d = tmp_path / "checkpoints"
+    paths = [_save(d, step) for step in (1, 2, 3)]
+    path, state = pick_checkpoint(str(d))
+    assert path == paths[2] and state["loop"]["counters"]["rollout_steps"] == 3
+    with open(paths[2], "wb") as f:
+        f.write(b"\0" * 100)  # a truncated newest file
+    path, state = pick_checkpoint(str(d))
+    assert path == paths[1] and state["loop"]["counters"]["rollout_steps"] == 2
+    assert sorted(os.listdir(d)) == ["step_00000001.pt", "step_00000002.pt", "step_00000003.pt.corrupt"]
+
+
+def test_a_checkpoint_without_the_train_entries_is_not_resumed(tmp_path):
+    from nemo_dapo.local.run_dir import pick_checkpoint
+
+    d = tmp_path / "checkpoints"
+    first = _save(d, 1)
+    _save(d, 2, model={})  # a file of another tool under our name: no loop / rng / base_eval
+    assert pick_checkpoint(str(d))[0] == first
+    assert os.path.isfile(ck.checkpoint_path(str(d), 2) + ".corrupt")
+
+
+def test_resume_refuses_a_changed_seed_unless_allowed_and_ignores_a_raised_budget():
+    from nemo_dapo.local.run_dir import ResumeMismatch, check_resume_config
+
+    stored = {"run_dir": "runs/x", "seed": 1, "trainer": {"max_steps": 2}}
+    with pytest.raises(ResumeMismatch, match=r"1 key\(s\) that change the run differ: seed: 1 -> 7"):
+        check_resume_config(stored, {**stored, "seed": 7}, "step_00000002.pt", allow_change=False)
+    check_resume_config(stored, {**stored, "seed": 7}, "step_00000002.pt", allow_change=True)  # --allow-config-change
+    check_resume_config(stored, {**stored, "trainer": {"max_steps": 9}}, "step_00000002.pt", allow_change=False)
+
+
+def test_a_run_counts_as_finished_only_at_its_last_step_under_the_same_budget(tmp_path):
+    from nemo_dapo.local.run_dir import finished_summary
+
+    (tmp_path / "summary.json").write_text(json.dumps({"rollout_steps": 2}))
+    cfg = {"trainer": {"max_steps": 2, "max_samples": None, "max_time_s": None, "val_every": 1}}
+    at = lambda step: {"loop": {"counters": {"rollout_steps": step}}}  # noqa: E731
+    assert finished_summary(str(tmp_path), at(2), cfg, cfg) == {"rollout_steps": 2}
+    assert finished_summary(str(tmp_path), at(2), cfg, {"trainer": {**cfg["trainer"], "val_every": 5}}) is not None
+    for budget in ({"max_steps": 3}, {"max_samples": 100}, {"max_time_s": 60.0}):  # a raised budget continues it
+        assert finished_summary(str(tmp_path), at(2), cfg, {"trainer": {**cfg["trainer"], **budget}}) is None, budget
+    assert finished_summary(str(tmp_path), at(1), cfg, cfg) is None  # an older checkpoint: not the end
+
+
+def test_a_diverged_run_is_refused_until_resumed_and_an_unreadable_record_counts_as_diverged(tmp_path):
+    from nemo_dapo.local.run_dir import RunDiverged, check_diverged, record_divergence
+
+    run_dir = str(tmp_path)
+    assert check_diverged(run_dir, None, None, resume_diverged=False) == []
+    (tmp_path / "diverged.json").write_text("{half a reco")  # never taken for a healthy run
+    with pytest.raises(RunDiverged, match="diverged.json is unreadable"):
+        check_diverged(run_dir, None, None, resume_diverged=False)
+    record_divergence(run_dir, [{"step": 3, "reason": "entropy", "resumed": False}])
+    with pytest.raises(RunDiverged, match=r"diverged at rollout step 3 \(entropy\).*--resume-diverged"):
+        check_diverged(run_dir, None, "step_00000003.pt", resume_diverged=False)
+    history = check_diverged(run_dir, None, "step_00000003.pt", resume_diverged=True)
+    assert [(d["step"], d["resumed"]) for d in history] == [(3, True)]
+    record_divergence(run_dir, history)
+    assert check_diverged(run_dir, None, "step_00000003.pt", resume_diverged=False) == history  # resumed once: done
+    os.unlink(tmp_path / "diverged.json")  # the checkpoint's own record still counts
+    state = {"health": {"diverged": [{"step": 5, "reason": "skipped updates", "resumed": False}]}}
+    with pytest.raises(RunDiverged, match="diverged at rollout step 5"):
+        check_diverged(run_dir, state, "step_00000005.pt", resume_diverged=False)
+
+
+def test_taking_over_a_lock_replaces_its_whole_contents(tmp_path):
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"pid": 1, "host": "elsewhere", "started": 0,
+                                                  "command": "nemo-dapo train " + "x" * 500}))
+    with RunDirLock(str(tmp_path)):
+        info = json.loads((tmp_path / LOCK_FILE).read_text())  # no tail of the longer old contents
+    assert info["pid"] == os.getpid() and info["host"] == socket.gethostname()
+
+
+def test_a_second_signal_during_a_step_stops_at_once():
+    from nemo_dapo.local.run_dir import RunInterrupted, StopSignals
+
+    with StopSignals() as stop:
+        stop.defer(True)
+        os.kill(os.getpid(), signal.SIGTERM)  # the first: noted, the step goes on
+        assert stop.signum == signal.SIGTERM
+        with pytest.raises(RunInterrupted) as e:
+            os.kill(os.getpid(), signal.SIGINT)  # the second: at once
+        assert e.value.exit_code == 130
+        with pytest.raises(RunInterrupted) as e:
+            stop.raise_if_requested()
+        assert e.value.exit_code == 143
+
+
+def test_a_link_inside_the_checkpoint_directory_is_refused(tmp_path):
+    from nemo_dapo.local.run_dir import RunDirUnsafe, check_no_links
+
+    (tmp_path / "checkpoints").mkdir()
+    os.symlink(tmp_path / "elsewhere.pt", tmp_path / "checkpoints" / "step_00000003.pt")
+    with pytest.raises(RunDirUnsafe, match=r"step_00000003.pt is a symbolic link"):
+        check_no_links(str(tmp_path))

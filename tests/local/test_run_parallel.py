@@ -44,3 +44,8 @@ def test_blocks_match_the_single_process_sampler_and_follow_weight_updates():
     finally:
         par.close()
     assert par.processes == 1
+
+
+def test_zero_processes_is_refused_before_any_worker_starts():
+    with pytest.raises(ValueError, match="processes must be >= 1, got 0"):
+        ParallelSampler(build_model(CFG, vocab_size=40, seed=1), eos_id=2, pad_id=0, processes=0)

@@ -96,6 +96,18 @@ def test_rows_stop_at_their_own_eos(model):
     assert out.response_mask[0].sum() <= 4 and not out.truncated[0]
 
 
+def test_a_row_whose_eos_is_its_last_budgeted_token_finished_and_is_not_truncated(model):
+    ids, mask = left_padded([3, 5, 4])
+    free = sampler(model, eos=NEVER).generate(ids, mask, max_new_tokens=10, temperature=0.0)
+    eos = int(free.response_ids[0, 3])
+    first = free.response_ids[0].tolist().index(eos)  # row 0 reaches the EOS at token first + 1: its whole budget
+    out = sampler(model, eos=eos).generate(ids, mask, max_new_tokens=first + 1, temperature=0.0)
+    assert out.response_mask[0].sum() == first + 1 and int(out.response_ids[0, first]) == eos
+    assert not out.truncated[0]
+    for b in (1, 2):  # a row cut at the same budget without its EOS is truncated
+        assert bool(out.truncated[b]) == (eos not in free.response_ids[b, :first + 1].tolist())
+
+
 def test_per_row_budget(model):
     ids, mask = left_padded([3, 5, 4, 2])
     budget = torch.tensor([1, 7, 0, 4])
@@ -156,3 +168,14 @@ def test_right_padded_prompts_are_rejected(model):
     ids, mask = left_padded([3, 4])
     with pytest.raises(ValueError, match="LEFT-padded"):
         sampler(model).generate(ids.flip(1), mask.flip(1), max_new_tokens=4)
+
+
+def test_a_block_sampled_with_its_first_row_index_is_that_block_of_the_whole_batch(model):
+    """What lets rollout.processes split a batch without changing a row's draws (run_parallel.py)."""
+    ids, mask = left_padded([3, 5, 4, 6])
+    s = sampler(model, eos=NEVER)
+    whole = s.generate(ids, mask, max_new_tokens=6, seed=11)
+    block = s.generate(ids[2:], mask[2:], max_new_tokens=6, seed=11, first_row=2)
+    assert torch.equal(block.response_ids, whole.response_ids[2:])
+    shifted = s.generate(ids[2:], mask[2:], max_new_tokens=6, seed=11)  # row 0's stream: other draws
+    assert not torch.equal(shifted.response_ids, block.response_ids)

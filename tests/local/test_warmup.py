@@ -110,3 +110,26 @@ def test_the_main_jobs_base_model_reaches_the_band_before_the_step_cap(tmp_path)
     assert cfg.warmup.target_low <= stats["probe_accuracy"] <= cfg.warmup.target_high
     assert stats["steps"] < cfg.warmup.max_steps
     assert (tmp_path / BASE_DIR / "warmup.json").is_file()  # the job's next run reuses it
+
+
+@pytest.mark.parametrize("probe, reason", [(0.2, "in_band"), (0.5, "in_band"), (0.5 + 1e-9, "overshot")])
+def test_the_band_includes_both_of_its_ends(tok, monkeypatch, probe, reason):
+    monkeypatch.setattr(W, "sample_accuracy", lambda *a, **k: probe)
+    cfg = settings(batch_size=4, max_steps=8, min_steps=2, eval_every=2, target_low=0.2, target_high=0.5)
+    _, stats = W.supervised_warmup(small_model(tok), tok, ArithmeticTask(), cfg, log=None)
+    assert (stats.stop_reason, stats.steps) == (reason, 2)
+
+
+def test_the_probe_is_drawn_from_the_dev_split_never_the_evaluation_split(tok, monkeypatch):
+    task, seen = ArithmeticTask(), []
+    monkeypatch.setattr(W, "sample_accuracy", lambda model, tokenizer, rows, **k: seen.append(rows) or 0.0)
+    cfg = settings(batch_size=4, max_steps=1, min_steps=1, eval_every=1, probe_size=4)
+    W.supervised_warmup(small_model(tok), tok, task, cfg, log=None)
+    assert seen == [task.rows("dev", 4, seed=cfg.seed)] and seen[0] != task.rows("heldout", 4, seed=cfg.seed)
+
+
+def test_the_time_cap_stops_the_warmup_with_a_last_probe(tok, monkeypatch):
+    monkeypatch.setattr(W, "sample_accuracy", lambda *a, **k: 0.0)
+    cfg = settings(batch_size=4, max_steps=5, min_steps=1, eval_every=10, max_seconds=1e-9)
+    _, stats = W.supervised_warmup(small_model(tok), tok, ArithmeticTask(), cfg, log=None)
+    assert (stats.stop_reason, stats.steps, [h["step"] for h in stats.history]) == ("max_seconds", 1, [1])
