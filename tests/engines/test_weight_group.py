@@ -133,9 +133,13 @@ def test_a_bad_join_is_refused_by_name_and_the_server_serves_on(two, fields, mes
 
 def test_a_join_to_an_address_where_no_trainer_listens_fails_at_the_connect_deadline_not_the_groups(two):
     client = two[0][1]
-    t0 = time.monotonic()
-    client.call("join_weights", address=f"tcp://127.0.0.1:{free_port()}", rank=1, world_size=2, group_timeout_s=3600)
-    state = client.health()["weight_group"]  # answered once the join behind the reply gave up
+    # a port held bound but not listening refuses every connection, and no other test's server can take it meanwhile
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        t0 = time.monotonic()
+        client.call("join_weights", address=f"tcp://127.0.0.1:{held.getsockname()[1]}", rank=1, world_size=2,
+                    group_timeout_s=3600)
+        state = client.health()["weight_group"]  # answered once the join behind the reply gave up
     assert time.monotonic() - t0 < WG.JOIN_CONNECT_S + 15
     assert state.startswith("failed to join") and "cannot reach the weight group's rendezvous" in state
     req = Request(id="z", prompt_ids=[5], max_new_tokens=3, seed=1)
