@@ -11,7 +11,7 @@ from nemo_dapo.core import engine_registry
 from nemo_dapo.engines import protocol as P
 from nemo_dapo.engines import server as S
 from nemo_dapo.engines.base import EngineError
-from nemo_dapo.engines.client import EngineClient, EngineProcess
+from nemo_dapo.engines.client import EngineClient, EngineProcess, EngineRefused
 from tests.engines.toy_engine import ToyEngine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -55,6 +55,15 @@ def test_a_keyless_start_is_refused_with_the_fix_except_in_a_private_socket_dire
     assert P.server_key_policy(f"unix:{private_dir(tmp_path)}/e.sock", None, False).startswith("no key")
     assert P.keyless_problem("tcp://127.0.0.1:5") is not None  # every user can reach a port
     assert not hasattr(P, "DEFAULT_AUTHKEY")  # the public key of old is gone
+
+
+def test_a_keyless_client_is_refused_with_the_fix_before_it_connects_to_a_port(env, tmp_path):
+    # a client without a key would otherwise wait out its connect time-out, or talk to whoever holds the port
+    with pytest.raises(EngineRefused, match=f"no engine key, and a TCP port can be reached by every user(.|\n)*"
+                                            f"\\${P.AUTHKEY_ENV}"):
+        EngineClient("tcp://127.0.0.1:1", name="toy", connect_timeout_s=60)
+    with pytest.raises(EngineRefused, match="can be entered by other users"):
+        EngineClient(f"unix:{private_dir(tmp_path, 0o755)}/e.sock", name="toy", connect_timeout_s=60)
 
 
 def test_a_non_loopback_bind_needs_the_option_and_a_key(env, capsys):
@@ -276,6 +285,14 @@ def test_the_engine_is_closed_when_its_address_cannot_be_listened_on(env, tmp_pa
     closed = ToyEngine.closed
     err = one_error(capsys, "--engine", TOY, "--model", "-", "--address", f"unix:{tmp_path}/file")
     assert "exists and is not a socket" in err and ToyEngine.closed == closed + 1  # built first, then let go
+
+
+def test_a_directory_address_is_refused_before_the_engine_is_built(env, tmp_path, capsys):
+    # a 32B engine takes minutes to load: a mistake visible from the arguments alone must not wait for it
+    env.setenv(P.AUTHKEY_ENV, KEY)
+    closed = ToyEngine.closed
+    err = one_error(capsys, "--engine", TOY, "--model", "-", "--address", f"unix:{tmp_path}")
+    assert "is a directory; give a socket path inside it" in err and ToyEngine.closed == closed
 
 
 def test_the_key_is_not_left_in_the_environment_of_the_engine(env, tmp_path, capsys):

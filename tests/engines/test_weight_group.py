@@ -254,6 +254,7 @@ def test_a_generator_drops_its_group_after_a_failed_update_and_forms_a_new_one(t
     with pytest.raises(EngineWeightError, match="'model.bogus.weight'"):
         gen.update_weights(Policy([[("w", torch.ones(4))], [("model.bogus.weight", torch.ones(4))]]))
     assert gen._group is None
+    assert first._pg is None and first._store is None  # closed, not just forgotten: its rendezvous port let go
     gen.update_weights(Policy([[("w", torch.zeros(4))]]))
     assert gen._group is not None and gen._group is not first and gen.last_update["buckets"] == 1
     req = Request(id="g", prompt_ids=[5], max_new_tokens=3, seed=1)
