@@ -119,3 +119,30 @@ def test_bad_calls_are_named():
             tp_vocab_shard(8)
     with pytest.raises(ValueError, match="must be targets' shape"):
         vocab_parallel_logits_logprobs_entropy(torch.zeros(2, 3, 8), torch.zeros(2, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("entry", ["hidden", "logits"])
+def test_valid_vocab_is_honoured_without_tensor_parallelism(gloo_world_of_one, entry):
+    """At TP = 1 (a one-rank group) the padding rows beyond ``valid_vocab`` must still leave the softmax, through
+    both entry points: the engine samples from the real vocabulary only. Reference: plain log_softmax over the
+    first ``valid`` logits, in fp64."""
+    import torch.distributed as dist
+
+    from nemo_dapo.megatron.vocab_parallel import vocab_parallel_logprobs_entropy
+
+    g = torch.Generator().manual_seed(5)
+    padded, valid, temperature = 16, 11, 0.7
+    hidden, weight = torch.randn(3, 4, 8, generator=g), torch.randn(padded, 8, generator=g)
+    targets = torch.randint(0, valid, (3, 4), generator=g)
+    logits = hidden @ weight.t()
+    ref = torch.log_softmax(logits[..., :valid].double() / temperature, -1)
+    want_logp = ref.gather(-1, targets[..., None])[..., 0]
+    want_ent = -(ref.exp() * ref).sum(-1)
+    if entry == "hidden":
+        logp, ent = vocab_parallel_logprobs_entropy(hidden, weight, targets, temperature=temperature,
+                                                    group=dist.group.WORLD, valid_vocab=valid, chunk_size=5)
+    else:
+        logp, ent = vocab_parallel_logits_logprobs_entropy(logits, targets, temperature=temperature,
+                                                           group=dist.group.WORLD, valid_vocab=valid, chunk_size=5)
+    torch.testing.assert_close(logp.double(), want_logp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent.double(), want_ent, atol=1e-5, rtol=1e-5)
