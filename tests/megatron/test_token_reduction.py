@@ -104,3 +104,78 @@ def test_unscaled_two_tuple_is_detectably_wrong(worker_results):
     """Without the scale, megatron's averaging leaves 1 / (num_microbatches * DP) = 1/4 of the gradient."""
     for res in worker_results:
         assert res["dp2_naive"]["grad_rel_err"] == pytest.approx(0.75, abs=1e-3)
+
+
+# ---- the parallel-state readers, in one process (another rank simulated by a fake collective) ----------------------
+
+@pytest.mark.parametrize("multiplies_by_cp", [False, True])
+@pytest.mark.parametrize("n,dp,cp", [(3, 2, 1), (2, 4, 2), (5, 1, 4)])
+def test_megatron_loss_scale_reads_dp_and_cp_as_megatron_counts_them(monkeypatch, n, dp, cp, multiplies_by_cp):
+    """megatron's ``get_data_parallel_world_size()`` is the DP size WITHOUT CP (``with_context_parallel=True``
+    gives DP x CP); the scale must cancel the schedule and DDP's average over DP x CP ranks at every CP size."""
+    from megatron.core import parallel_state
+
+    monkeypatch.setattr(parallel_state, "get_data_parallel_world_size",
+                        lambda with_context_parallel=False, **_: dp * cp if with_context_parallel else dp)
+    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: cp)
+    monkeypatch.setattr(reduction, "schedule_multiplies_by_cp", lambda: multiplies_by_cp)
+    assert simulate(reduction.megatron_loss_scale(n), n, dp, cp, multiplies_by_cp) == pytest.approx(1.0, rel=1e-15)
+
+
+class OtherRank:
+    """``dist.all_reduce`` over a group of this process and one other rank whose tensor is ``other``."""
+
+    def __init__(self, other):
+        self.other, self.calls = other, []
+
+    def __call__(self, t, op=None, group=None):
+        import torch.distributed as dist
+
+        self.calls.append(op)
+        other = torch.as_tensor(self.other).to(t.dtype).reshape(t.shape)
+        if op in (None, dist.ReduceOp.SUM):
+            t.add_(other)
+        elif op == dist.ReduceOp.MAX:
+            torch.maximum(t, other, out=t)
+        else:
+            raise AssertionError(f"unexpected op {op}")
+
+
+def test_sum_grads_over_tp_leaves_the_sum_of_every_rank_in_each_gradient(monkeypatch):
+    """QK-norm weights are whole on every TP rank but each rank's gradient covers its own heads only: after the
+    call each gradient (several shapes, one coalesced collective) is the sum over the TP ranks."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    mine = [torch.arange(4.0), torch.full((2, 3), 0.5)]
+    theirs = [torch.tensor([10.0, 20.0, 30.0, 40.0]), torch.arange(6.0).reshape(2, 3)]
+    other = OtherRank(torch.cat([t.flatten() for t in theirs]))
+    monkeypatch.setattr(dist, "all_reduce", other)
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_group", lambda: None)
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 2)
+    grads = [t.clone() for t in mine]
+    reduction.sum_grads_over_tp(grads)
+    assert len(other.calls) == 1
+    for g, a, b in zip(grads, mine, theirs):
+        assert torch.equal(g, a + b)
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 1)
+    reduction.sum_grads_over_tp(grads)  # TP = 1: nothing to sum, no collective
+    assert len(other.calls) == 1
+
+
+@pytest.mark.parametrize("op,mine,theirs,want", [
+    ("sum", torch.tensor(2 ** 40 + 1), torch.tensor(2 ** 40), torch.tensor(2 ** 41 + 1)),  # int64: exact
+    ("max", torch.tensor([3, 9]), torch.tensor([7, 2]), torch.tensor([7, 9])),
+    ("sum", torch.tensor([0.25, -1.5]), torch.tensor([1.0, 2.0]), torch.tensor([1.25, 0.5])),
+    ("max", torch.tensor(True), torch.tensor(False), torch.tensor(True)),  # gloo has no bool reduction
+])
+def test_dp_reducer_reduces_over_its_ranks_in_the_input_dtype(monkeypatch, op, mine, theirs, want):
+    import torch.distributed as dist
+
+    other = OtherRank(theirs)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", other)
+    reducer = DPReducer(group=object())
+    got = getattr(reducer, op)(mine)
+    assert got.dtype == mine.dtype and torch.equal(got, want), (got, want)
