@@ -5,7 +5,7 @@ import torch
 
 from nemo_dapo.core.types import RolloutBatch
 from nemo_dapo.megatron.layout import pack_rollout
-from nemo_dapo.megatron.step import microbatches, row_lengths
+from nemo_dapo.megatron.step import microbatches, normalizer_share, row_lengths
 
 PAD = 0
 
@@ -56,3 +56,20 @@ def test_the_planner_refuses_a_plan_without_any_bound():
     packed = pack_rollout(_batch([2], [3]), PAD)
     with pytest.raises(ValueError, match="max_tokens"):
         microbatches(packed, multiple=1, pad_id=PAD)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_normalizer_share_is_the_rank_total_over_its_micro_batches(agg):
+    """The step's global normaliser is the sum of every rank's share, so a rank's share must be the total over its
+    micro-batches (filler included, which adds nothing), whatever the split: valid tokens for token-mean, rows with
+    a valid token for the sequence means. Expected values counted from the packed mask directly."""
+    from nemo_dapo.core.loss import make_loss_fn
+
+    loss_fn = make_loss_fn(eps_low=0.2, eps_high=0.28, agg=agg, max_new_tokens=6)
+    packed = pack_rollout(_batch([2, 5, 1, 3], [1, 6, 0, 4]), PAD)  # row 2 has no response token
+    want = packed["mask"].sum() if agg == "token-mean" else (packed["mask"].sum(1) > 0).sum()
+    for max_rows in (1, 2, 4):
+        _, micro = microbatches(packed, multiple=4, pad_id=PAD, max_rows=max_rows)
+        assert float(normalizer_share(loss_fn, micro)) == float(want), max_rows
+    empty = {k: v[:0] for k, v in packed.items()}
+    assert float(normalizer_share(loss_fn, microbatches(empty, multiple=4, pad_id=PAD, max_rows=2)[1])) == 0.0
