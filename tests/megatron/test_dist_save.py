@@ -56,3 +56,39 @@ def test_a_save_starts_no_process_and_loads_back(gloo_world_of_one, tmp_path, mo
     loaded = dist_checkpointing.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros_like(v), replica_id=0)
                                       for k, v in weights.items()}, str(tmp_path / "2"))
     assert all(torch.equal(loaded[k], v) for k, v in weights.items())
+
+
+def test_every_shard_file_is_fsynced_before_the_save_returns(gloo_world_of_one, tmp_path, monkeypatch):
+    """megatron's own writer fsyncs each file it writes (``write_preloaded_data(..., use_fsync=True)`` in its
+    children); written in this process the files must be flushed to disk just the same, or a crash right after a
+    save that "finished" can leave a truncated checkpoint behind."""
+    import torch
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    megatron_cpu_shim.adapt_checkpoint_writer()
+    weights = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(4)}
+    dist_save.save_sharded({k: ShardedTensor.from_rank_offsets(k, v, replica_id=0) for k, v in weights.items()},
+                           str(tmp_path))
+    shards = sorted(str(p) for p in tmp_path.glob("*.distcp"))
+    assert shards and sorted(set(synced) & set(shards)) == shards
+
+
+def test_a_failed_write_is_handed_to_the_finaliser_not_a_partial_result(tmp_path):
+    """A bucket whose file cannot be written: the results queue must get that exception (megatron's finaliser then
+    raises), not a dict of the buckets that did get written, which would finalise a checkpoint with a hole."""
+    import queue
+
+    ok, broken = str(tmp_path / "0.distcp"), str(tmp_path / "missing" / "1.distcp")
+    results = queue.Queue()
+    dist_save.write_buckets_in_process([(ok, "0.distcp", ([], [])), (broken, "1.distcp", ([], []))], results)
+    got = results.get_nowait()
+    assert isinstance(got, FileNotFoundError), got
+    assert results.empty()
