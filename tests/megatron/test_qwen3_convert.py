@@ -68,6 +68,22 @@ def test_qwen3_32b_is_dense_with_qk_norm(tmp_path):
     assert gpt_model_kwargs_from_hf(cfg)["rotary_percent"] == 1.0
 
 
+
+@pytest.mark.parametrize("spec", ["local", "te"])
+@pytest.mark.parametrize("raw", [QWEN3_32B, QWEN3_235B], ids=["dense", "moe"])
+def test_query_norm_is_q_norm_and_key_norm_is_k_norm(tmp_path, raw, spec):
+    """A swapped pair would still round-trip exactly (the map is used both ways), and only the logit parity, which
+    needs transformers 5, would see it: megatron's ``q_layernorm`` normalises the query heads as HF's ``q_norm``
+    does, ``k_layernorm`` the key heads as ``k_norm``. Likewise ``linear_fc1`` is [gate; up]: megatron's SwiGLU
+    is silu(first half) * second half, HF's silu(gate_proj) * up_proj."""
+    rules = {r.mc: r.hf for r in conversion_rules(hf_arch(config(tmp_path, raw)), spec)}
+    for i in (0, raw["num_hidden_layers"] - 1):
+        for p in "qk":
+            assert rules[f"decoder.layers.{i}.self_attention.{p}_layernorm.weight"] == \
+                (f"model.layers.{i}.self_attn.{p}_norm.weight",)
+    fc1 = [hf for mc, hf in rules.items() if mc.endswith("linear_fc1.weight")]
+    assert fc1 and all(hf[0].endswith("gate_proj.weight") and hf[1].endswith("up_proj.weight") for hf in fc1)
+
 @pytest.mark.parametrize("change,match", [({"mlp_only_layers": [3]}, "mlp_only_layers"),
                                           ({"decoder_sparse_step": 2}, "decoder_sparse_step"),
                                           ({"attention_bias": True}, "attention_bias"),
