@@ -73,3 +73,74 @@ def test_normalizer_share_is_the_rank_total_over_its_micro_batches(agg):
         assert float(normalizer_share(loss_fn, micro)) == float(want), max_rows
     empty = {k: v[:0] for k, v in packed.items()}
     assert float(normalizer_share(loss_fn, microbatches(empty, multiple=4, pad_id=PAD, max_rows=2)[1])) == 0.0
+
+
+def _last_stage(weight, tied):
+    """The attributes of a last-stage GPTModel that the log-prob path reads (its output weight, tied or not)."""
+    from types import SimpleNamespace
+
+    inner = SimpleNamespace(config=SimpleNamespace(sequence_parallel=False), share_embeddings_and_output_weights=tied,
+                            post_process=True)
+    if tied:
+        inner.shared_embedding_or_output_weight = lambda: weight
+    else:
+        inner.output_layer = SimpleNamespace(weight=weight)
+    return inner
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("with_positions", [False, True])
+def test_hidden_logprobs_entropy_reads_the_targets_at_their_positions(gloo_world_of_one, tied, with_positions):
+    """From megatron's [S, b, H] final hidden states: target t of row b is scored from the hidden state at
+    ``positions[b, t]`` (default t), with the output weight (the embedding when tied), the vocabulary rows beyond
+    ``valid_vocab`` left out and ``temperature`` applied. Reference: plain fp64 log_softmax of the full logits."""
+    import tests.support.megatron_cpu_shim  # noqa: F401  (megatron's RNG setup asks for CUDA)
+    from nemo_dapo.megatron.step import hidden_logprobs_entropy
+    from tests.support.megatron_model import destroy_parallel, initialize_parallel
+
+    initialize_parallel()
+    try:
+        g = torch.Generator().manual_seed(3)
+        s, b, h, padded, valid, temperature = 7, 2, 8, 12, 10, 0.8
+        hidden, weight = torch.randn(s, b, h, generator=g), torch.randn(padded, h, generator=g)
+        targets = torch.randint(0, valid, (b, 4), generator=g)
+        positions = torch.tensor([[6, 0, 3, 3], [1, 2, 5, 4]]) if with_positions else None
+        logp, ent = hidden_logprobs_entropy(_last_stage(weight, tied), hidden, targets, positions=positions,
+                                            temperature=temperature, valid_vocab=valid, chunk_size=3)
+        where = positions if with_positions else torch.arange(4).expand(b, 4)
+        for row in range(b):
+            for t in range(4):
+                ref = torch.log_softmax((weight[:valid] @ hidden[where[row, t], row]).double() / temperature, -1)
+                assert logp[row, t].item() == pytest.approx(ref[targets[row, t]].item(), abs=1e-5)
+                assert ent[row, t].item() == pytest.approx(-(ref.exp() * ref).sum().item(), abs=1e-5)
+    finally:
+        destroy_parallel()
+
+
+@pytest.mark.parametrize("saved", [True, False])
+def test_hidden_states_only_puts_post_process_back(saved):
+    """Inside, the model returns hidden states (post_process False); after, each stage has its own setting back
+    (False on every stage but the last), also when the forward raised."""
+    from nemo_dapo.megatron.step import hidden_states_only
+
+    inner = _last_stage(torch.zeros(1, 1), False)
+    inner.post_process = saved
+    with hidden_states_only(inner):
+        assert inner.post_process is False
+    assert inner.post_process is saved
+    with pytest.raises(RuntimeError), hidden_states_only(inner):
+        raise RuntimeError("forward failed")
+    assert inner.post_process is saved
+
+
+def test_sequences_already_at_a_multiple_are_not_padded():
+    """pad_seq_len pads to the NEXT multiple only when needed: a width that already is one stays (an extra block
+    of padding would cost a whole multiple of compute per micro-batch)."""
+    from nemo_dapo.megatron.step import pad_seq_len
+
+    packed = pack_rollout(_batch([2, 2], [6, 2]), PAD)  # width 8
+    for multiple, want in ((4, 8), (8, 8), (3, 9), (1, 8), (5, 10)):
+        out, s = pad_seq_len(packed, multiple, PAD)
+        assert s == 8 and out["response_tokens"].shape[1] == want and out["mask"].shape[1] == want - 1
+        assert torch.equal(out["response_tokens"][:, :8], packed["response_tokens"])
+        assert out["response_tokens"][:, 8:].eq(PAD).all() and out["mask"][:, 7:].eq(0).all()
