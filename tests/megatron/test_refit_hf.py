@@ -142,6 +142,29 @@ def test_wrong_or_incomplete_streams_are_refused():
         list(hf_buckets(iter(te), cfg, bucket_bytes=64))
 
 
+
+def test_layer_spec_name_tells_te_from_local_by_the_fused_norm():
+    """The HF map differs between the specs (TE fuses the input norm into ``linear_qkv``); the refit picks the map
+    from the model's own parameter names, wrappers looked through."""
+    from types import SimpleNamespace
+
+    from nemo_dapo.megatron.refit_hf import layer_spec_name
+
+    class Named(torch.nn.Module):
+        def __init__(self, names):
+            super().__init__()
+            self.params = torch.nn.ParameterDict({n.replace(".", "_"): torch.nn.Parameter(torch.ones(1))
+                                                  for n in names})
+            self.names = names
+
+        def named_parameters(self, *args, **kwargs):
+            return iter((n, p) for n, p in zip(self.names, self.params.values()))
+
+    te = Named(["embedding.word_embeddings.weight", "decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"])
+    local = Named(["embedding.word_embeddings.weight", "decoder.layers.0.input_layernorm.weight"])
+    assert layer_spec_name(te) == "te" and layer_spec_name(local) == "local"
+    assert layer_spec_name(SimpleNamespace(module=te)) == "te"  # a DDP / Float16Module wrapper
+
 def test_consumed_inputs_are_released_before_the_next_is_pulled():
     """The input stream's tensors must not be referenced by the generator once their pieces left (a lazy gather
     would otherwise hold two gathered tensors)."""
