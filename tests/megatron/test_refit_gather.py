@@ -86,3 +86,64 @@ def test_buckets_respect_byte_bound(results, layout):
             assert s["bucket_ok"], (layout, stream, s)  # <= bucket bytes, or a single oversized tensor
             assert s["peak"] <= s["bound"], (layout, stream, s)  # pending bucket + one gathered tensor
         assert r["infer_tp1_small"]["buckets"] > 5 and r["infer_tp1_large"]["buckets"] == 1
+
+
+# ---- what the 2-rank runs cannot reach: TP x PP (4 ranks) and an expert-TP size other than TP --------------------
+
+def _fake_parallel_state(monkeypatch, tp, etp):
+    """TP size ``tp`` and expert-TP size ``etp`` (megatron's ``expert_tensor_parallel_size``), rank 0 of each, EP 1;
+    ``all_gather`` answers as if every other rank held ``10 * rank + its own shard``. Returns the groups used."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    for name, value in (("get_tensor_model_parallel_world_size", tp), ("get_tensor_model_parallel_rank", 0),
+                        ("get_tensor_model_parallel_group", "tp-group"),
+                        ("get_expert_tensor_parallel_world_size", etp), ("get_expert_tensor_parallel_rank", 0),
+                        ("get_expert_tensor_parallel_group", "etp-group"),
+                        ("get_expert_model_parallel_world_size", 1), ("get_expert_model_parallel_rank", 0)):
+        monkeypatch.setattr(ps, name, lambda value=value: value)
+    used = []
+
+    def all_gather(shards, t, group=None):
+        used.append((group, len(shards)))
+        for r, s in enumerate(shards):
+            s.copy_(t + 10 * r)
+
+    monkeypatch.setattr(dist, "all_gather", all_gather)
+    return used
+
+
+def test_an_expert_weight_is_gathered_over_expert_tp_not_tp(monkeypatch):
+    """With expert_tensor_parallel_size=1 under TP=2 each rank holds its experts whole: gathering them over the TP
+    group would stack two copies. Dense weights still gather over TP."""
+    from nemo_dapo.megatron.refit_gather import _Entry, _tp_gather
+
+    used = _fake_parallel_state(monkeypatch, tp=2, etp=1)
+    t = torch.arange(12.0).reshape(4, 3)
+    expert = _Entry("fc2", ("fc2",), tp_dim=1, stride=1, expert=True, shape=(4, 3), dtype=t.dtype)
+    assert torch.equal(_tp_gather(t, expert), t) and used == []
+    dense = _Entry("proj", ("proj",), tp_dim=1, stride=1, expert=False, shape=(4, 6), dtype=t.dtype)
+    assert torch.equal(_tp_gather(t, dense), torch.cat([t, t + 10], 1)) and used == [("tp-group", 2)]
+    used.clear()
+    _fake_parallel_state(monkeypatch, tp=2, etp=2)
+    assert _tp_gather(t, expert).shape == (4, 6)
+
+
+def test_stage_entries_carry_the_gathered_shape(monkeypatch):
+    """The other pipeline stages (and EP ranks) allocate their broadcast buffer from an entry's shape, so it must be
+    the shape AFTER the TP gather: at TP=2 x PP=2 a shard-sized buffer fails the broadcast (4 ranks, not run here)."""
+    from nemo_dapo.megatron import refit_gather
+    from nemo_dapo.megatron.model import ParamLayout
+
+    _fake_parallel_state(monkeypatch, tp=2, etp=2)
+    model = torch.nn.Module()
+    for name, shape in (("qkv", (6, 4)), ("proj", (4, 3)), ("norm", (4,))):
+        model.register_parameter(name, torch.nn.Parameter(torch.zeros(shape)))
+    layouts = {"qkv": ParamLayout("decoder.layers.0.self_attention.linear_qkv.weight", tp_dim=0),
+               "proj": ParamLayout("decoder.layers.0.self_attention.linear_proj.weight", tp_dim=1),
+               "norm": ParamLayout("decoder.final_layernorm.weight", tp_dim=None)}
+    monkeypatch.setattr(refit_gather, "param_layouts", lambda inner: layouts)
+    got = {e.local_name: (e.names, e.shape) for e in refit_gather._stage_entries(model)}
+    assert got == {"qkv": (("decoder.layers.0.self_attention.linear_qkv.weight",), (12, 4)),
+                   "proj": (("decoder.layers.0.self_attention.linear_proj.weight",), (4, 6)),
+                   "norm": (("decoder.final_layernorm.weight",), (4,))}
