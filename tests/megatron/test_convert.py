@@ -378,3 +378,27 @@ def test_pretrained_smollm2_logits_match(tmp_path):
     assert res["max_diff"] < 1e-3, f"SmolLM2: max |logit diff| {res['max_diff']:.3g} (scale {res['logit_scale']:.3g})"
     assert res["argmax_equal"]
     assert res["wrong_rope_max_diff"] > 0.1  # the check sees a rope base that does not match the HF config
+
+
+def test_biases_are_cut_as_megatron_holds_them():
+    """A Llama with ``attention_bias`` and ``mlp_bias`` (megatron's add_bias_linear, no other family has it): on TP
+    rank 1 of 2 the column-parallel biases are its slices (QKV: its query groups; fc1: [gate_1; up_1]) and the
+    row-parallel ones (o_proj, down_proj) whole, since megatron adds them once after the all-reduce. Expected values
+    sliced by hand from the HF tensors."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.megatron.workers.convert_models import SMALL, randomize_
+
+    cfg = LlamaConfig(**SMALL, num_hidden_layers=1, attention_bias=True, mlp_bias=True, tie_word_embeddings=False)
+    hf = randomize_(AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32), 2).state_dict()
+    got = hf_to_megatron_shard(hf, cfg, Parallel(tp=2), tp_rank=1, padded_vocab=PADDED_VOCAB)
+    pre, mc = "model.layers.0.", "decoder.layers.0."
+    d, heads, groups, f = 32 // 4, 4, 2, 48
+    q, k, v = (hf[f"{pre}self_attn.{p}_proj.bias"] for p in "qkv")
+    group1 = torch.cat([q.view(groups, heads // groups * d)[1], k.view(groups, d)[1], v.view(groups, d)[1]])
+    assert torch.equal(got[mc + "self_attention.linear_qkv.bias"], group1)
+    assert torch.equal(got[mc + "self_attention.linear_proj.bias"], hf[pre + "self_attn.o_proj.bias"])
+    gate, up = hf[pre + "mlp.gate_proj.bias"], hf[pre + "mlp.up_proj.bias"]
+    assert torch.equal(got[mc + "mlp.linear_fc1.bias"], torch.cat([gate[f // 2:], up[f // 2:]]))
+    assert torch.equal(got[mc + "mlp.linear_fc2.bias"], hf[pre + "mlp.down_proj.bias"])
+    assert torch.equal(got[mc + "mlp.linear_fc2.weight"], hf[pre + "mlp.down_proj.weight"][:, f // 2:])
