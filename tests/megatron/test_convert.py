@@ -402,3 +402,16 @@ def test_biases_are_cut_as_megatron_holds_them():
     assert torch.equal(got[mc + "mlp.linear_fc1.bias"], torch.cat([gate[f // 2:], up[f // 2:]]))
     assert torch.equal(got[mc + "mlp.linear_fc2.bias"], hf[pre + "mlp.down_proj.bias"])
     assert torch.equal(got[mc + "mlp.linear_fc2.weight"], hf[pre + "mlp.down_proj.weight"][:, f // 2:])
+
+
+def test_per_rank_conversion_adds_the_tied_output_copy_only_with_a_pipeline():
+    """With tied embeddings a single-stage model has no ``output_layer.weight`` (load_state_dict(strict=True) would
+    refuse one); the last of several stages holds a copy of its rows of the embedding."""
+    cfg = configs()["llama"]
+    one_stage = hf_to_megatron_shard(hf_state("llama"), cfg, Parallel(tp=2), tp_rank=1, padded_vocab=PADDED_VOCAB)
+    assert "output_layer.weight" not in one_stage and "embedding.word_embeddings.weight" in one_stage
+    last = hf_to_megatron_shard(hf_state("llama"), cfg, Parallel(tp=2, pp=2), tp_rank=1, pp_rank=1,
+                                padded_vocab=PADDED_VOCAB)
+    embed = hf_state("llama")["model.embed_tokens.weight"]  # 250 rows, padded with zeros to 256
+    assert torch.equal(last["output_layer.weight"][:250 - PADDED_VOCAB // 2], embed[PADDED_VOCAB // 2:])
+    assert last["output_layer.weight"][250 - PADDED_VOCAB // 2:].eq(0).all()
