@@ -144,3 +144,26 @@ def test_sequences_already_at_a_multiple_are_not_padded():
         assert s == 8 and out["response_tokens"].shape[1] == want and out["mask"].shape[1] == want - 1
         assert torch.equal(out["response_tokens"][:, :8], packed["response_tokens"])
         assert out["response_tokens"][:, 8:].eq(PAD).all() and out["mask"][:, 7:].eq(0).all()
+
+
+@pytest.mark.parametrize("multiple", [1, 2, 3, 8, 16])
+def test_every_shifted_field_stays_on_its_grid_whatever_the_padding(multiple):
+    """Each micro-batch's [b, S'-1] fields (mask, old and engine log-probs) line up with its [b, S'] tokens after
+    the cut to the group's longest row AND the padding to ``multiple``, which may add 0, 1 or many columns: entry
+    t is token t + 1's, as in the packed batch."""
+    batch = _batch([2, 5, 1, 3], [1, 6, 0, 4])
+    batch.engine_logp = torch.randn(batch.old_logp.shape, generator=torch.Generator().manual_seed(1)) \
+        * batch.response_mask
+    packed = pack_rollout(batch, PAD)
+    shifted = [k for k, v in packed.items() if v.dim() == 2 and k != "response_tokens"]
+    assert sorted(shifted) == ["engine_logprobs", "mask", "prev_logprobs"]
+    for max_rows in (1, 2):
+        groups, micro = microbatches(packed, multiple=multiple, pad_id=PAD, max_rows=max_rows)
+        for g, mb in zip(groups, micro):
+            width = mb["response_tokens"].shape[1]
+            assert width % multiple == 0
+            real = min(width, packed["response_tokens"].shape[1])
+            for k in shifted:
+                assert mb[k].shape == (len(g), width - 1), (k, multiple, max_rows)
+                assert torch.equal(mb[k][:, :real - 1], packed[k][g, :real - 1]), k
+                assert mb[k][:, real - 1:].eq(0).all(), k
