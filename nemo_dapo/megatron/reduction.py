@@ -144,7 +144,7 @@ class DPReducer:
         if self.world_size == 1:
             return x.detach().clone()
         wire = torch.float64 if x.is_floating_point() else torch.int64  # gloo: no bool / int32 reductions
-        out = x.detach().to(device=collective_device(self.group), dtype=wire)
+        out = x.detach().to(device=collective_device(self.group), dtype=wire, copy=True)  # the input stays as given
         dist.all_reduce(out, op=op, group=self.group)
         return out.to(device=x.device, dtype=x.dtype)
 

@@ -177,5 +177,7 @@ def test_dp_reducer_reduces_over_its_ranks_in_the_input_dtype(monkeypatch, op, m
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(dist, "all_reduce", other)
     reducer = DPReducer(group=object())
+    before = mine.clone()
     got = getattr(reducer, op)(mine)
     assert got.dtype == mine.dtype and torch.equal(got, want), (got, want)
+    assert torch.equal(mine, before)  # the input is left alone, as with one rank (int64 needs no conversion)
