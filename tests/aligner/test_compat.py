@@ -38,3 +38,29 @@ def test_stack_mismatch_names_each_difference_and_ignores_local_labels():
     assert "found nemo-toolkit==2.2.0, megatron-core==not installed" in msg and "nemo-aligner" not in msg.split(
         "found")[1]
     assert "NeMo-Aligner 0.7.0's own image" in msg
+
+
+# ---- audit additions (mutation testing of nemo_dapo/aligner/) ---------------------------------------------------
+def test_unpack_state_rejects_a_uint8_entry_of_another_shape():
+    with pytest.raises(ValueError, match="1-D uint8"):
+        unpack_state(pack_state({"step": 1}).reshape(1, -1))
+
+
+@pytest.mark.parametrize("field", ["uid", "rewards"])
+def test_the_image_builds_round_trip_check_fails_on_a_state_that_comes_back_different(monkeypatch, field):
+    from nemo_dapo.aligner import compat
+
+    real = compat.unpack_state
+
+    def lossy(packed):
+        state = real(packed)
+        group = state["groups"][0]
+        if field == "uid":
+            group.uid += 1
+        else:
+            group.rewards = group.rewards.flip(0)
+        return state
+
+    monkeypatch.setattr(compat, "unpack_state", lossy)
+    with pytest.raises(RuntimeError, match="does not round-trip"):
+        compat._state_round_trips()

@@ -152,3 +152,74 @@ def test_build_prompt_dataset_applies_the_chat_template_choice(tmp_path):
     text = "".join(chr(i) for i in chat[0]["text"].tolist())
     assert text.startswith("<|im_start|>user\nSolve the following") and text.endswith("<|im_start|>assistant\n")
     assert "".join(chr(i) for i in raw[0]["text"].tolist()).startswith("Solve the following")
+
+
+# ---- audit additions (mutation testing of nemo_dapo/aligner/) ---------------------------------------------------
+@pytest.mark.parametrize("kw, match", [({"max_prompt_len": 0}, "max_prompt_len must be >= 1"),
+                                       ({"prompt_template": "Q: {question}"}, r"must contain '\{prompt\}'")])
+def test_settings_that_would_silently_drop_every_prompt_or_the_prompt_text_are_refused(kw, match):
+    with pytest.raises(ValueError, match=match):
+        DAPOPromptDataset([Row("1+1=", "2")], TOK, **{"max_prompt_len": 10, **kw})
+
+
+def test_a_prompt_of_exactly_max_prompt_len_tokens_is_kept():
+    ds = DAPOPromptDataset([Row("abcd", "1"), Row("abcde", "2")], TOK, max_prompt_len=4)
+    assert len(ds) == 1 and ds.num_dropped == 1 and ds[0]["length"] == 4
+
+
+def test_an_empty_prompt_and_a_data_set_left_empty_are_errors():
+    with pytest.raises(ValueError, match="row 1: the prompt tokenises to nothing"):
+        DAPOPromptDataset([Row("a", "1"), Row("", "2")], TOK, max_prompt_len=4)
+    with pytest.raises(ValueError, match=r"empty \(2 prompts were longer than max_prompt_len=3\)"):
+        DAPOPromptDataset([Row("abcd", "1"), Row("abcde", "2")], TOK, max_prompt_len=3)
+
+
+def test_collate_refuses_a_group_id_count_that_does_not_match_the_items():
+    ds = DAPOPromptDataset([Row("ab", "1")], TOK, max_prompt_len=8)
+    with pytest.raises(ValueError, match="2 items but 3 group_ids"):
+        collate([ds[0], ds[0]], pad_id=0, group_ids=[1, 2, 3])
+
+
+def test_an_explicit_pad_id_is_the_prompt_sets():
+    ds = DAPOPromptDataset([Row("ab", "1")], TOK, max_prompt_len=8, pad_id=0)
+    assert ds.pad_id == 0 and ds.prompt_set().pad_id == 0
+
+
+def test_a_chat_template_flag_needs_a_template_not_just_the_method():
+    class NoTemplate(_ChatTokenizer):
+        class _HF(_ChatTokenizer._HF):
+            chat_template = None  # HF tokenizers have apply_chat_template even when they ship no template
+
+        tokenizer = _HF()
+
+    with pytest.raises(ValueError, match="has no chat template"):
+        DAPOPromptDataset([Row("2+3=", "5", "c")], NoTemplate(), max_prompt_len=200, chat_template=True)
+
+
+def test_deduplication_also_spans_files(tmp_path):
+    from nemo_dapo.aligner.dataset import build_prompt_dataset
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    first, second = _aime_like(a, problems=3, copies=1), _aime_like(b, problems=3, copies=1)  # the same 3 problems
+    cfg = _data_cfg(first)
+    cfg.data_prefix.validation = [first, second]
+    assert len(build_prompt_dataset(cfg, "validation", TOK)) == 3
+    cfg.validation_deduplicate = False
+    assert len(build_prompt_dataset(cfg, "validation", TOK)) == 6
+
+
+def test_each_split_reads_its_own_format_and_deduplicate_keys(tmp_path):
+    import json
+
+    from nemo_dapo.aligner.dataset import build_prompt_dataset
+
+    verl = _aime_like(tmp_path, problems=2, copies=3)
+    plain = tmp_path / "aime2025.jsonl"  # the AIME-2025 schema, which the validation split's reader does not take
+    plain.write_text("".join(json.dumps({"problem": f"plain problem {i}", "answer": str(i)}) + "\n" for i in range(4)))
+    cfg = _data_cfg(verl, deduplicate=False, train_format="aime2025")
+    cfg.data_prefix.train = [str(plain)]
+    train = build_prompt_dataset(cfg, "train", TOK)
+    assert [train[i]["answer"] for i in range(len(train))] == ["0", "1", "2", "3"]
+    cfg = _data_cfg(verl, deduplicate=False)  # train: verl, copies kept; validation: aime2024, de-duplicated
+    assert len(build_prompt_dataset(cfg, "train", TOK)) == 6 and len(build_prompt_dataset(cfg, "validation", TOK)) == 2

@@ -141,3 +141,88 @@ def test_the_check_names_a_decoder_that_differs(monkeypatch):
 def test_the_trainer_image_runs_the_decoder_check():
     dockerfile = Path(__file__).resolve().parents[2] / "containers" / "Dockerfile"
     assert "python -m nemo_dapo.aligner.reward_client" in dockerfile.read_text()
+
+
+# ---- audit additions (mutation testing of nemo_dapo/aligner/) ---------------------------------------------------
+def test_a_ranks_cpu_share_is_capped_by_its_affinity_and_torchrun_beats_slurm():
+    from nemo_dapo.aligner.reward_client import ranks_per_node, reward_pool_size
+
+    # --cpus-per-task larger than the CPUs this process may run on: a pool beyond them would only oversubscribe
+    assert reward_pool_size({"SLURM_CPUS_PER_TASK": "32"}, 8, 128) == 8
+    # torchrun inside a Slurm allocation: its LOCAL_WORLD_SIZE is the processes of this node, not Slurm's tasks
+    assert ranks_per_node({"LOCAL_WORLD_SIZE": "4", "SLURM_TASKS_PER_NODE": "1", "SLURM_NTASKS_PER_NODE": "1"}) == 4
+
+
+def test_a_wrong_number_of_answers_is_refused_at_the_call_not_in_the_scoring_thread():
+    # raised on every rank of a model-parallel group before any scoring starts: in the thread it would surface on
+    # the source rank only, at result(), while the other ranks wait in the broadcast
+    batch = _rollout(["a", "b"], ["1", "2"], ["1"])
+    client = LocalRewardClient(TOK, num_workers=1)
+    try:
+        with pytest.raises(ValueError, match="2 responses but 1 answers"):
+            client.infer_rm(batch)
+    finally:
+        client.close()
+
+
+def test_only_the_model_parallel_source_rank_scores(monkeypatch):
+    batch = _rollout(["a"], ["Answer: 1"], ["1"])
+    monkeypatch.setattr(rc, "_mp_group_and_src", lambda: ("mp-group", 4))  # this rank's group, its source rank 4
+    scored = {}
+    for rank in (4, 5):
+        monkeypatch.setattr(rc.dist, "get_rank", lambda rank=rank: rank)
+        client = LocalRewardClient(TOK, num_workers=1)
+        client.score = lambda ids, mask, answers, rank=rank: scored.setdefault(rank, len(answers)) and (
+            torch.ones(1), torch.ones(1), ["1"])
+        try:
+            client.infer_rm(batch)
+        finally:
+            client.close()  # waits for the scoring thread
+    assert scored == {4: 1}  # rank 5 gets rank 4's result by broadcast and scores nothing itself
+
+
+def test_a_zero_reward_from_a_rewards_only_client_is_not_a_correct_answer():
+    class Zero:
+        def infer_rm(self, batch):
+            return _ScoreOnlyFuture(torch.tensor([0.0, 1.0]))
+
+    _, acc, _ = ClientReward(Zero())(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3), ["", ""])
+    assert acc.tolist() == [0.0, 1.0]
+
+
+def test_client_reward_takes_the_accuracy_the_client_reports():
+    # a client that reports acc (details) is not second-guessed from the sign of its score
+    class Detailed:
+        def result(self):
+            return torch.tensor([[0.5], [-1.0]])
+
+        def details(self):
+            return torch.tensor([0.5, -1.0]), torch.tensor([0.0, 1.0]), ["x", "y"]
+
+    class Client:
+        def infer_rm(self, batch):
+            return Detailed()
+
+    score, acc, preds = ClientReward(Client())(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3), ["", ""])
+    assert score.tolist() == [0.5, -1.0] and acc.tolist() == [0.0, 1.0] and preds == ["x", "y"]
+
+
+def test_client_reward_scores_only_the_masked_tokens_of_a_padded_response():
+    # right-padded rows: the tokens after the mask (here digits that would extend the answer) are not the response's
+    ids = torch.tensor([TOK.text_to_ids("Answer: 5") + [TOK.eos_id] + TOK.text_to_ids("77"),
+                        TOK.text_to_ids("Answer: 6") + [TOK.eos_id] + TOK.text_to_ids("77")])
+    mask = torch.ones_like(ids, dtype=torch.float)
+    mask[:, -2:] = 0
+    client = LocalRewardClient(TOK, num_workers=1)
+    try:
+        score, acc, preds = ClientReward(client)(ids, mask, ["5", "6"])
+    finally:
+        client.close()
+    assert preds == ["5", "6"] and acc.tolist() == [1.0, 1.0]
+
+
+@pytest.mark.nemo
+def test_nemo_auto_tokenizer_takes_the_fast_decoder_and_it_decodes_as_ids_to_text():
+    # the image build's check, here on every run: random ids over a trained tokenizer, special tokens mixed in
+    pytest.importorskip("nemo")
+    assert rc.check_installed_nemo() == []
