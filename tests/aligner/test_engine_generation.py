@@ -239,3 +239,110 @@ def test_results_exchange_gives_every_rank_the_owners_parts_in_order(tmp_path):
             assert case["dtypes"] == ["torch.int64", "torch.float32", "torch.bool"], (rank, name)
         assert out["no_logprobs"]["got"]["logprobs"] is None
         assert len(out["two_owners"]["got"]["ids"]) == 5 and len(out["two_owners"]["got"]["ids"][0]) == 7
+
+
+# ---- audit additions (mutation testing of nemo_dapo/aligner/) ---------------------------------------------------
+@pytest.mark.parametrize("kw, match", [(dict(world=8, gpus_per_node=8, engine_gpus=0), "engine_gpus=0 must be >= 1"),
+                                       (dict(world=0, gpus_per_node=8, engine_gpus=1), "world=0 must be >= 1"),
+                                       (dict(world=12, gpus_per_node=8, engine_gpus=2),
+                                        "world size 12 is not a whole number of 8-GPU nodes")])
+def test_a_layout_that_cannot_place_engines_is_refused(kw, match):
+    with pytest.raises(ValueError, match=match):
+        EngineLayout(**kw)
+
+
+class _RecordingEngine:
+    """An owner's EngineGenerator: records what it was asked for, answers one token per row."""
+
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, prompt_ids, prompt_mask, **kw):
+        import torch
+
+        from nemo_dapo.core.types import Generation
+
+        self.calls.append(dict(kw, rows=prompt_ids[:, -1].tolist()))
+        b = prompt_ids.shape[0]
+        return Generation(response_ids=prompt_ids[:, -1:].clone(), response_mask=torch.ones(b, 1),
+                          truncated=torch.zeros(b, dtype=torch.bool))
+
+    def idle_seconds(self):
+        return 0.0
+
+
+def test_each_owner_generates_its_rows_with_their_budgets_and_a_seed_of_its_own(monkeypatch):
+    import torch
+
+    from nemo_dapo.aligner import engine_generation as eg
+
+    monkeypatch.setattr(eg.dist, "get_rank", lambda: 0)
+    prompts, mask = torch.arange(5).reshape(5, 1), torch.ones(5, 1)
+    budgets = torch.tensor([10, 11, 12, 13, 14])
+    seen = {}
+    for owners in ([0, 7], [7, 0]):  # this rank is the first, then the second, of two owners
+        engine = _RecordingEngine()
+        gen = eg.AlignerEngineGenerator(None, engine, owners=owners, mp_group=None, hf_config=None, pad_id=0)
+        gen.generate(prompts, mask, max_new_tokens=budgets, seed=123)
+        (call,) = engine.calls
+        seen[owners.index(0)] = call
+    # split_rows(5, 2) = [0, 2), [2, 5): each owner's rows and the per-row budgets of those rows
+    assert seen[0]["rows"] == [0, 1] and seen[0]["max_new_tokens"].tolist() == [10, 11]
+    assert seen[1]["rows"] == [2, 3, 4] and seen[1]["max_new_tokens"].tolist() == [12, 13, 14]
+    # two owners with one seed would sample the same streams for their rows
+    assert seen[0]["seed"] != seen[1]["seed"]
+
+
+def test_a_separate_engine_is_owned_by_the_lowest_rank_of_its_replica(monkeypatch):
+    from nemo_dapo.aligner import engine_generation as eg
+
+    monkeypatch.setattr(eg.dist, "get_process_group_ranks", lambda group: [13, 12, 15, 14])
+    lay = EngineLayout(world=16, gpus_per_node=8, engine_gpus=4)
+    assert eg._engine_owners(lay, "mp-group", True, groups=[]) == [12]
+
+
+@pytest.mark.parametrize("dtype, torch_dtype", [("bf16", "bfloat16"), ("fp16", "float16"), (None, None)])
+def test_build_engine_generator_wires_the_server_keys_into_the_owners_client(monkeypatch, dtype, torch_dtype):
+    # build_engine_generator on rank 1 of a one-node world of 2 GPUs, one engine per GPU, without processes: the
+    # client is a recorder, the process groups are answered here; everything between is the real wiring
+    from types import SimpleNamespace
+
+    import torch
+    from megatron.core import parallel_state as mcore_ps
+
+    from nemo_dapo.aligner import engine_generation as eg
+    from nemo_dapo.cluster.config_validate import load_config
+    from nemo_dapo.engines import client as engine_client
+
+    cfg = load_config(None, ["trainer.devices=2", "trainer.dapo.rollout_engine=local",
+                             f"trainer.dapo.engine_server.dtype={'null' if dtype is None else dtype}"])
+    srv = cfg.trainer.dapo.engine_server
+    clients = []
+
+    class RecordingClient:
+        info = {}
+
+        def __init__(self, address, **kw):
+            clients.append(dict(kw, address=address))
+            self.name = kw["name"]
+
+    monkeypatch.setattr(engine_client, "EngineClient", RecordingClient)
+    monkeypatch.setenv(srv.address_env, "unix:/run/e{local}-r{rank}.sock")  # the launcher's address wins
+    monkeypatch.setenv(srv.authkey_env, "s3cret")
+    monkeypatch.setattr(mcore_ps, "get_model_parallel_group", lambda: "mp-group-of-rank-1")
+    monkeypatch.setattr(eg, "every_group", lambda group: [(0,), (1,)])
+    monkeypatch.setattr(eg.dist, "get_process_group_ranks", lambda group: [1])
+    monkeypatch.setattr(eg.dist, "get_world_size", lambda group=None: 1)
+    pushed = []
+    monkeypatch.setattr(eg.AlignerEngineGenerator, "push_initial_weights", lambda self: pushed.append(self))
+    actor = SimpleNamespace(cfg=cfg.model, tokenizer=SimpleNamespace(eos_id=2), valid_vocab=None)
+    gen = eg.build_engine_generator(actor, cfg, hf_config=SimpleNamespace(vocab_size=300), world=2, rank=1)
+    assert clients == [{"address": "unix:/run/e1-r1.sock", "authkey": b"s3cret", "name": "local@unix:/run/e1-r1.sock",
+                        "connect_timeout_s": float(srv.connect_timeout_s),
+                        "request_timeout_s": float(srv.request_timeout_s),
+                        "weight_timeout_s": float(srv.weight_timeout_s)}]
+    assert gen.owners == [1] and gen.engine.bucket_bytes == int(srv.bucket_mb) * 2 ** 20
+    assert gen.engine.sleep_level == int(srv.sleep_level)
+    assert gen.engine.top_k == int(cfg.model.dapo.sampling_params.top_k)
+    assert gen._weights.dtype == (None if torch_dtype is None else getattr(torch, torch_dtype))  # what the refit sends
+    assert actor.valid_vocab == 300 and pushed == [gen]  # the engine's vocabulary; the first push, once

@@ -290,3 +290,69 @@ def test_the_engine_idle_time_is_logged_on_a_rank_that_owns_an_engine_and_only_t
     assert metrics["timing/engine_idle_frac"] == pytest.approx(0.25 / metrics["timing/step_s"])
     owner_less = eg.AlignerEngineGenerator(FakeActor(gpu), None, owners=[1], mp_group=None, hf_config=None, pad_id=0)
     assert not hasattr(owner_less, "idle_seconds")  # no client: no number (the loop then logs none)
+
+
+# ---- audit additions (mutation testing of nemo_dapo/aligner/) ---------------------------------------------------
+class LedgerOffload:
+    """``StateOffload``'s face (offload(parts), onload, offloaded_parts) recording its moves on the ledger."""
+
+    def __init__(self, gpu):
+        self.gpu, self.parts = gpu, []
+
+    @property
+    def offloaded_parts(self):
+        return tuple(self.parts)
+
+    def offload(self, parts):
+        self.gpu.note("offload:" + "+".join(parts))
+        self.parts += [p for p in parts if p not in self.parts]
+        return 0
+
+    def onload(self):
+        self.gpu.note("onload")
+        self.parts = []
+        return 0
+
+
+class NotedWeights:
+    """The refit's gather, noting each bucket as the engine reads it."""
+
+    def __init__(self, gpu):
+        self.gpu = gpu
+
+    def hf_weight_buckets(self, bucket_bytes):
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            self.gpu.note("gather")
+            yield [(name, torch.zeros(2, 2))]
+
+
+def test_the_training_state_leaves_around_the_refit_and_comes_back_after_the_engine_sleeps(world_of_one, gpu):
+    # model.dapo.offload_training_state: grads and optimizer states leave BEFORE the gather (it reads the weights),
+    # the weights after it; the next sleep frees the KV cache first, then onloads everything
+    gpu.budget = 200.0  # only the order is under test here
+    client = FakeClient(gpu, releases=TRTLLM_LIKE)
+    offload = LedgerOffload(gpu)
+    actor = FakeActor(gpu)
+    gen = eg.AlignerEngineGenerator(actor, EngineGenerator(client, eos_id=EOS, pad_id=0, sleep_level=1), owners=[0],
+                                    mp_group=None, hf_config=None, pad_id=0, training_offload=offload)
+    gen._weights = NotedWeights(gpu)
+    assert actor.training_state_offload is offload  # ActorPolicy's guard (onload_for_use) reads it there
+    gen.update_weights()
+    assert [e for e in gpu.events if e.startswith(("offload:", "gather"))] == [
+        "offload:grads+optimizer", "gather", "gather", "offload:weights"]
+    assert offload.offloaded_parts == ("grads", "optimizer", "weights")
+    gen.sleep()
+    assert gpu.events[-2:] == ["sleep:1", "onload"] and offload.offloaded_parts == ()
+
+
+def test_the_actor_onloads_a_state_still_offloaded_before_using_it(gpu, caplog):
+    from nemo_dapo.aligner.training_offload import onload_for_use
+
+    offload = LedgerOffload(gpu)
+    actor = type("Actor", (), {"training_state_offload": offload})()
+    onload_for_use(actor)
+    assert "onload" not in gpu.events  # nothing offloaded: nothing moves
+    offload.offload(("grads", "optimizer"))
+    onload_for_use(actor)
+    assert gpu.events[-1] == "onload" and offload.offloaded_parts == ()
+    assert "was still offloaded when the actor needed it" in caplog.text

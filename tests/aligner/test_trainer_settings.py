@@ -228,3 +228,74 @@ def test_allocation_time_left_reads_the_slurm_job_end():
     assert allocation_time_left({"SLURM_JOB_END_TIME": "1000"}, now=400.0) == 600.0
     assert allocation_time_left({}, now=400.0) == math.inf
     assert allocation_time_left({"SLURM_JOB_END_TIME": "0"}, now=400.0) == math.inf  # no limit set
+
+
+# ---- audit additions (mutation testing of nemo_dapo/aligner/) ---------------------------------------------------
+def test_time_budget_keeps_the_longest_duration_and_counts_the_save_once():
+    from nemo_dapo.aligner.trainer import TimeBudget
+
+    b = TimeBudget(lambda: 80.0, save_s=30.0)
+    b.record("generate", 50.0)
+    b.record("generate", 10.0)  # a quick batch does not make the next one quick
+    assert b.estimate["generate"] == 50.0
+    assert b.fits("generate")  # 80 s left: exactly a batch and its checkpoint
+    # a save needs its own time only, not a second save after it
+    assert TimeBudget(lambda: 40.0, save_s=30.0).fits("save")
+
+
+def test_the_sampling_top_p_reaches_the_loop():
+    from nemo_dapo.aligner.trainer import aligner_loop_parts
+
+    trainer, model = _cfgs()
+    model.dapo.sampling_params.top_p = 0.7
+    assert aligner_loop_parts(trainer, model)[0].top_p == 0.7
+
+
+class _Recorder:
+    """Records calls by name into a shared list."""
+
+    def __init__(self, events, **attrs):
+        self.__dict__.update(attrs)
+        self._events = events
+
+    def __getattr__(self, name):
+        return lambda *a, **kw: self._events.append(name)
+
+
+@pytest.mark.parametrize("offloaded_parts, adam_offloaded", [(("grads", "optimizer", "weights"), False), ((), True),
+                                                             ((), False)])
+def test_a_save_brings_offloaded_state_back_and_sends_it_away_again(monkeypatch, offloaded_parts, adam_offloaded):
+    # DAPOTrainer.save between a refit and the next generation: the engine sleeps and the training state comes back
+    # before NeMo's checkpoint reads every tensor; afterwards the optimizer states leave again and the engine gets
+    # a full refit (its sleep may have released its weights)
+    from nemo_dapo.aligner import trainer as tr
+    from nemo_dapo.aligner.compat import unpack_state
+
+    events = []
+    t = object.__new__(tr.DAPOTrainer)
+    t.generator = _Recorder(events, training_offload=type("Offload", (), {"offloaded_parts": offloaded_parts})())
+    t.model = _Recorder(events, distributed_adam_offload_manager="entered" if adam_offloaded else None,
+                        trainer_state=None)
+    saved = []
+    t.ckpt_callback = type("Callback", (), {"custom_save": lambda self, **kw: events.append("custom_save")
+                                            or saved.append(kw)})()
+    t.loop = type("Loop", (), {"counters": {"gen_batches": 7}})()
+    t.state_dict = lambda: {"step": 3, "consumed_samples": 12, "loop": {"filler": "groups"}}
+    monkeypatch.setattr(tr.dist, "barrier", lambda: events.append("barrier"))
+    t.save({"val_accuracy": 0.5}, is_train_end=True)
+    expected = ["sleep"] * bool(offloaded_parts) + ["prepare_for_training", "barrier", "custom_save",
+                                                     "finish_training"]
+    expected += ["offload_adam_states"] * adam_offloaded + ["update_weights"] * bool(offloaded_parts)
+    assert events == expected
+    assert unpack_state(t.model.trainer_state) == t.state_dict()  # the whole state travels inside the checkpoint
+    (kw,) = saved
+    assert kw["is_train_end"] and sorted(kw["monitor_candidates"]) == ["consumed_samples", "step", "val_accuracy"]
+    assert t._saved_at == 7
+
+
+def test_training_steps_warns_of_a_cut_only_when_max_epochs_cuts(caplog):
+    from nemo_dapo.aligner.trainer import training_steps
+
+    # 17398 // 512 = 33 steps per epoch: max_steps=33 is reached at the end of the first epoch, nothing is cut
+    steps, why = training_steps(17398, 512, 1, 33)
+    assert steps == 33 and "bound by max_steps" in why and "cut to" not in caplog.text
