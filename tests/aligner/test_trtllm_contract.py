@@ -573,3 +573,46 @@ def test_engine_is_built_with_keywords_the_installed_nemo_aligner_accepts(monkey
 ])
 def test_the_sources_the_fakes_copy_still_say_so(package, path, line):
     assert line in _site(package, *path.split("/")), f"{package}/{path} no longer contains {line!r}"
+
+
+# ---- audit additions (mutation testing of nemo_dapo/aligner/) ---------------------------------------------------
+def test_a_response_is_cut_before_its_first_id_outside_the_vocabulary_negative_ids_included():
+    from nemo_dapo.aligner.generation import _cut_at_out_of_vocab
+
+    rows = torch.tensor([[5, 6, -1, 7, 8], [5, 9, 10, 7, 8], [5, 6, 7, 8, 11]])
+    # row 0: -1 at position 2; row 1: 10 (= V) at 2; row 2: 11 lies past its total length 4, so nothing is cut
+    assert _cut_at_out_of_vocab(rows, torch.tensor([5, 5, 4]), 10).tolist() == [2, 2, 4]
+
+
+def test_responses_longer_than_the_cap_are_cut_to_it():
+    from nemo_dapo.aligner.generation import _response_from_rows
+
+    rows = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9]])  # prompt of 2, then 7 response tokens
+    gen = _response_from_rows(rows, torch.tensor([2]), torch.tensor([9]), torch.tensor([False]), max_new_tokens=5,
+                              pad_id=0)
+    assert gen.response_ids[0][gen.response_mask[0].bool()].tolist() == [3, 4, 5, 6, 7]
+    assert bool(gen.truncated[0])
+
+
+def test_the_legacy_engine_tells_the_actor_which_ids_it_samples(monkeypatch):
+    # the log-probs leave out Megatron's padding rows exactly when the engine cannot emit them
+    actor = FakeActor()
+    monkeypatch.setattr(compat, "trtllm_generator_class", lambda: lambda **kw: _engine(actor))
+    actor.valid_vocab = None
+    assert isinstance(build_generator(actor), TRTLLMGenerator) and actor.valid_vocab == TOK.vocab_size
+
+
+def test_the_zero_output_bias_never_replaces_a_real_one():
+    from nemo_dapo.aligner.legacy_export import with_zero_dense_bias
+
+    qkv, proj = "decoder.layers.0.self_attention.linear_qkv.bias", "decoder.layers.0.self_attention.linear_proj.bias"
+    real = torch.full((4,), 0.5)
+    state = with_zero_dense_bias(lambda *a: {qkv: torch.ones(12), proj: real}, 4)(None, None, None)
+    assert state[proj] is real
+
+
+def test_no_banned_word_list_when_the_vocabulary_needs_no_padding():
+    from nemo_dapo.aligner.legacy_export import banned_ids_list
+
+    assert banned_ids_list(256, 256, 4) is None  # an empty [batch, 2, 0] list is not what TensorRT-LLM takes
+    assert banned_ids_list(255, 256, 2).tolist() == [[[255], [1]], [[255], [1]]]
