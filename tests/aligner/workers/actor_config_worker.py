@@ -1,0 +1,33 @@
+"""One process: what the DAPO actor takes from its config when NeMo 2.1 builds it (tests/support/nemo_cpu.py), and
+the sequence-length multiple it pads micro-batches to for a few parallel layouts. Prints one JSON line."""
+import json
+
+from tests.support import nemo_cpu  # noqa: E402,F401  (patches first)
+
+from omegaconf import OmegaConf  # noqa: E402
+
+# (TP, sequence parallel, CP) layouts whose multiple the test computes by hand
+LAYOUTS = [(1, False, 1), (2, True, 1), (4, True, 2), (2, False, 2)]
+
+
+def main():
+    sampling = dict(nemo_cpu.DAPO_DEFAULTS["sampling_params"], temperature=0.6)
+    _, actor = nemo_cpu.build_actor(1, 1, dapo={"sampling_params": sampling, "forward_micro_batch_size": 3,
+                                                "logprob_chunk_size": 5})
+    from nemo_dapo.aligner.actor import _dapo_cfg, seq_len_multiple
+
+    try:
+        _dapo_cfg(OmegaConf.create({}))
+        missing = None
+    except ValueError as e:
+        missing = str(e)
+    print(json.dumps({
+        "logprob_temperature": actor.logprob_temperature, "forward_micro_batch_size": actor.forward_micro_batch_size,
+        "logprob_chunk_size": actor.logprob_chunk_size, "seq_len_multiple": actor.seq_len_multiple,
+        "loss_fn": actor.loss_fn, "missing_dapo": missing,
+        "multiples": [seq_len_multiple(OmegaConf.create({"tensor_model_parallel_size": tp, "sequence_parallel": sp,
+                                                         "context_parallel_size": cp})) for tp, sp, cp in LAYOUTS]}))
+
+
+if __name__ == "__main__":
+    main()
