@@ -46,3 +46,15 @@ def test_offload_frees_the_device_memory(tmp_path, case):
               f"allocated_drop={r['allocated_drop']} storages={r['storages']}")
     check(ranks)
     assert all(r["allocated_drop"] >= r["want_bytes"] for r in ranks)
+
+
+# ---- audit additions (mutation testing of nemo_dapo/aligner/) ---------------------------------------------------
+def test_a_rollout_steps_offload_metrics_are_seconds_and_gigabytes():
+    from nemo_dapo.aligner.training_offload import pop_metrics
+
+    class Moves:
+        def pop_stats(self):
+            return {"offload_s": 1.5, "onload_s": 0.25, "offloaded_bytes": 3 * 10 ** 9}
+
+    assert pop_metrics(Moves()) == {"timing/offload_s": 1.5, "timing/onload_s": 0.25, "memory/offloaded_gb": 3.0}
+    assert pop_metrics(None) == {}  # no offload configured: no metrics
