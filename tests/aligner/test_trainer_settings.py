@@ -299,3 +299,71 @@ def test_training_steps_warns_of_a_cut_only_when_max_epochs_cuts(caplog):
     # 17398 // 512 = 33 steps per epoch: max_steps=33 is reached at the end of the first epoch, nothing is cut
     steps, why = training_steps(17398, 512, 1, 33)
     assert steps == 33 and "bound by max_steps" in why and "cut to" not in caplog.text
+
+
+class _Loop:
+    """DAPOLoop's face for DAPOTrainer.fit: each step asks should_stop before each of its two generation batches;
+    from step ``deadline_step`` on, after ``deadline_after`` batches of it (or once ``done_at`` steps are done), the
+    run's time is up."""
+
+    def __init__(self, deadline_step=None, deadline_after=0, done_at=None):
+        self.counters = {"rollout_steps": 0, "gen_batches": 0, "optimizer_steps": 0, "consumed_prompts": 0}
+        self.sampler = type("Sampler", (), {"epoch": 0})()
+        self.deadline_step, self.deadline_after, self.done_at = deadline_step, deadline_after, done_at
+        self.out_of_time, self.caps = False, []
+
+    def step(self, should_stop, sample_cap):
+        self.caps.append(sample_cap)
+        for batch in range(2):
+            if self.counters["rollout_steps"] + 1 == self.deadline_step and batch == self.deadline_after:
+                self.out_of_time = True
+            if should_stop("generate"):
+                return None
+            self.counters["gen_batches"] += 1
+        self.counters["rollout_steps"] += 1
+        self.out_of_time = self.counters["rollout_steps"] == self.done_at
+        return {"loss": 0.0}
+
+
+def _fit(monkeypatch, loop, max_steps=3):
+    from contextlib import nullcontext
+
+    from nemo_dapo.aligner import trainer as tr
+
+    monkeypatch.delenv("SLURM_JOB_END_TIME", raising=False)
+    events = []
+    t = object.__new__(tr.DAPOTrainer)
+    t.cfg = OmegaConf.create({"save_time_s": 10.0, "val_check_interval": 0, "save_interval": 1})
+    t.loop, t.max_steps, t.val_ds, t.generator, t.history = loop, max_steps, None, object(), []
+    t.run_timer = type("Timer", (), {"start_time": lambda self: None,
+                                     "get_time_remaining": lambda self: 0.0 if loop.out_of_time else 1e9})()
+    t.timer = type("Scoped", (), {"__call__": lambda self, name: nullcontext(),
+                                  "consume_durations": lambda self: {}})()
+    t.logger = _Recorder(events)
+    t._rank0_decides = lambda ok: ok
+
+    def save(extra=None, is_train_end=False):
+        events.append(("save", loop.counters["rollout_steps"], is_train_end))
+        t._saved_at = loop.counters["gen_batches"]
+
+    t.save = save
+    t.fit()
+    return [e for e in events if e != "log_metrics"]
+
+
+def test_fit_saves_every_step_draws_nothing_ahead_at_the_last_and_finalizes(monkeypatch):
+    loop = _Loop()
+    assert _fit(monkeypatch, loop) == [("save", 1, False), ("save", 2, False), ("save", 3, True), "finalize"]
+    assert loop.caps == [None, None, 0]  # the last step starts no prompt that no step would train
+
+
+def test_fit_at_the_last_step_with_no_time_left_ends_as_a_normal_run(monkeypatch):
+    loop = _Loop(done_at=3)  # not even one more generation batch would fit, but there is none to run
+    assert _fit(monkeypatch, loop) == [("save", 1, False), ("save", 2, False), ("save", 3, True), "finalize"]
+
+
+@pytest.mark.parametrize("after, saves", [(1, [("save", 1, False), ("save", 1, False)]), (0, [("save", 1, False)])])
+def test_a_time_limit_inside_a_step_saves_its_generated_batches_only_if_there_are_some(monkeypatch, after, saves):
+    loop = _Loop(deadline_step=2, deadline_after=after)
+    assert _fit(monkeypatch, loop) == saves  # stopped: no finalize, the next launch resumes from the save
+    assert loop.counters["rollout_steps"] == 1 and loop.counters["gen_batches"] == 2 + after
