@@ -15,7 +15,7 @@ pytestmark = [needs_nemo, pytest.mark.nemo, pytest.mark.slow]
 WORKER = ROOT / "tests/aligner/workers/actor_config_worker.py"
 
 
-def test_the_actor_reads_its_sampling_temperature_and_pads_to_megatrons_split():
+def test_the_actor_reads_its_sampling_temperature_pads_to_megatrons_split_and_scores_the_last_column():
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     res = subprocess.run([sys.executable, str(WORKER)], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
@@ -28,3 +28,8 @@ def test_the_actor_reads_its_sampling_temperature_and_pads_to_megatrons_split():
     # 8 x TP with sequence parallelism, else 16; times CP (the worker's LAYOUTS: (TP, SP, CP))
     assert out["multiples"] == [16, 8 * 2, 8 * 4 * 2, 16 * 2] and out["seq_len_multiple"] == 16
     assert "model.dapo is missing" in out["missing_dapo"]
+    # a row that fills the batch width (a truncated response after the longest prompt) has a log-prob for its last
+    # token, the one it gets when the batch is one padding column wider (causal attention: padding after it
+    # changes nothing)
+    assert all(x < 0 for x in out["last_logp"])
+    assert out["last_logp"] == pytest.approx(out["last_logp_padded"], abs=1e-5)

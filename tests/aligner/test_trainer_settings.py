@@ -367,3 +367,43 @@ def test_a_time_limit_inside_a_step_saves_its_generated_batches_only_if_there_ar
     loop = _Loop(deadline_step=2, deadline_after=after)
     assert _fit(monkeypatch, loop) == saves  # stopped: no finalize, the next launch resumes from the save
     assert loop.counters["rollout_steps"] == 1 and loop.counters["gen_batches"] == 2 + after
+
+
+class _StepActor:
+    """The DAPO actor's face for ActorPolicy.train_step: records the batch the loss gets (field -> shape)."""
+
+    def __init__(self):
+        self.tokenizer, self.batches, self.calls = type("Tok", (), {"eos_id": 2})(), [], []
+        self.training_state_offload = None  # nothing offloaded (onload_for_use's guard)
+
+    def __getattr__(self, name):
+        if name not in ("prepare_for_training", "prepare_for_training_step", "finish_training_step"):
+            raise AttributeError(name)
+        return lambda *a, **kw: self.calls.append(name)
+
+    def get_loss_and_metrics(self, batch, forward_only, *, norm, loss_fn, reduce_over_dp):
+        assert not forward_only and not reduce_over_dp  # this DP rank's share; the loop reduces over DP
+        self.batches.append({k: tuple(v.shape) for k, v in batch.items()})
+        return 0.5, {"loss": 0.5}
+
+
+@pytest.mark.parametrize("tis_cap", [None, 2.0])
+def test_a_rank_without_samples_trains_on_blank_rows_with_every_field_its_loss_reads(monkeypatch, tis_cap):
+    # token-balanced shares can leave a rank no sample of a mini-batch: it still runs the update (collectives)
+    # on 0 rows, which must carry the engine log-probs when truncated importance sampling reads them
+    from nemo_dapo.aligner import trainer as tr
+
+    monkeypatch.setattr(tr, "skip_update", lambda loss, grad_norm: (loss, False))  # no DP group here
+    steps = []
+    optimizer = type("Opt", (), {"param_groups": [{"lr": 0.1}], "zero_grad": lambda self: None,
+                                 "step": lambda self: steps.append("optimizer")})()
+    scheduler = type("Sched", (), {"step": lambda self: steps.append("scheduler")})()
+    actor = _StepActor()
+    out = tr.ActorPolicy(actor, optimizer, scheduler, gradient_clip_val=None).train_step(
+        None, norm=4.0, loss_fn=type("Loss", (), {"tis_cap": tis_cap})())
+    (batch,) = actor.batches
+    fields = {"response_tokens", "mask", "prev_logprobs", "advantages", "is_end"}
+    assert set(batch) == fields | ({"engine_logprobs"} if tis_cap else set())
+    assert all(shape[0] == 0 for shape in batch.values())
+    assert steps == ["optimizer", "scheduler"] and out["lr"] == 0.1 and out["skipped"] == 0.0
+    assert actor.calls == ["prepare_for_training", "prepare_for_training_step", "finish_training_step"]

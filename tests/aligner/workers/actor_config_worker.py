@@ -1,9 +1,12 @@
-"""One process: what the DAPO actor takes from its config when NeMo 2.1 builds it (tests/support/nemo_cpu.py), and
-the sequence-length multiple it pads micro-batches to for a few parallel layouts. Prints one JSON line."""
+"""One process: what the DAPO actor takes from its config when NeMo 2.1 builds it (tests/support/nemo_cpu.py), the
+sequence-length multiple it pads micro-batches to for a few parallel layouts, and the old log-probs of rows that fill
+the whole batch width (the last token of such a row), with and without one more padding column. Prints one JSON
+line."""
 import json
 
 from tests.support import nemo_cpu  # noqa: E402,F401  (patches first)
 
+import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 # (TP, sequence parallel, CP) layouts whose multiple the test computes by hand
@@ -21,7 +24,12 @@ def main():
         missing = None
     except ValueError as e:
         missing = str(e)
+    tokens = torch.randint(3, 250, (2, 9), generator=torch.Generator().manual_seed(0))  # no padding: full width
+    last = actor.get_logprobs_and_entropy(tokens)[0][:, -1]
+    padded = torch.cat([tokens, torch.full((2, 1), actor.tokenizer.eos_id)], dim=1)
+    last_padded = actor.get_logprobs_and_entropy(padded)[0][:, -2]  # the same token, one column before the end
     print(json.dumps({
+        "last_logp": last.tolist(), "last_logp_padded": last_padded.tolist(),
         "logprob_temperature": actor.logprob_temperature, "forward_micro_batch_size": actor.forward_micro_batch_size,
         "logprob_chunk_size": actor.logprob_chunk_size, "seq_len_multiple": actor.seq_len_multiple,
         "loss_fn": actor.loss_fn, "missing_dapo": missing,
