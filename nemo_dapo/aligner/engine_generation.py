@@ -143,7 +143,8 @@ def broadcast_generation(part: Optional[Generation], src: int, group) -> Generat
 
     Three broadcasts from ``src``: a header [rows, width, has_logprobs, has_finished] (int64), ids
     [rows, width + 1 + has_finished] (int64, the last columns ``truncated`` and ``finished``) and
-    [1 or 2, rows, width] float32 (the mask, the log-probs). The transient device memory is one part,
+    [1 or 2, rows, width] float32 (the mask, the log-probs; left out when width is 0: rows without a response token,
+    e.g. samples cut before their first token, still carry their flags). The transient device memory is one part,
     ``rows x (8 (width + 2) + 4 width (1 + has_logprobs))`` bytes at most, where an ``all_gather_object`` held
     world x the largest pickled part."""
     device = collective_device(group)
@@ -154,7 +155,7 @@ def broadcast_generation(part: Optional[Generation], src: int, group) -> Generat
     header = header.to(device)
     dist.broadcast(header, src, group=group)
     rows, width, has_lp, has_fin = (int(x) for x in header.tolist())
-    if rows == 0 or width == 0:  # nothing to send (the header says so on every rank)
+    if rows == 0:  # nothing to send (the header says so on every rank)
         return part if part is not None else Generation(
             response_ids=torch.zeros(rows, width, dtype=torch.long), response_mask=torch.zeros(rows, width),
             truncated=torch.zeros(rows, dtype=torch.bool), logprobs=torch.zeros(rows, width) if has_lp else None,
@@ -168,7 +169,8 @@ def broadcast_generation(part: Optional[Generation], src: int, group) -> Generat
         ids = torch.empty(rows, width + 1 + has_fin, dtype=torch.long, device=device)
         floats = torch.empty(1 + has_lp, rows, width, dtype=torch.float32, device=device)
     dist.broadcast(ids, src, group=group)
-    dist.broadcast(floats, src, group=group)
+    if width:
+        dist.broadcast(floats, src, group=group)
     if part is not None:
         return part
     ids, floats = ids.cpu(), floats.cpu()

@@ -346,3 +346,12 @@ def test_build_engine_generator_wires_the_server_keys_into_the_owners_client(mon
     assert gen.engine.top_k == int(cfg.model.dapo.sampling_params.top_k)
     assert gen._weights.dtype == (None if torch_dtype is None else getattr(torch, torch_dtype))  # what the refit sends
     assert actor.valid_vocab == 300 and pushed == [gen]  # the engine's vocabulary; the first push, once
+
+
+def test_a_part_without_response_tokens_keeps_its_flags_on_every_rank(tmp_path):
+    # an owner's rows may hold no token yet (width 0): the other ranks of its model-parallel group must still get
+    # its truncated / finished flags, or they hand their filler other groups than the owner does
+    run_torchrun(ROOT / "tests/aligner/workers/zero_width_worker.py", nproc=2, out_dir=tmp_path)
+    owner, other = (json.loads((tmp_path / f"zero_width_rank{r}.json").read_text()) for r in (0, 1))
+    assert owner == {"shape": [3, 0], "truncated": [True, False, False], "finished": [False, False, True]}
+    assert other == owner
