@@ -293,6 +293,14 @@ def test_each_owner_generates_its_rows_with_their_budgets_and_a_seed_of_its_own(
     assert seen[0]["seed"] != seen[1]["seed"]
 
 
+def test_a_separate_address_list_longer_than_the_replicas_is_refused():
+    # a list with an engine too many means the job and the config disagree about the engines: refuse, do not guess
+    from nemo_dapo.aligner.engine_generation import separate_address
+
+    with pytest.raises(ValueError, match="lists 3 engine servers, but .* one per data-parallel replica: 2"):
+        separate_address("tcp://a:1,tcp://b:1,tcp://c:1", 0, 2, 1, 0, owner=0)
+
+
 def test_a_separate_engine_is_owned_by_the_lowest_rank_of_its_replica(monkeypatch):
     from nemo_dapo.aligner import engine_generation as eg
 
