@@ -40,7 +40,6 @@ def test_stack_mismatch_names_each_difference_and_ignores_local_labels():
     assert "NeMo-Aligner 0.7.0's own image" in msg
 
 
-# ---- audit additions (mutation testing of nemo_dapo/aligner/) ---------------------------------------------------
 def test_unpack_state_rejects_a_uint8_entry_of_another_shape():
     with pytest.raises(ValueError, match="1-D uint8"):
         unpack_state(pack_state({"step": 1}).reshape(1, -1))

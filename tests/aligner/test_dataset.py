@@ -154,7 +154,6 @@ def test_build_prompt_dataset_applies_the_chat_template_choice(tmp_path):
     assert "".join(chr(i) for i in raw[0]["text"].tolist()).startswith("Solve the following")
 
 
-# ---- audit additions (mutation testing of nemo_dapo/aligner/) ---------------------------------------------------
 @pytest.mark.parametrize("kw, match", [({"max_prompt_len": 0}, "max_prompt_len must be >= 1"),
                                        ({"prompt_template": "Q: {question}"}, r"must contain '\{prompt\}'")])
 def test_settings_that_would_silently_drop_every_prompt_or_the_prompt_text_are_refused(kw, match):

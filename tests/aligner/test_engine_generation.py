@@ -241,7 +241,6 @@ def test_results_exchange_gives_every_rank_the_owners_parts_in_order(tmp_path):
         assert len(out["two_owners"]["got"]["ids"]) == 5 and len(out["two_owners"]["got"]["ids"][0]) == 7
 
 
-# ---- audit additions (mutation testing of nemo_dapo/aligner/) ---------------------------------------------------
 @pytest.mark.parametrize("kw, match", [(dict(world=8, gpus_per_node=8, engine_gpus=0), "engine_gpus=0 must be >= 1"),
                                        (dict(world=0, gpus_per_node=8, engine_gpus=1), "world=0 must be >= 1"),
                                        (dict(world=12, gpus_per_node=8, engine_gpus=2),

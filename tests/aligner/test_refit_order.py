@@ -292,7 +292,6 @@ def test_the_engine_idle_time_is_logged_on_a_rank_that_owns_an_engine_and_only_t
     assert not hasattr(owner_less, "idle_seconds")  # no client: no number (the loop then logs none)
 
 
-# ---- audit additions (mutation testing of nemo_dapo/aligner/) ---------------------------------------------------
 class LedgerOffload:
     """``StateOffload``'s face (offload(parts), onload, offloaded_parts) recording its moves on the ledger."""
 

@@ -143,7 +143,6 @@ def test_the_trainer_image_runs_the_decoder_check():
     assert "python -m nemo_dapo.aligner.reward_client" in dockerfile.read_text()
 
 
-# ---- audit additions (mutation testing of nemo_dapo/aligner/) ---------------------------------------------------
 def test_a_ranks_cpu_share_is_capped_by_its_affinity_and_torchrun_beats_slurm():
     from nemo_dapo.aligner.reward_client import ranks_per_node, reward_pool_size
 

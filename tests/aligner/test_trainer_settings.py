@@ -230,7 +230,6 @@ def test_allocation_time_left_reads_the_slurm_job_end():
     assert allocation_time_left({"SLURM_JOB_END_TIME": "0"}, now=400.0) == math.inf  # no limit set
 
 
-# ---- audit additions (mutation testing of nemo_dapo/aligner/) ---------------------------------------------------
 def test_time_budget_keeps_the_longest_duration_and_counts_the_save_once():
     from nemo_dapo.aligner.trainer import TimeBudget
 

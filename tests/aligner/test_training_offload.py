@@ -48,7 +48,6 @@ def test_offload_frees_the_device_memory(tmp_path, case):
     assert all(r["allocated_drop"] >= r["want_bytes"] for r in ranks)
 
 
-# ---- audit additions (mutation testing of nemo_dapo/aligner/) ---------------------------------------------------
 def test_a_rollout_steps_offload_metrics_are_seconds_and_gigabytes():
     from nemo_dapo.aligner.training_offload import pop_metrics
 

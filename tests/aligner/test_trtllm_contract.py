@@ -575,7 +575,6 @@ def test_the_sources_the_fakes_copy_still_say_so(package, path, line):
     assert line in _site(package, *path.split("/")), f"{package}/{path} no longer contains {line!r}"
 
 
-# ---- audit additions (mutation testing of nemo_dapo/aligner/) ---------------------------------------------------
 def test_a_response_is_cut_before_its_first_id_outside_the_vocabulary_negative_ids_included():
     from nemo_dapo.aligner.generation import _cut_at_out_of_vocab
 
