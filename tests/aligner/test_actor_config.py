@@ -1,26 +1,17 @@
 """What the DAPO actor takes from ``model.dapo`` and NeMo's parallel keys when NeMo 2.1 builds it (one process,
 tests/aligner/workers/actor_config_worker.py). The loss tests (test_actor_loss.py) sample at temperature 1 and run
 without sequence or context parallelism, where a wrong temperature or sequence multiple changes nothing."""
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 from tests.aligner.conftest import needs_nemo
-from tests.support.dist import ROOT
+from tests.support.dist import ROOT, run_json
 
 pytestmark = [needs_nemo, pytest.mark.nemo, pytest.mark.slow]
 WORKER = ROOT / "tests/aligner/workers/actor_config_worker.py"
 
 
 def test_the_actor_reads_its_sampling_temperature_pads_to_megatrons_split_and_scores_the_last_column():
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    res = subprocess.run([sys.executable, str(WORKER)], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
+    out = run_json(str(WORKER))
     # log pi is taken at the temperature the rollouts were sampled at (logits / T), as the reference does
     assert out["logprob_temperature"] == 0.6
     assert (out["forward_micro_batch_size"], out["logprob_chunk_size"]) == (3, 5)

@@ -1,15 +1,9 @@
 """The actor refuses grouped-GEMM experts below TE 1.9 (NeMo-Aligner 0.7.0's image has TE 1.8.0.dev0, where
 megatron-core 0.10 would build the legacy GroupedMLP the refit cannot map), before NeMo builds anything. Runs the
 real actor class in a NeMo process of its own (tests/support/nemo_cpu.py patches that process)."""
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 from tests.aligner.conftest import needs_nemo
+from tests.support.dist import run_json
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = r'''
 import json, sys
 from types import SimpleNamespace
@@ -35,11 +29,7 @@ print(json.dumps(out))
 
 @needs_nemo
 def test_grouped_gemm_is_refused_below_te_1_9():
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    res = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
+    out = run_json("-c", SCRIPT)
     refused = out["1.8.0.dev0 True True"]
     assert "needs Transformer Engine >= 1.9 (found 1.8.0.dev0)" in refused and "moe_grouped_gemm=False" in refused
     assert out["1.13.0 True True"] == "past the gate"

@@ -13,20 +13,14 @@ CPU tests, whose tiny NeMo-written checkpoints carry every NeMo key: the Qwen3-2
 pipeline stages ("num_layers (94) should be divisible by pipeline_model_parallel_size (8)"), and every recipe over a
 converted checkpoint stopped in the trainer builder ("Key 'gradient_as_bucket_view' is not in struct").
 """
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 from omegaconf import OmegaConf
 
 from nemo_dapo.cluster import config_validate as cv
 from nemo_dapo.cluster.plan import arch_from_config
 from tests.aligner.conftest import needs_nemo
+from tests.support.dist import ROOT, run_json
 
-ROOT = Path(__file__).resolve().parents[2]
 GPU_RECIPES = sorted(p.stem for p in (ROOT / "conf" / "recipes").glob("*.yaml") if not p.stem.startswith("tiny"))
 FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
           "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
@@ -130,11 +124,7 @@ def hf_config_json(cfg: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def built():
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    res = subprocess.run([sys.executable, "-c", SCRIPT, *GPU_RECIPES], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return run_json("-c", SCRIPT, *GPU_RECIPES, timeout=600)
 
 
 def test_there_are_ten_gpu_recipes():

@@ -6,6 +6,7 @@ every rank, and write what the test compares into ``$OUT_DIR`` (e.g. ``torch.sav
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -21,6 +22,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_json(*argv: str, timeout: float = 300) -> object:
+    """Run ``python *argv`` in one process from the repo root (``OMP_NUM_THREADS=1``); fail with its stderr if it
+    fails, else return the JSON of its last stdout line (how the one-process NeMo workers report)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def run_torchrun(script: str | Path, *args: str, nproc: int = 2, out_dir: str | Path | None = None,
