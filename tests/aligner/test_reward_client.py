@@ -171,8 +171,12 @@ def test_only_the_model_parallel_source_rank_scores(monkeypatch):
     for rank in (4, 5):
         monkeypatch.setattr(rc.dist, "get_rank", lambda rank=rank: rank)
         client = LocalRewardClient(TOK, num_workers=1)
-        client.score = lambda ids, mask, answers, rank=rank: scored.setdefault(rank, len(answers)) and (
-            torch.ones(1), torch.ones(1), ["1"])
+
+        def score(ids, mask, answers, rank=rank):
+            scored[rank] = len(answers)
+            return torch.ones(1), torch.ones(1), ["1"]
+
+        client.score = score
         try:
             client.infer_rm(batch)
         finally:

@@ -50,7 +50,6 @@ def test_qk_norm_is_rmsnorm_or_layernorm_in_fp32():
         QKNorm(_config("Foo"), 16)
 
 
-
 def test_qk_norm_eps_keeps_small_and_zero_heads_finite():
     """eps sits inside the root, as in torch's RMSNorm and HF's Qwen3RMSNorm: it decides the output for heads whose
     mean square is near or below it (a zero head must give 0, not NaN)."""
@@ -58,6 +57,7 @@ def test_qk_norm_eps_keeps_small_and_zero_heads_finite():
     x = 1e-4 * torch.randn(3, 16, generator=torch.Generator().manual_seed(1))  # mean square ~1e-8 << eps
     assert torch.allclose(norm(x), torch.nn.RMSNorm(16, eps=1e-6)(x), rtol=1e-5, atol=0)
     assert torch.equal(norm(torch.zeros(2, 16)), torch.zeros(2, 16))
+
 
 def test_only_query_and_key_norms_are_replaced():
     layer = model_mod.gpt_layer_spec(qk_layernorm=True)

@@ -68,7 +68,6 @@ def test_qwen3_32b_is_dense_with_qk_norm(tmp_path):
     assert gpt_model_kwargs_from_hf(cfg)["rotary_percent"] == 1.0
 
 
-
 @pytest.mark.parametrize("spec", ["local", "te"])
 @pytest.mark.parametrize("raw", [QWEN3_32B, QWEN3_235B], ids=["dense", "moe"])
 def test_query_norm_is_q_norm_and_key_norm_is_k_norm(tmp_path, raw, spec):
@@ -83,6 +82,7 @@ def test_query_norm_is_q_norm_and_key_norm_is_k_norm(tmp_path, raw, spec):
                 (f"model.layers.{i}.self_attn.{p}_norm.weight",)
     fc1 = [hf for mc, hf in rules.items() if mc.endswith("linear_fc1.weight")]
     assert fc1 and all(hf[0].endswith("gate_proj.weight") and hf[1].endswith("up_proj.weight") for hf in fc1)
+
 
 @pytest.mark.parametrize("change,match", [({"mlp_only_layers": [3]}, "mlp_only_layers"),
                                           ({"decoder_sparse_step": 2}, "decoder_sparse_step"),

@@ -142,7 +142,6 @@ def test_wrong_or_incomplete_streams_are_refused():
         list(hf_buckets(iter(te), cfg, bucket_bytes=64))
 
 
-
 def test_layer_spec_name_tells_te_from_local_by_the_fused_norm():
     """The HF map differs between the specs (TE fuses the input norm into ``linear_qkv``); the refit picks the map
     from the model's own parameter names, wrappers looked through."""
@@ -164,6 +163,7 @@ def test_layer_spec_name_tells_te_from_local_by_the_fused_norm():
     local = Named(["embedding.word_embeddings.weight", "decoder.layers.0.input_layernorm.weight"])
     assert layer_spec_name(te) == "te" and layer_spec_name(local) == "local"
     assert layer_spec_name(SimpleNamespace(module=te)) == "te"  # a DDP / Float16Module wrapper
+
 
 def test_consumed_inputs_are_released_before_the_next_is_pulled():
     """The input stream's tensors must not be referenced by the generator once their pieces left (a lazy gather
