@@ -19,6 +19,7 @@ import time
 from typing import Iterable, Optional, Sequence
 
 from nemo_dapo.engines import protocol as P
+from nemo_dapo.engines import shm as S
 from nemo_dapo.engines.base import Completion, EngineError, EngineWeightError, Request
 
 log = logging.getLogger("nemo_dapo")
@@ -92,7 +93,7 @@ class EngineClient:
         return authkey
 
     def _hello(self, check_shared_memory: bool, timeout_s: float) -> dict:
-        token = P.ShmToken() if check_shared_memory else None
+        token = S.ShmToken() if check_shared_memory else None
         try:
             hello = self.call("hello", version=P.PROTOCOL_VERSION, shm_token=token and token.name,
                               timeout_s=timeout_s)
@@ -104,7 +105,7 @@ class EngineClient:
                               f"trainer {P.PROTOCOL_VERSION}: install the same nemo_dapo in both environments")
         if token is not None and not token.matches(hello.get("shm_token")):
             raise EngineError(f"engine {self.name!r} at {self.address} did not read back the shared-memory token "
-                              f"/dev/shm/{token.name}: {P.IPC_HINT}")
+                              f"/dev/shm/{token.name}: {S.IPC_HINT}")
         return hello
 
     def _connect(self, key: Optional[bytes], deadline: float, timeout_s: float) -> P.Channel:
@@ -278,13 +279,13 @@ class EngineClient:
         Extra memory: one block of the largest bucket. A new block is attached (the server maps it and removes its
         name) before it is filled, so a trainer killed mid-update leaves nothing in /dev/shm. A failure part-way
         raises; the engine then refuses to generate until a whole update succeeds."""
-        buffer = P.WeightBuffer()
+        buffer = S.WeightBuffer()
         stats = {"buckets": 0, "tensors": 0, "bytes": 0, "seconds": 0.0, "transport": "shm"}
         t0 = time.perf_counter()
         try:
             for bucket in buckets:
                 bucket = list(bucket)
-                specs, size = P.weight_layout(bucket)
+                specs, size = S.weight_layout(bucket)
                 fresh = buffer.reserve(size)
                 if fresh is not None:
                     self.call("update_weights", shm=fresh, tensors=[], timeout_s=self.weight_timeout_s)

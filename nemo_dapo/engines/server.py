@@ -41,6 +41,7 @@ from typing import Optional
 from nemo_dapo.core import engine_registry
 from nemo_dapo.core.affinity import cpu_set_problem, parse_cpu_list, pin_cpus
 from nemo_dapo.engines import protocol as P
+from nemo_dapo.engines import shm as S
 from nemo_dapo.engines import weight_group as WG
 from nemo_dapo.engines.base import WAKE_TAGS, EngineError, EngineWeightError, Request, check_finite, check_token_ids
 
@@ -109,7 +110,7 @@ class EngineServer:
         self._refused: Optional[str] = None
         self.sleeping = False
         self.started = time.time()
-        self._buffer: Optional[P.AttachedBuffer] = None
+        self._buffer: Optional[S.AttachedBuffer] = None
         self._group = WG.ServerSide(self.adapter)
         self._then = None  # a collective to enter once the reply is sent (join_weights, update_weights via group)
         self._authenticated: "queue.Queue[P.Channel]" = queue.Queue()  # by the handshake threads, in their order
@@ -263,7 +264,7 @@ class EngineServer:
             info["nccl"] = self.nccl
         reply = {"version": P.PROTOCOL_VERSION, "engine": self.name, "info": info}
         if msg.get("shm_token") is not None:
-            reply["shm_token"] = P.read_token(msg["shm_token"])
+            reply["shm_token"] = S.read_token(msg["shm_token"])
         return reply, []
 
     def _op_submit(self, msg):
@@ -346,7 +347,7 @@ class EngineServer:
             raise _BadRequest("update_weights needs 'tensors': a list of weight specs")
         if self._buffer is None or self._buffer.name != msg.get("shm"):
             self._close_buffer()
-            self._buffer = P.AttachedBuffer(msg.get("shm"))  # maps the block and removes its name
+            self._buffer = S.AttachedBuffer(msg.get("shm"))  # maps the block and removes its name
         self.weights_ok = False  # an update has begun (a refused block name above changes nothing)
         try:
             named = self._buffer.tensors(msg["tensors"])

@@ -5,7 +5,7 @@ Shared memory reaches only the servers on the trainer's host. Here the trainer (
 can live on other nodes and one broadcast feeds them all. The trainer hosts its rendezvous (rendezvous.py, a store of
 our own: torch's TCPStore does not connect the trainer image's torch 2.4 with the engine image's 2.9) and tells each
 server where it is (``join_weights``). A bucket travels as one flat uint8 tensor in the layout of
-``protocol.weight_layout`` (64-byte aligned offsets), so both transports share the WeightSpec and its checks.
+``shm.weight_layout`` (64-byte aligned offsets), so both transports share the WeightSpec and its checks.
 
 Protocol (one reply per command, as every other op; the server blocks in the collective right after its reply):
 
@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from nemo_dapo.core import engine_registry
 from nemo_dapo.engines import protocol as P
+from nemo_dapo.engines import shm as S
 from nemo_dapo.engines.base import EngineError, EngineWeightError
 from nemo_dapo.engines.rendezvous import JOIN_CONNECT_S, RendezvousServer, RendezvousStore
 
@@ -138,11 +139,11 @@ def check_bucket(specs, size) -> int:
     for spec in specs:
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
             raise P.ProtocolError(f"a weight spec must be an object with a string name, got {spec!r:.80}")
-        if not P.spec_fits(spec, size):
+        if not S.spec_fits(spec, size):
             raise P.ProtocolError(f"weight {spec['name']!r} ends past the {size}-byte bucket")
         if spec["offset"] % P.nbytes(P.dtype_of(spec["dtype"]), []):  # a view of the bucket starts on an element
             raise P.ProtocolError(f"weight {spec['name']!r}: offset {spec['offset']} is not aligned to its "
-                                  f"{spec['dtype']} elements (protocol.weight_layout aligns every offset to 64 bytes)")
+                                  f"{spec['dtype']} elements (shm.weight_layout aligns every offset to 64 bytes)")
     return size
 
 
@@ -239,7 +240,7 @@ class WeightGroup:
         self._pg = _process_group(self.backend, self._store, 0, self.world_size, self.timeout_s)
 
     def broadcast(self, bucket: list, specs: list, size: int, check=None) -> None:
-        """Send one bucket of (name, tensor) pairs, laid out by ``protocol.weight_layout``. ``check()``: raises
+        """Send one bucket of (name, tensor) pairs, laid out by ``shm.weight_layout``. ``check()``: raises
         when a receiver died (polled during an NCCL broadcast)."""
         flat = torch.empty(size, dtype=torch.uint8, device=_device(self.backend, self.device))
         for (_, view), (_, t) in zip(_views(flat, specs), bucket):
@@ -382,7 +383,7 @@ def update_over_group(clients: Sequence, buckets, *, host: str = "127.0.0.1", gr
             group = _form(clients, host, timeout_s, backend)
         for bucket in buckets:
             bucket = list(bucket)
-            specs, size = P.weight_layout(bucket)
+            specs, size = S.weight_layout(bucket)
             cmds = [c.send("update_weights", via="group", size=size, tensors=specs, begins=not stats["buckets"])
                     for c in clients]
             for c, k in zip(clients, cmds):

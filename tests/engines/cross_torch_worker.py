@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
-from nemo_dapo.engines import protocol as P  # noqa: E402
+from nemo_dapo.engines import shm as S  # noqa: E402
 from nemo_dapo.engines import weight_group as WG  # noqa: E402
 
 BUCKET = [("w", torch.arange(12, dtype=torch.float32).reshape(3, 4)), ("b", torch.ones(5, dtype=torch.bfloat16))]
@@ -21,7 +21,7 @@ BUCKET = [("w", torch.arange(12, dtype=torch.float32).reshape(3, 4)), ("b", torc
 
 def main(role: str, port_file: str) -> int:
     timeout_s = float(os.environ.get("TIMEOUT_S", "20"))
-    specs, size = P.weight_layout(BUCKET)
+    specs, size = S.weight_layout(BUCKET)
     try:
         if role == "trainer":
             group = WG.WeightGroup("127.0.0.1", 1, timeout_s=timeout_s)

@@ -5,7 +5,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_dapo.engines import rendezvous as R
+from nemo_dapo.engines import shm as S
 from nemo_dapo.engines import weight_group as WG
 
 
@@ -90,7 +91,7 @@ def test_a_gloo_group_forms_through_it_without_torchs_tcpstore(monkeypatch):
     monkeypatch.setattr(dist, "TCPStore", refuse)
     group = WG.WeightGroup("127.0.0.1", 1, timeout_s=30)
     bucket = [("w", torch.arange(6.0).reshape(2, 3))]
-    specs, size = WG.P.weight_layout(bucket)
+    specs, size = S.weight_layout(bucket)
     got = {}
 
     def member():

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from nemo_dapo.engines import protocol as P
+from nemo_dapo.engines import shm as S
 from nemo_dapo.engines import weight_group as WG
 from nemo_dapo.engines.base import EngineWeightError, Request
 from nemo_dapo.engines.client import EngineClient, EngineProcess
@@ -74,7 +74,7 @@ def test_a_trainer_that_drops_the_group_mid_bucket_leaves_vllm_usable(vllm_serve
     client.update_weights(buckets(weights, 1.5))
     want = logprobs(client, "before")
     group = WG._form([client], "127.0.0.1", 60.0)
-    specs, size = P.weight_layout(buckets(weights, 0.5)[0])
+    specs, size = S.weight_layout(buckets(weights, 0.5)[0])
     assert client.call("update_weights", via="group", size=size, tensors=specs)["receiving"] == len(specs)
     group.close()  # the trainer goes away with the worker waiting in the broadcast
     deadline = time.monotonic() + 60

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from nemo_dapo.engines import protocol as P
+from nemo_dapo.engines import shm as S
 from nemo_dapo.engines import weight_group as WG
 from nemo_dapo.engines.base import EngineError, EngineWeightError, Request
 from nemo_dapo.engines.client import EngineClient, EngineDied, EngineProcess
@@ -48,11 +48,11 @@ def test_one_broadcast_updates_every_server_and_the_group_is_reused(two):
 def test_group_bytes_equal_the_shared_memory_layout_for_mixed_dtypes():
     bucket = [("a", torch.arange(6, dtype=torch.bfloat16).view(2, 3)), ("b", torch.tensor([True, False])),
               ("c", torch.empty(0, 5)), ("d", torch.arange(3, dtype=torch.int64))]
-    specs, size = P.weight_layout(bucket)
+    specs, size = S.weight_layout(bucket)
     flat = torch.zeros(size, dtype=torch.uint8)
     for (_, view), (_, t) in zip(WG._views(flat, specs), bucket):
         view.copy_(t)
-    shm = P.WeightBuffer()
+    shm = S.WeightBuffer()
     try:
         name, shm_specs = shm.pack(bucket)
         assert shm_specs == specs

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nemo_dapo.engines import protocol as P
+from nemo_dapo.engines import shm as S
 from nemo_dapo.engines import vllm as V
 from nemo_dapo.engines import weight_group as WG
 from nemo_dapo.engines.base import EngineError
@@ -42,7 +42,7 @@ BUCKET = [("a", torch.arange(6, dtype=torch.bfloat16).view(2, 3)), ("b", torch.t
 
 
 def test_contract_an_nccl_group_moves_every_receivers_bucket_in_the_shared_memory_layout(fake_nccl):
-    specs, size = P.weight_layout(BUCKET)
+    specs, size = S.weight_layout(BUCKET)
     group = WG.WeightGroup("127.0.0.1", 2, timeout_s=30, backend="nccl", device="cpu")
     messages = [group.join_message(r) for r in (1, 2)]
     assert all(m["backend"] == "nccl" for m in messages)
@@ -114,7 +114,7 @@ def test_contract_a_member_whose_broadcast_times_out_drops_its_group_before_the_
     member = WG.GroupMember(host, port, rank, world, timeout_s, backend, device="cpu")
     joined.join(30)
     monkeypatch.setattr(FakeNCCL, "broadcast", lambda self, tensor, root: Never())
-    specs, size = P.weight_layout(BUCKET)
+    specs, size = S.weight_layout(BUCKET)
     t0 = time.monotonic()
     with pytest.raises(WG.GroupBroken, match="did not complete within 1 s"):
         member.receive(specs, size)

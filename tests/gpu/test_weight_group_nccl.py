@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from nemo_dapo.engines import protocol as P
+from nemo_dapo.engines import shm as S
 from nemo_dapo.engines import rendezvous as R
 from nemo_dapo.engines import weight_group as WG
 
@@ -59,7 +59,7 @@ def receiver(msg, specs, size, out, leave_early):
 def joined(leave_early: bool, timeout_s: float):
     """(bucket, specs, size, the trainer's group on cuda:0, the receiving process on cuda:1, its queue)."""
     pairs = bucket()
-    specs, size = P.weight_layout(pairs)
+    specs, size = S.weight_layout(pairs)
     torch.cuda.set_device(0)
     group = WG.WeightGroup("127.0.0.1", 1, timeout_s=timeout_s, backend="nccl")
     ctx = mp.get_context("spawn")
