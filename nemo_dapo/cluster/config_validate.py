@@ -24,7 +24,7 @@ from nemo_dapo.core.settings import ConfigError  # the one config error of both 
 from nemo_dapo.cluster.yaml_compose import compose_file
 
 AGG_MODES, BUDGET_POLICIES = algorithm.AGG_MODES, algorithm.BUDGET_POLICIES
-VERIFIERS = ("dapo", "tolerant", "math_verify")  # the CPU path's reward.verifier choices (nemo_dapo/local/config.py)
+VERIFIERS = ("dapo", "tolerant", "math_verify")  # the CPU path's reward.verifier choices (local/config_schema.py)
 DATA_FORMATS = ("dapo_math", "verl", "aime2024", "aime2025", "math500", "gsm8k")  # nemo_dapo.data.readers.READERS
 DISTRIBUTED_OPTIMIZERS = ("distributed_fused_adam", "mcore_distributed_optim")
 ENGINE_SLEEP_LEVELS = (0, 1, 2)  # trainer.dapo.engine_server.sleep_level

@@ -1,7 +1,7 @@
 """Every rollout engine, one row each: what builds it, how the cluster config maps to its options, whether the
 engine server runs it, how ``nemo-dapo plan`` models its generation, and how to install it.
 
-The config validators (``cluster/config_validate.py``, ``local/config.py``), the option mapper
+The config validators (``cluster/config_validate.py``, ``local/config_schema.py``), the option mapper
 (``cluster/engine_options.py``), the engine server (``engines/server.py``), the planner (``cluster/plan*.py``) and the
 trainers (``aligner/engine_generation.py``, ``local/run_engine.py``) read engine names from here and nowhere else:
 a new engine (SGLang, say) is an adapter, one row of ``ENGINES`` and their tests.

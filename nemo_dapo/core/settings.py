@@ -6,7 +6,7 @@ Each path reads its YAML strictly into a flat ``{field: value}`` dict whose fiel
 the nested blocks: ``dynamic_sampling.max_age``, ``overlong.l_cache``), and then:
 
   * :func:`problems` lists what cannot train, as ``(field, message)`` pairs; each validator prefixes its own key
-    (the CLI's ``local/config.py``, the NeMo-free ``cluster/config_validate.py``), so the rules live once, here;
+    (the CLI's ``local/config_checks.py``, the NeMo-free ``cluster/config_validate.py``), so the rules live once, here;
   * :func:`from_values` builds :class:`AlgorithmSettings` (every field required: the defaults live in the YAML);
   * :func:`build_loop_parts` returns ``(LoopSettings, BatchFiller, DAPOLossFn)``; :func:`build_loss` the loss alone.
 
@@ -136,7 +136,7 @@ LOSS_FIELDS = tuple(f.name for f in fields(LossSettings))
 
 def field_types() -> dict:
     """``{field: type}`` of every field in :data:`FIELDS` (the type hints of the settings classes), in that order:
-    what a config schema of the block is derived from (local/config.py)."""
+    what a config schema of the block is derived from (local/config_schema.py)."""
     hints = {}
     for f in fields(AlgorithmSettings):
         if f.name in _NESTED:

@@ -209,7 +209,8 @@ def test_the_algorithm_schema_is_derived_from_the_settings():
     from dataclasses import fields as dc_fields
 
     from nemo_dapo.core.settings import FIELDS, field_types
-    from nemo_dapo.local.config import ALGORITHM_KEYS, AlgorithmConfig, _schema
+    from nemo_dapo.local.config import ALGORITHM_KEYS, AlgorithmConfig
+    from nemo_dapo.local.config_schema import _schema
 
     assert sorted(_leaf_keys(AlgorithmConfig)) == sorted(FIELDS)
     assert set(ALGORITHM_KEYS.values()) == {f"algorithm.{name}" for name in FIELDS}
