@@ -33,7 +33,8 @@ from nemo_aligner.utils.train_script_utils import (
 )
 from nemo_aligner.utils.utils import load_and_override_model_config, load_from_nemo
 from nemo_dapo.aligner.compat import check_versions
-from nemo_dapo.cluster.config_validate import register_resolvers, reject_moved_overrides, validate_config
+from nemo_dapo.cluster.config_load import register_resolvers, reject_moved_overrides
+from nemo_dapo.cluster.config_validate import validate_config
 from nemo_dapo.aligner.dataset import build_prompt_dataset
 from nemo_dapo.aligner.generation import build_generator
 from nemo_dapo.cluster.registry import get as get_algorithm

@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from nemo_aligner.utils.distributed import broadcast_tensor_within_pp
 from nemo_aligner.utils.train_utils import set_sync_funcs
 from nemo_dapo.aligner.compat import CHECKPOINT_KEY, actor_base
-from nemo_dapo.cluster.config_validate import nemo_model_key, required
+from nemo_dapo.cluster.config_load import nemo_model_key, required
 from nemo_dapo.core.metrics import combine_metrics, reduce_over_ranks
 from nemo_dapo.megatron.extra_state import without_extra_state
 from nemo_dapo.megatron.model import gpt_layer_spec

@@ -68,7 +68,7 @@ import torch
 import torch.distributed as dist
 
 from nemo_dapo.aligner.training_offload import AFTER_REFIT, BEFORE_REFIT, offload_enabled, training_state_offload
-from nemo_dapo.cluster.config_validate import required
+from nemo_dapo.cluster.config_load import required
 from nemo_dapo.cluster.engine_owners import engine_owners
 from nemo_dapo.core.collective import collective_device, cpu_wait_group, every_group
 from nemo_dapo.core.loop_data import mix_seed

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from nemo_dapo.cluster.config_validate import nemo_model_key, required
+from nemo_dapo.cluster.config_load import nemo_model_key, required
 from nemo_dapo.megatron.layout import pack_tokens
 from nemo_dapo.aligner.legacy_export import (TPPaddedVocab, attention_bias_overrides, banned_ids_list,
                                              engine_config_overrides, with_zero_dense_bias)

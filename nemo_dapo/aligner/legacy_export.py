@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import torch
 
-from nemo_dapo.cluster.config_validate import nemo_model_key
+from nemo_dapo.cluster.config_load import nemo_model_key
 
 
 class TPPaddedVocab:

@@ -44,7 +44,8 @@ from nemo_aligner.utils.distributed import ScopedTimer
 from nemo_aligner.utils.train_utils import clip_gradients, set_eval, set_train
 from nemo_dapo.megatron.layout import blank_rows, pack_rollout, prompt_lengths_of, unpack_response
 from nemo_dapo.aligner.compat import pack_state, unpack_state, write_checkpoints_in_process
-from nemo_dapo.cluster.config_validate import ALGORITHM_BLOCK, ALGORITHM_KEYS, ROLLOUT_MODES, required
+from nemo_dapo.cluster.config_load import ALGORITHM_BLOCK, ALGORITHM_KEYS, required
+from nemo_dapo.cluster.config_validate import ROLLOUT_MODES
 from nemo_dapo.megatron.reduction import DPReducer
 from nemo_dapo.megatron.step import megatron_grad_norm, skip_update
 from nemo_dapo.aligner.reward_client import ClientReward

@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from nemo_dapo.cluster.config_validate import required
+from nemo_dapo.cluster.config_load import required
 from nemo_dapo.megatron.state_offload import GB, PARTS, StateOffload
 
 log = logging.getLogger("nemo_dapo")

@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     args = p.parse_intermixed_args(argv)
     from omegaconf import OmegaConf
 
-    from nemo_dapo.cluster.config_validate import load_config
+    from nemo_dapo.cluster.config_load import load_config
 
     try:
         cfg = OmegaConf.to_container(load_config(args.config_name, args.overrides), resolve=True)

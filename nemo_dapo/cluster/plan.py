@@ -62,7 +62,7 @@ def _range_text(low: float, closed: bool, high):
 def assumption_problems(cfg: dict) -> list:
     """Every ``plan.assume.*`` value that would give a nonsense estimate (a zero rate divides, a negative length
     or a utilisation above 1 is no machine), each naming its key, its range and the default as the fix."""
-    from nemo_dapo.cluster.config_validate import select
+    from nemo_dapo.cluster.config_load import select
 
     problems = []
     for key, value in (select(cfg, "plan.assume", {}) or {}).items():
@@ -84,7 +84,8 @@ def input_problems(cfg: dict) -> list:
     """Inputs that make any estimate meaningless (parallel sizes and node counts that are not integers >= 1,
     assumptions out of range, a ``plan.cuda_graphs`` that is not a boolean): ``nemo-dapo plan`` refuses them before
     planning."""
-    from nemo_dapo.cluster.config_validate import select, sizes
+    from nemo_dapo.cluster.config_load import select
+    from nemo_dapo.cluster.config_validate import sizes
 
     graphs = select(cfg, "plan.cuda_graphs")
     bad = [] if graphs is None or isinstance(graphs, bool) else [
@@ -128,7 +129,8 @@ def arch_from_config(cfg: dict) -> Arch:
 
 def make_plan(cfg: dict) -> dict:
     """Memory per phase and step-time split for a resolved, plain-dict config (see the module docstring)."""
-    from nemo_dapo.cluster.config_validate import select, sizes
+    from nemo_dapo.cluster.config_load import select
+    from nemo_dapo.cluster.config_validate import sizes
 
     s = sizes(cfg)
     bad = input_problems(cfg)
@@ -174,7 +176,7 @@ def make_plan(cfg: dict) -> dict:
 def _offloaded(cfg: dict, optim: str) -> dict:
     """Which training-state parts are on the host while the engine generates (module docstring); the refit keeps
     the weights (plan_engine_server.server_phases)."""
-    from nemo_dapo.cluster.config_validate import select
+    from nemo_dapo.cluster.config_load import select
 
     if select(cfg, "model.dapo.offload_training_state"):
         return {"weights": True, "grads": True, "optimizer": True}
@@ -185,7 +187,7 @@ def _offloaded(cfg: dict, optim: str) -> dict:
 def _gen_rows_per_dp(cfg: dict, dp: int) -> float:
     """Responses one data-parallel rank asks for in one generate call: the largest generation batch of prompts
     (dynamic sampling's max_gen_batch_size, else prompts_per_step) x group_size, split over DP."""
-    from nemo_dapo.cluster.config_validate import select
+    from nemo_dapo.cluster.config_load import select
 
     ds = "model.dapo.algorithm.dynamic_sampling"
     prompts = select(cfg, "trainer.dapo.prompts_per_step")
@@ -197,7 +199,8 @@ def _gen_rows_per_dp(cfg: dict, dp: int) -> float:
 def training_state(cfg: dict, arch: Arch, layout: Layout) -> dict:
     """Bytes per GPU of the training state and one step's activations of ``layout`` (plan_model.training_memory
     with the recipe's micro-batch, recompute, optimizer and log-prob chunk)."""
-    from nemo_dapo.cluster.config_validate import DISTRIBUTED_OPTIMIZERS, select
+    from nemo_dapo.cluster.config_load import select
+    from nemo_dapo.cluster.config_validate import DISTRIBUTED_OPTIMIZERS
 
     mbs, gbs = select(cfg, "model.micro_batch_size"), select(cfg, "model.global_batch_size")
     seq = select(cfg, "model.encoder_seq_length")
@@ -212,7 +215,7 @@ def training_state(cfg: dict, arch: Arch, layout: Layout) -> dict:
 
 def _memory_phases(cfg: dict, arch: Arch, layout: Layout, a: dict, *, gpu: Gpu, budget: float) -> tuple:
     """({phase: {part: bytes}}, generation settings) per GPU."""
-    from nemo_dapo.cluster.config_validate import select
+    from nemo_dapo.cluster.config_load import select
 
     optim = select(cfg, "model.optim.name")
     train = training_state(cfg, arch, layout)
@@ -267,7 +270,7 @@ def decode_step_fn(plan: dict):
 
 def _generation(cfg: dict, plan: dict, *, generated: float, l_max: int, oversample: float) -> dict:
     """Generation seconds of the three engine models (plan_generation.py) and the figures behind them."""
-    from nemo_dapo.cluster.config_validate import select
+    from nemo_dapo.cluster.config_load import select
 
     arch, gpu, a, g = plan["arch"], plan["gpu"], plan["assume"], plan["gen"]
     lengths, prompt = _response_lengths(a, l_max), a["mean_prompt_tokens"]
@@ -301,7 +304,7 @@ def _generation(cfg: dict, plan: dict, *, generated: float, l_max: int, oversamp
 
 def _pipeline_bubble(cfg: dict, layout: Layout, tokens_per_update: float) -> float:
     """1F1B bubble fraction (PP - 1) / m, m = packed micro-batches per DP rank per optimizer step."""
-    from nemo_dapo.cluster.config_validate import select
+    from nemo_dapo.cluster.config_load import select
 
     if layout.pp == 1:
         return 0.0
@@ -313,7 +316,7 @@ def _pipeline_bubble(cfg: dict, layout: Layout, tokens_per_update: float) -> flo
 
 def alltoall(cfg: dict, plan: dict, layout: Layout, tokens: float) -> dict:
     """plan_model.expert_alltoall of ``layout`` with the recipe's GPUs per node and ``plan.assume``'s bandwidth."""
-    from nemo_dapo.cluster.config_validate import select
+    from nemo_dapo.cluster.config_load import select
 
     return expert_alltoall(plan["arch"], layout, tokens=tokens, devices=_need(select(cfg, "trainer.devices"),
                                                                                "trainer.devices"),
@@ -321,7 +324,7 @@ def alltoall(cfg: dict, plan: dict, layout: Layout, tokens: float) -> dict:
 
 
 def _step_time(cfg: dict, plan: dict) -> dict:
-    from nemo_dapo.cluster.config_validate import select
+    from nemo_dapo.cluster.config_load import select
 
     arch, gpu, layout, a, g = plan["arch"], plan["gpu"], plan["layout"], plan["assume"], plan["gen"]
     prompts, group = select(cfg, "trainer.dapo.prompts_per_step"), select(cfg, "model.dapo.algorithm.group_size")
@@ -367,7 +370,8 @@ def run_cli(args) -> int:
     """``nemo-dapo plan``: exit code 0 = valid and fits, 1 = does not fit, 2 = invalid config or missing keys."""
     from omegaconf import OmegaConf
 
-    from nemo_dapo.cluster.config_validate import check_config, load_config
+    from nemo_dapo.cluster.config_load import load_config
+    from nemo_dapo.cluster.config_validate import check_config
     from nemo_dapo.cluster.plan_calibration import error_band
 
     try:

@@ -62,7 +62,7 @@ KEY = "plan.async"
 
 def settings(cfg: dict) -> dict:
     """``plan.async.*`` read strictly: every key must be set (conf/gpt_dapo_actor.yaml documents them)."""
-    from nemo_dapo.cluster.config_validate import select
+    from nemo_dapo.cluster.config_load import select
 
     out = {}
     for key, kind in (("max_staleness", int), ("trainer_nodes", int), ("old_logprob_pass", bool)):
@@ -167,7 +167,7 @@ def _colocated_parts(t: dict) -> dict:
 
 def _needed_responses(cfg: dict, plan: dict) -> float:
     """Responses generated per step when nothing is wasted: prompts x G, over the pass rate with dynamic sampling."""
-    from nemo_dapo.cluster.config_validate import select
+    from nemo_dapo.cluster.config_load import select
 
     t = plan["time"]
     kept = select(cfg, "trainer.dapo.prompts_per_step") * select(cfg, "model.dapo.algorithm.group_size")
@@ -195,7 +195,7 @@ def _splits(cfg: dict, plan: dict, s: dict, *, training_state: Callable, bubble:
             step_fn: Callable) -> dict:
     """{"trials": [...]} of the trainer / engine splits to try (``plan.async.trainer_nodes``, or every whole-node
     split when null), each with its train side, engine side and network refit; or {"refused": why}."""
-    from nemo_dapo.cluster.config_validate import select
+    from nemo_dapo.cluster.config_load import select
 
     nodes, devices = select(cfg, "trainer.num_nodes", 1), select(cfg, "trainer.devices", 1)
     if nodes < 2:
@@ -251,7 +251,7 @@ def _trainer(cfg: dict, plan: dict, s: dict, world: int, devices: int, *, traini
 
 
 def _global_batch(cfg: dict) -> int:
-    from nemo_dapo.cluster.config_validate import select
+    from nemo_dapo.cluster.config_load import select
 
     return select(cfg, "model.global_batch_size")
 
@@ -261,7 +261,7 @@ def _global_batch(cfg: dict) -> int:
 def _engines(cfg: dict, plan: dict, engine_gpus: int, step_fn: Callable) -> dict:
     """The generation side on ``engine_gpus``: the recipe's engine layout, options and engine model, with the
     step's requests spread over fewer engines (concurrency and generation recomputed, plan_generation.py)."""
-    from nemo_dapo.cluster.config_validate import select
+    from nemo_dapo.cluster.config_load import select
 
     t, g = plan["time"], plan["gen"]
     engines = engine_gpus // (g["tp"] * g["pp"])

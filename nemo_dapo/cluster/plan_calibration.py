@@ -28,7 +28,7 @@ def calibration_rows(directory: Path = CALIBRATION_DIR) -> list:
     - 1 (positive: the planner is slower than the run)."""
     from omegaconf import OmegaConf
 
-    from nemo_dapo.cluster.config_validate import load_config
+    from nemo_dapo.cluster.config_load import load_config
     from nemo_dapo.cluster.plan import make_plan
 
     rows = []

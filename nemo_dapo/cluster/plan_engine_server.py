@@ -39,7 +39,8 @@ KEY = "trainer.dapo.engine_server"
 def server_layout(cfg: dict, arch, world: int) -> dict:
     """Engine layout and options of ``trainer.dapo.engine_server``, read strictly (a missing key is an error naming
     it: the values are the YAML's, as the launcher passes them to the engines); the validator refuses bad layouts."""
-    from nemo_dapo.cluster.config_validate import _engine_server, select, sizes
+    from nemo_dapo.cluster.config_load import select
+    from nemo_dapo.cluster.config_validate import _engine_server, sizes
     from nemo_dapo.cluster.engine_options import EngineOptionsError, read_server
 
     problems = list(_engine_server(cfg, sizes(cfg)))

@@ -1,4 +1,4 @@
-"""Hydra's defaults list, for the two config loaders (the CPU path's local/config.py and cluster/config_validate.py).
+"""Hydra's defaults list, for the two config loaders (the CPU path's local/config.py and cluster/config_load.py).
 
 A config file may start with ``defaults:``, merged in list order as Hydra composes it (``_self_`` is the file's own
 keys; without it they come last):

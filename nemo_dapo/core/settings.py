@@ -1,7 +1,7 @@
 """The DAPO algorithm block as typed settings that validate themselves, and the one builder both paths call.
 
 Both configs carry the same keys (CPU: the ``algorithm.*`` block of conf/dapo_base.yaml; NeMo-Aligner:
-the one block ``model.dapo.algorithm.*`` of conf/gpt_dapo_actor.yaml, see ``cluster/config_validate.ALGORITHM_KEYS``).
+the one block ``model.dapo.algorithm.*`` of conf/gpt_dapo_actor.yaml, see ``cluster/config_load.ALGORITHM_KEYS``).
 Each path reads its YAML strictly into a flat ``{field: value}`` dict whose fields are :data:`FIELDS` (dotted for
 the nested blocks: ``dynamic_sampling.max_age``, ``overlong.l_cache``), and then:
 

@@ -28,7 +28,7 @@ ALIGNER = [f"{A}group_size=4", f"{A}eps_high=0.3", f"{A}clip_c=3.0", f"{A}tis_ca
 
 
 def _both():
-    from nemo_dapo.cluster.config_validate import load_config as load_aligner
+    from nemo_dapo.cluster.config_load import load_config as load_aligner
     from nemo_dapo.local.config import load_config as load_cpu
     from nemo_dapo.local.run import local_loop_parts as cpu_build
 
@@ -90,7 +90,7 @@ def _flat(node, prefix="") -> dict:
 def test_the_block_is_one_file_mounted_at_both_places():
     """conf/algorithm/dapo.yaml holds every field of core/settings; the CPU base takes it as it is, the cluster base
     overrides exactly the documented keys beside its mount, and neither base file writes another of its values."""
-    from nemo_dapo.cluster.config_validate import ALGORITHM_KEYS, load_config as load_aligner, read_yaml
+    from nemo_dapo.cluster.config_load import ALGORITHM_KEYS, load_config as load_aligner, read_yaml
     from nemo_dapo.core.settings import FIELDS
     from nemo_dapo.local.config import ALGORITHM_KEYS as CPU_KEYS, CONF_DIR, _load_tree
 
@@ -139,13 +139,13 @@ def _get_calls(path: Path):
 # Files whose reads of YAML keys may have a code default (each must still agree with the YAML): the validator and
 # the planner judge configs that may be partial (a recipe before the checkpoint is merged, `nemo-dapo plan` on a
 # sketch) and must report every problem rather than stop at the first missing key. The runtime modules have none;
-# NeMo's own model keys go through config_validate.nemo_model_key (NeMo's defaults, checked below).
+# NeMo's own model keys go through config_load.nemo_model_key (NeMo's defaults, checked below).
 KNOWN = {"plan.py": "*", "config_validate.py": "*"}
 
 
 def _aligner_leaves() -> dict:
     """The leaves of conf/gpt_dapo_actor.yaml as composed (the algorithm block mounted), interpolations unresolved."""
-    from nemo_dapo.cluster.config_validate import load_config
+    from nemo_dapo.cluster.config_load import load_config
 
     return _yaml_leaves(OmegaConf.to_container(load_config(None, resolve=False)))
 
@@ -166,7 +166,7 @@ def test_no_code_default_for_a_yaml_key_in_the_aligner_layer():
                 strict.append(where)
             elif default is not None and default not in leaves[key] and not any("${" in v for v in leaves[key]):
                 disagree.append(f"{where}: the YAML has {sorted(leaves[key])}")
-    assert not strict, f"read these YAML keys strictly (config_validate.required): {strict}"
+    assert not strict, f"read these YAML keys strictly (config_load.required): {strict}"
     assert not disagree, f"code defaults that disagree with conf/gpt_dapo_actor.yaml: {disagree}"
 
 
@@ -198,7 +198,7 @@ def _nemo_model_defaults() -> dict:
 def test_nemo_model_keys_keep_nemo_defaults():
     """The only YAML keys the runtime reads with a default are NeMo's own model keys, each with NeMo's default: a
     checkpoint config may lack them, NeMo then builds the model with that default (bias: NeMo adds linear biases)."""
-    from nemo_dapo.cluster.config_validate import NEMO_MODEL_DEFAULTS
+    from nemo_dapo.cluster.config_load import NEMO_MODEL_DEFAULTS
 
     assert set(NEMO_MODEL_DEFAULTS) == {"tensor_model_parallel_size", "sequence_parallel", "context_parallel_size",
                                         "expert_model_parallel_size", "qkv_bias", "bias", "num_moe_experts"}
@@ -208,9 +208,9 @@ def test_nemo_model_keys_keep_nemo_defaults():
 
 
 def test_the_nemo_default_check_can_fail(monkeypatch):
-    from nemo_dapo.cluster import config_validate
+    from nemo_dapo.cluster import config_load
 
-    monkeypatch.setitem(config_validate.NEMO_MODEL_DEFAULTS, "bias", False)  # the default generation.py had
+    monkeypatch.setitem(config_load.NEMO_MODEL_DEFAULTS, "bias", False)  # the default generation.py had
     with pytest.raises(AssertionError, match="bias: ours False"):
         test_nemo_model_keys_keep_nemo_defaults()
 
@@ -218,7 +218,8 @@ def test_the_nemo_default_check_can_fail(monkeypatch):
 @pytest.mark.parametrize("override, key", [(f"{A}group_size=1", f"{A}group_size"),
                                            (f"{A}eps_low=1.0", f"{A}eps_low")])
 def test_both_validators_share_the_rules(override, key):
-    from nemo_dapo.cluster.config_validate import check_config, load_config as load_aligner
+    from nemo_dapo.cluster.config_load import load_config as load_aligner
+    from nemo_dapo.cluster.config_validate import check_config
     from nemo_dapo.local.config import ConfigError, load_config as load_cpu
 
     problems = check_config(load_aligner(None, [override]))
@@ -229,14 +230,14 @@ def test_both_validators_share_the_rules(override, key):
 
 
 def test_both_paths_raise_the_one_config_error():
-    from nemo_dapo.cluster import config_validate
+    from nemo_dapo.cluster import config_load, config_validate
     from nemo_dapo.core.settings import ConfigError
     from nemo_dapo.local import config as cpu_config
 
     with pytest.raises(ConfigError) as cpu:
         cpu_config.load_config("tiny_cpu", ["algorithm.eps_low=1.0"])
     with pytest.raises(ConfigError) as aligner:
-        config_validate.validate_config(config_validate.load_config(None, [f"{A}eps_low=1.0"]))
+        config_validate.validate_config(config_load.load_config(None, [f"{A}eps_low=1.0"]))
     assert cpu.value.problems == [str(cpu.value)] and "algorithm.eps_low" in str(cpu.value)
     assert str(aligner.value).startswith("invalid DAPO config:\n  - ")
     assert any(p.startswith(f"{A}eps_low") for p in aligner.value.problems)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from nemo_dapo.cluster import config_load as cl
 from nemo_dapo.cluster import config_validate as cv
 from nemo_dapo.cluster.engine_options import engine_options
 
@@ -146,7 +147,7 @@ def test_sbatch_command_composes_with_the_recipe_and_validates(fake_srun, tmp_pa
     assert argv[:4] == ["python", "-u", "examples/train_gpt_dapo.py", "--config-name"]
     assert "++model.tokenizer.type=/tokenizer" in argv and "++model.tokenizer.library=huggingface" in argv
     recipe = argv[4].split("/", 1)[1]
-    cfg = cv.load_config(recipe, argv[5:])
+    cfg = cl.load_config(recipe, argv[5:])
     assert cv.check_config(cfg) == []
     assert cfg.trainer.num_nodes == 16 and cfg.trainer.dapo.max_steps == 2
     assert cfg.trainer.dapo.rollout_engine == "trtllm" and cfg.trainer.dapo.engine_server.tensor_parallel_size == 8
@@ -175,7 +176,7 @@ def test_sbatch_engines_get_their_options_and_gpus_from_the_config(fake_srun, tm
     es = "trainer.dapo.engine_server"
     _, calls = run_sbatch(fake_srun, tmp_path, f"{es}.tensor_parallel_size=2", f"{es}.max_batch_size=64")
     seen = json.loads((tmp_path / "calls" / "options_at_server_start.json").read_text())
-    cfg = cv.load_config("qwen2.5-32b_h100", [f"{es}.tensor_parallel_size=2", f"{es}.max_batch_size=64"])
+    cfg = cl.load_config("qwen2.5-32b_h100", [f"{es}.tensor_parallel_size=2", f"{es}.max_batch_size=64"])
     assert seen == engine_options(OmegaConf.to_container(cfg, resolve=True))
     assert seen["engine_gpus"] == 2 and seen["options"]["max_batch_size"] == 64
     assert seen["options"]["capacity_scheduler"] == "max_utilization"
@@ -185,7 +186,7 @@ def test_sbatch_engines_get_their_options_and_gpus_from_the_config(fake_srun, tm
     assert [a for a in shlex.split(health[-1]) if a.startswith("unix:")] == [
         f"unix:/tmp/nemo-dapo-77/engine-{i}.sock" for i in range(4)]
     argv = shlex.split(trainer_call(calls)[-1].partition("&&")[2])
-    assert cv.load_config(argv[4].split("/", 1)[1], argv[5:]).trainer.dapo.engine_server.tensor_parallel_size == 2
+    assert cl.load_config(argv[4].split("/", 1)[1], argv[5:]).trainer.dapo.engine_server.tensor_parallel_size == 2
     sub = tmp_path / "envtp"
     sub.mkdir()
     rc, calls = run_sbatch(fake_srun, sub, check=False, ENGINE_TP="2")
@@ -293,12 +294,12 @@ def test_launch_files_name_no_old_algorithm_key():
     """The docs, the launcher and the example use the one block, model.dapo.algorithm.*; the lint can fail."""
     key = re.compile(r"\b(?:trainer|model)\.dapo\.[A-Za-z_][\w.]*")
     assert key.findall("`trainer.dapo.group_size=8`") == ["trainer.dapo.group_size"]
-    assert cv.moved_key("trainer.dapo.group_size") == "model.dapo.algorithm.group_size"
+    assert cl.moved_key("trainer.dapo.group_size") == "model.dapo.algorithm.group_size"
     for path in (DOCS, SBATCH, ROOT / "examples" / "train_gpt_dapo.py"):
         text = path.read_text()
         if path.suffix == ".py":  # the example's comment quotes an old key on purpose: check code only
             text = "\n".join(ln.split("#", 1)[0] for ln in text.splitlines())
-        old = [k for k in key.findall(text) if cv.moved_key(k.rstrip("."))]
+        old = [k for k in key.findall(text) if cl.moved_key(k.rstrip("."))]
         assert not old, f"{path.name} names old algorithm keys {old}"
 
 

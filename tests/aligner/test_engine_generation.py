@@ -52,7 +52,8 @@ def test_engines_that_span_nodes_are_refused():
 def test_server_settings_are_the_yaml_values_and_a_missing_key_is_named():
     from omegaconf import OmegaConf
 
-    from nemo_dapo.cluster.config_validate import ConfigError, load_config
+    from nemo_dapo.cluster.config_load import load_config
+    from nemo_dapo.cluster.config_validate import ConfigError
     from nemo_dapo.aligner.engine_generation import SERVER_KEYS, server_settings
 
     cfg = load_config(None, ["trainer.dapo.engine_server.bucket_mb=64"])
@@ -318,7 +319,7 @@ def test_build_engine_generator_wires_the_server_keys_into_the_owners_client(mon
     from megatron.core import parallel_state as mcore_ps
 
     from nemo_dapo.aligner import engine_generation as eg
-    from nemo_dapo.cluster.config_validate import load_config
+    from nemo_dapo.cluster.config_load import load_config
     from nemo_dapo.engines import client as engine_client
 
     cfg = load_config(None, ["trainer.devices=2", "trainer.dapo.rollout_engine=local",

@@ -16,7 +16,7 @@ converted checkpoint stopped in the trainer builder ("Key 'gradient_as_bucket_vi
 import pytest
 from omegaconf import OmegaConf
 
-from nemo_dapo.cluster import config_validate as cv
+from nemo_dapo.cluster import config_load as cl
 from nemo_dapo.cluster.plan import arch_from_config
 from tests.aligner.conftest import needs_nemo
 from tests.support.dist import ROOT, run_json
@@ -39,7 +39,8 @@ from nemo_aligner.utils.train_script_utils import resolve_and_create_trainer
 from nemo_aligner.utils.utils import load_and_override_model_config
 from omegaconf import OmegaConf
 from nemo_dapo.aligner.actor import MegatronGPTDAPOActorModel
-from nemo_dapo.cluster.config_validate import register_resolvers, validate_config
+from nemo_dapo.cluster.config_load import register_resolvers
+from nemo_dapo.cluster.config_validate import validate_config
 from nemo_dapo.megatron.convert import load_hf_config
 from nemo_dapo.megatron.convert_ckpt import nemo_model_config
 from nemo_dapo.megatron.convert_shard import Parallel
@@ -136,7 +137,7 @@ def test_there_are_ten_gpu_recipes():
 def test_the_launch_config_path_accepts_the_recipe_and_builds_its_transformer_config_as_meant(built, recipe):
     tc = built[recipe]
     assert "error" not in tc, f"{recipe}: the launch stops at {tc.get('error')}"
-    cfg = OmegaConf.to_container(cv.load_config(recipe), resolve=True)
+    cfg = OmegaConf.to_container(cl.load_config(recipe), resolve=True)
     m, a = cfg["model"], arch_from_config(cfg)
     assert (tc["num_layers"], tc["hidden_size"], tc["num_attention_heads"], tc["num_query_groups"],
             tc["kv_channels"]) == (a.num_layers, a.hidden_size, a.num_attention_heads, a.num_query_groups,

@@ -11,7 +11,7 @@ pytestmark = [needs_nemo, pytest.mark.nemo]
 def _cfgs(**algorithm_over):
     """(trainer.dapo, model) of conf/gpt_dapo_actor.yaml at the paper's lengths, with ``algorithm_over`` merged into
     model.dapo.algorithm."""
-    from nemo_dapo.cluster.config_validate import load_config
+    from nemo_dapo.cluster.config_load import load_config
 
     a = "model.dapo.algorithm."
     cfg = load_config(None, ["model.dapo.length_params.max_length=20480", "model.encoder_seq_length=22528",

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from nemo_dapo.cluster import config_validate as cv
+from nemo_dapo.cluster import config_load as cl
 from nemo_dapo.cluster.engine_options import EngineOptionsError, engine_options
 from nemo_dapo.engines.local import LocalEngine
 from nemo_dapo.engines.trtllm import TRTLLMEngine
@@ -20,7 +20,7 @@ CLUSTER = sorted(p.stem for p in (ROOT / "conf" / "recipes").glob("*.yaml") if n
 
 
 def cfg_of(recipe, *overrides):
-    return OmegaConf.to_container(cv.load_config(recipe, overrides), resolve=True)
+    return OmegaConf.to_container(cl.load_config(recipe, overrides), resolve=True)
 
 
 def accepted(factory, options):

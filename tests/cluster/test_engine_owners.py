@@ -5,6 +5,7 @@ import itertools
 
 import pytest
 
+from nemo_dapo.cluster import config_load as cl
 from nemo_dapo.cluster import config_validate as cv
 from nemo_dapo.cluster.engine_owners import engine_owners, megatron_mp_groups
 
@@ -68,13 +69,13 @@ def test_two_replicas_that_share_each_nodes_engine_are_matched_one_engine_each()
 
 
 def test_the_validator_refuses_replicas_without_an_engine_and_passes_the_recipes():
-    cfg = cv.load_config("qwen3-30b-a3b_h100", ["trainer.dapo.engine_server.tensor_parallel_size=8",
+    cfg = cl.load_config("qwen3-30b-a3b_h100", ["trainer.dapo.engine_server.tensor_parallel_size=8",
                                                 "trainer.dapo.engine_server.expert_parallel_size=8"])
     assert any("16 model-parallel groups cannot each own one of the 4 engines of 8 GPUs" in p
                for p in cv.check_config(cfg))
-    other_order = cv.load_config("qwen3-30b-a3b_h100", ["trainer.dapo.engine_server.tensor_parallel_size=8",
+    other_order = cl.load_config("qwen3-30b-a3b_h100", ["trainer.dapo.engine_server.tensor_parallel_size=8",
                                                         "trainer.dapo.engine_server.expert_parallel_size=8",
                                                         "+model.use_tp_pp_dp_mapping=true"])
     assert not [p for p in cv.check_config(other_order) if "own one of" in p]  # not this order's arithmetic
     for recipe in ("qwen3-30b-a3b_h100", "qwen3-235b-a22b_h100", "moe-mixtral-8x22b_h20", "qwen2.5-32b_h100"):
-        assert not [p for p in cv.check_config(cv.load_config(recipe)) if "own one of" in p], recipe
+        assert not [p for p in cv.check_config(cl.load_config(recipe)) if "own one of" in p], recipe

@@ -193,7 +193,7 @@ def test_plan_names_the_missing_key(capsys):
 
 
 def test_plan_32b_h100_numbers_by_hand():
-    from nemo_dapo.cluster.config_validate import load_config
+    from nemo_dapo.cluster.config_load import load_config
     from omegaconf import OmegaConf
 
     plan = P.make_plan(OmegaConf.to_container(load_config("qwen2.5-32b_h100", ["trainer.dapo.rollout_engine=legacy"])))
@@ -296,7 +296,7 @@ def test_inflight_tail_dominates_when_the_engine_is_fast():
 
 
 def plan_of(recipe, *overrides):
-    from nemo_dapo.cluster.config_validate import load_config
+    from nemo_dapo.cluster.config_load import load_config
     from omegaconf import OmegaConf
 
     return P.make_plan(OmegaConf.to_container(load_config(recipe, overrides), resolve=True))
@@ -456,7 +456,7 @@ def test_32b_h100_paged_kv_beats_reserved_kv_beats_static_batches():
 @pytest.mark.parametrize("key", ["max_batch_size", "free_gpu_memory_fraction", "capacity_scheduler", "sleep_level"])
 def test_engine_server_keys_are_read_strictly(key):
     """No code default stands in for a key the launcher passes to the engine: a missing or null one is an error."""
-    from nemo_dapo.cluster.config_validate import load_config
+    from nemo_dapo.cluster.config_load import load_config
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.to_container(load_config("qwen2.5-32b_h100"), resolve=True)
@@ -473,7 +473,8 @@ def test_engine_server_keys_are_read_strictly(key):
     ("model.context_parallel_size=-1", "model.context_parallel_size=-1")])
 def test_bad_sizes_are_problems_of_the_validator_and_refused_by_make_plan(override, key):
     """The validator's rules never do arithmetic on a size that is not an integer >= 1 (no ZeroDivisionError)."""
-    from nemo_dapo.cluster.config_validate import check_config, load_config
+    from nemo_dapo.cluster.config_load import load_config
+    from nemo_dapo.cluster.config_validate import check_config
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.to_container(load_config("qwen2.5-32b_h100", [override]))

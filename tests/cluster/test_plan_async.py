@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from nemo_dapo.cluster import plan as P
 from nemo_dapo.cluster import plan_async as A
 from nemo_dapo.cluster import plan_generation as G
-from nemo_dapo.cluster.config_validate import load_config
+from nemo_dapo.cluster.config_load import load_config
 
 DENSE = "qwen2.5-32b_h100"  # TP8 PP1: whole-node splits are valid layouts
 MOE = "qwen3-30b-a3b_h20"

@@ -7,7 +7,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from nemo_dapo.cluster import plan as P
-from nemo_dapo.cluster.config_validate import load_config
+from nemo_dapo.cluster.config_load import load_config
 from nemo_dapo.cluster import plan_calibration as C
 
 TOLERANCE = 0.20

@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 
 from nemo_dapo.cluster import plan as P
 from nemo_dapo.cluster import plan_model as M
-from nemo_dapo.cluster.config_validate import load_config
+from nemo_dapo.cluster.config_load import load_config
 from nemo_dapo.cluster.plan_shapes import Arch, Layout
 
 ES = "trainer.dapo.engine_server"

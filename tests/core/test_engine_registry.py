@@ -24,9 +24,9 @@ TOY_ROW = R.EngineSpec(TOY, adapter="tests.engines.toy_engine:ToyEngine", option
 
 
 def cluster_cfg(engine: str) -> dict:
-    from nemo_dapo.cluster import config_validate as cv
+    from nemo_dapo.cluster import config_load as cl
 
-    return OmegaConf.to_container(cv.load_config(RECIPE, [f"trainer.dapo.rollout_engine={engine}"]), resolve=True)
+    return OmegaConf.to_container(cl.load_config(RECIPE, [f"trainer.dapo.rollout_engine={engine}"]), resolve=True)
 
 
 def seen_by_every_reader(cfg: dict, model_dir) -> dict:
