@@ -21,7 +21,6 @@ writes, for the CPU task (``nemo_dapo.data.task.ArithmeticTask``, two-term chain
 from __future__ import annotations
 
 import json
-import os
 import random
 import sys
 import tarfile

@@ -9,7 +9,6 @@ import os
 import pytest
 import torch
 
-from nemo_dapo.engines import server as S
 from nemo_dapo.engines.base import EngineError, EngineWeightError, Request
 from nemo_dapo.engines.client import EngineClient, EngineProcess
 from tests.engines import fake_trtllm as F

@@ -326,7 +326,7 @@ def main():
             procs[families[i + 1]] = start_engine(families[i + 1], out_dir)
         try:
             out["families"][family] = run_family(family, cases[family], procs.get(family), out_dir)
-        except Exception as e:  # noqa: BLE001 - this family fails, the others still run
+        except Exception:  # noqa: BLE001 - this family fails, the others still run
             out["families"][family] = {"error": traceback.format_exc()[-3000:]}
             if ps.model_parallel_is_initialized():
                 destroy_parallel()
