@@ -9,14 +9,12 @@ import os
 from dataclasses import fields, is_dataclass
 
 from nemo_dapo.core.affinity import cpu_set_problem
-from nemo_dapo.core.settings import MIN_TEMPERATURE, ConfigError
+from nemo_dapo.core.settings import MIN_TEMPERATURE, ConfigError, problems
 from nemo_dapo.local.config_schema import ALGORITHM_KEYS, Config, algorithm_values, choices, value_at
 
 
 def _check_algorithm(cfg: Config) -> None:
     """The rules of nemo_dapo.core.settings (shared with the NeMo-side validator), first problem raised."""
-    from nemo_dapo.core.settings import problems
-
     values = algorithm_values(cfg)
     for name, message in problems(values, cfg.rollout.max_new_tokens):
         key = ALGORITHM_KEYS[name]
