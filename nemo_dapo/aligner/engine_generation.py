@@ -4,34 +4,23 @@
 The servers (``python -m nemo_dapo.engines.server``) are started by the launcher (``containers/dapo.sbatch``) on the
 GPUs of the training ranks, colocated; this module connects the trainer to them.
 
-Rank -> server (:class:`EngineLayout`). An engine spans ``G = engine_server.tensor_parallel_size x
-pipeline_parallel_size`` GPUs inside one node; node n runs ``gpus_per_node / G`` engines, engine ``i`` of node n on the
-node-local GPUs ``[i G, (i + 1) G)``. Global rank r (node ``r // gpus_per_node``, local rank ``l = r % gpus_per_node``)
-belongs to engine ``i = l // G`` of its node, and the rank with ``l % G == 0`` (the first GPU of the engine) OWNS the
-connection: it is the only rank that talks to that server (a server takes one client at a time) and sends it the
-weights. Where that leaves a model-parallel group without an engine, the groups are matched to engines holding one of
-their ranks instead (``cluster/engine_owners.py``; every rank computes the same match). Its address is
-``engine_server.address`` (or ``$<address_env>``) formatted with ``node``, ``local`` (= i), ``port`` (= base_port + i)
-and ``rank`` (the owner's global rank); the launcher starts the servers with the same template. Weights travel through
-node-local shared memory, so owner and server share a node.
+Rank -> server: ``engine_layout.py`` (which rank owns the connection to which server, and its address).
 
 ``engine_server.placement: separate`` connects to engines on GPUs of their own instead (``containers/dapo.sbatch``
-``ENGINE_NODES``: servers on the last nodes of the job, on TCP): one engine per data-parallel replica, owned by the
-replica's first rank (the lowest global rank of its model-parallel group), at entry ``d`` (the replica's
-data-parallel rank) of a comma-separated ``address`` list, or the template formatted for engine d of the engine
-nodes as above (``node`` = d // engines per node, ``local``, ``port``, ``rank``; also ``engine`` = d). Weights then
-travel by ``engine_server.weight_transport`` gloo or nccl (engines/weight_group.py), from the owner to the engine's
-workers; the engines never share a GPU with training, so they need not sleep (``sleep_level`` 0).
+``ENGINE_NODES``: servers on the last nodes of the job, on TCP; one per data-parallel replica, addressed as
+``engine_layout.py`` says). Weights then travel by ``engine_server.weight_transport`` gloo or nccl
+(engines/weight_group.py), from the owner to the engine's workers; the engines never share a GPU with training, so
+they need not sleep (``sleep_level`` 0).
 
 Generation. The ranks of one model-parallel (TP x PP) group hold the same prompts (one data-parallel replica). The
 owners inside the group split its rows in order (owner j of k takes rows [j B / k, (j + 1) B / k)), and each owner in
 turn broadcasts its part to the group (tensors of a broadcast size, :func:`broadcast_generation`), so every rank
 returns the same ``Generation``. The ranks first meet in a gloo twin of the group (``wait_group``), so that the others
 wait out the owners' generation on the CPU, not inside the NCCL broadcast (core/collective.py). Every group needs at
-least one owner (the first GPUs, or the match above); the validator and the builder check it. Partial rollouts
-(``trainer.dapo.rollout.on_filler_full: suspend``) go through ``stream_requests`` the same way: the owners split a
-round's groups in order, and each round runs to its end (the loop hands finished groups over between rounds, in prompt
-order, core/loop_stream.py), so every rank of every data-parallel replica follows the same rounds.
+least one owner (the first GPUs, or the match of ``engine_layout.py``); the validator and the builder check it. Partial
+rollouts (``trainer.dapo.rollout.on_filler_full: suspend``) go through ``stream_requests`` the same way: the owners
+split a round's groups in order, and each round runs to its end (the loop hands finished groups over between rounds, in
+prompt order, core/loop_stream.py), so every rank of every data-parallel replica follows the same rounds.
 
 Weights. Every rank runs the HF-named gather (``megatron.refit_hf.hf_weight_buckets``: TP all-gathers, expert
 broadcasts, PP broadcasts) to the end; only owners send the buckets. A failure on any owner is finished in step
@@ -61,76 +50,19 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
+from nemo_dapo.aligner.engine_layout import EngineLayout, owners_in_group, separate_address
 from nemo_dapo.aligner.training_offload import AFTER_REFIT, BEFORE_REFIT, offload_enabled, training_state_offload
 from nemo_dapo.cluster.config_load import required
-from nemo_dapo.cluster.engine_owners import engine_owners
 from nemo_dapo.core.collective import collective_device, cpu_wait_group, every_group
 from nemo_dapo.core.loop_data import mix_seed
 from nemo_dapo.core.types import Generation
 
 log = logging.getLogger("nemo_dapo")
-
-
-@dataclass(frozen=True)
-class EngineLayout:
-    """Which engine server each global rank belongs to (module docstring). Pure arithmetic, no process groups."""
-
-    world: int
-    gpus_per_node: int
-    engine_gpus: int  # GPUs of one engine (its tensor x pipeline parallel size)
-
-    def __post_init__(self):
-        for key in ("world", "gpus_per_node", "engine_gpus"):
-            if int(getattr(self, key)) < 1:
-                raise ValueError(f"EngineLayout.{key}={getattr(self, key)} must be >= 1")
-        if self.gpus_per_node % self.engine_gpus:
-            raise ValueError(f"an engine of {self.engine_gpus} GPUs (engine_server.tensor_parallel_size x "
-                             f"pipeline_parallel_size) does not tile a node of {self.gpus_per_node} GPUs "
-                             "(trainer.devices): engines must not span nodes; choose a divisor of trainer.devices")
-        if self.world % self.gpus_per_node:
-            raise ValueError(f"world size {self.world} is not a whole number of {self.gpus_per_node}-GPU nodes")
-
-    @property
-    def engines_per_node(self) -> int:
-        return self.gpus_per_node // self.engine_gpus
-
-    @property
-    def num_engines(self) -> int:
-        return self.world // self.engine_gpus
-
-    def engine_of(self, rank: int) -> tuple:
-        """(node, node-local engine index) of global ``rank``."""
-        return rank // self.gpus_per_node, (rank % self.gpus_per_node) // self.engine_gpus
-
-    def owner_of(self, rank: int) -> int:
-        node, local = self.engine_of(rank)
-        return node * self.gpus_per_node + local * self.engine_gpus
-
-    def address(self, rank: int, template: str, base_port: int = 0, owner: Optional[int] = None) -> str:
-        """The address of ``rank``'s engine server from ``template`` ({node}, {local}, {port}, {rank}: ``owner``, by
-        default the rank on the engine's first GPU)."""
-        node, local = self.engine_of(rank)
-        try:
-            return template.format(node=node, local=local, port=base_port + local,
-                                   rank=self.owner_of(rank) if owner is None else owner)
-        except (KeyError, IndexError) as e:
-            raise ValueError(f"engine_server.address {template!r}: unknown field {e}; use {{node}}, {{local}}, "
-                             "{port}, {rank}") from None
-
-
-def owners_in_group(layout: EngineLayout, group_ranks, groups) -> list:
-    """The connection owners among the global ranks of one model-parallel group, in rank order, from the assignment
-    over every model-parallel group of the world (``groups``, cluster/engine_owners.py: the ranks on the engines'
-    first GPUs where they serve every group, else a match; ValueError where none can)."""
-    owners = engine_owners(layout.world, layout.engine_gpus, groups).values()
-    mine = set(group_ranks)
-    return sorted(r for r in owners if r in mine)
 
 
 def split_rows(b: int, k: int) -> list:
@@ -502,26 +434,6 @@ class _Counting:
 SERVER_KEYS = ("hf_model_dir", "tensor_parallel_size", "pipeline_parallel_size", "address", "address_env",
                "base_port", "authkey_env", "connect_timeout_s", "request_timeout_s", "weight_timeout_s", "bucket_mb",
                "dtype", "sleep_level", "placement", "weight_transport")
-
-
-def separate_address(template: str, engine: int, engines: int, per_node: int, base_port: int, owner: int) -> str:
-    """The address of engine ``engine`` (of ``engines``, one per data-parallel replica) in the separate placement:
-    entry ``engine`` of a comma-separated list of ``engines`` addresses, or ``template`` formatted as the colocated
-    one is, over the engine nodes (``per_node`` engines each): ``node`` (= engine // per_node, counted from the first
-    engine node), ``local`` (= engine % per_node), ``port`` (= base_port + local), ``rank`` (the owner's global
-    rank), and ``engine``."""
-    if "," in template:
-        listed = [a.strip() for a in template.split(",")]
-        if len(listed) != engines:
-            raise ValueError(f"engine_server.address lists {len(listed)} engine servers, but the separate placement "
-                             f"has one per data-parallel replica: {engines}; list {engines} addresses")
-        return listed[engine]
-    try:
-        node, local = divmod(engine, per_node)
-        return template.format(engine=engine, node=node, local=local, port=base_port + local, rank=owner)
-    except (KeyError, IndexError) as e:
-        raise ValueError(f"engine_server.address {template!r}: unknown field {e}; use {{node}}, {{local}}, "
-                         "{port}, {rank}, {engine}, or list one address per engine, comma-separated") from None
 
 
 def server_settings(cfg) -> dict:
