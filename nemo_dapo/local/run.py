@@ -24,6 +24,7 @@ finished run prints its summary and changes nothing (raise ``trainer.max_steps``
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import shutil
@@ -34,8 +35,8 @@ from typing import Optional
 import torch
 
 from nemo_dapo.local.config import Config, ConfigError
-from nemo_dapo.core.checkpoint import (atomic_directory, latest_checkpoint, list_checkpoints, rng_state,
-                                       save_checkpoint, set_rng_state)
+from nemo_dapo.core.checkpoint import (atomic_directory, checkpoint_path, latest_checkpoint, list_checkpoints,
+                                       rng_state, save_checkpoint, set_rng_state)
 from nemo_dapo.core.affinity import pin_cpus
 from nemo_dapo.core.health import DivergenceGuard, TrainingDiverged, diverged_message
 from nemo_dapo.core.loop import DAPOLoop
@@ -320,37 +321,45 @@ def _train_steps(run: LocalRun, logger: RunLogger, base_eval: dict, t_start: flo
     """Step until a budget is spent; validate every val_every steps and at the end, checkpoint likewise.
 
     A stop requested by a signal (``stop.signum``) ends the loop after the step in progress, with its checkpoint.
+    An engine error ends it with the checkpoint of the last finished step (its state is held in memory while no
+    checkpoint on disk has it).
     """
     cfg, t = run.cfg, run.cfg.trainer
     t_rl = time.time()
     saved = run.step
+    on_disk = run.step if os.path.isfile(checkpoint_path(_ckpt_dir(cfg), run.step)) else None  # a checkpoint's step
     guard = DivergenceGuard(max_skipped_updates=t.max_skipped_updates, max_entropy_fraction=t.max_entropy_fraction,
                             vocab_size=run.model.config.vocab_size)
     guard.streak, guard.start_entropy = int(run.health["streak"]), run.health["start_entropy"]
     while not _stop_reason(run, t_rl):
+        last_step = run.step
+        held = None if on_disk == last_step else copy.deepcopy(run.state_dict(base_eval))
         try:
             metrics = run.loop.step(sample_cap=_sample_cap(run))
+            step, last = run.step, bool(_stop_reason(run, t_rl))
+            if t.val_every and (step % t.val_every == 0 or last):
+                metrics.update(run.evaluate(t.val_samples, t.val_problems).summary("val/"))
         except EngineError as e:
-            # Nothing of the failed step is lost: the policy is untouched until generation ends, and the loop's
-            # state (prompts drawn, groups already scored) is saved as it stands; rerunning resumes from it.
-            save_checkpoint(_ckpt_dir(cfg), run.step, run.state_dict(base_eval), keep_last=t.keep_last)
-            raise EngineError(f"{e}\nrollout step {run.step + 1} stopped; checkpoint saved in {_ckpt_dir(cfg)}: "
-                              "start the engine again (or fix the cause above) and rerun the same command to "
-                              "resume") from e
-        step, last = run.step, bool(_stop_reason(run, t_rl))
-        if t.val_every and (step % t.val_every == 0 or last):
-            metrics.update(run.evaluate(t.val_samples, t.val_problems).summary("val/"))
+            # The loop stopped half way through the step (prompts drawn, suspended groups taken up, the policy
+            # perhaps updated but not sent, the step not logged), so the checkpoint is the state at the end of the
+            # last finished step: rerunning repeats the failed step whole and, in prompt order, as the
+            # uninterrupted run did.
+            if held is not None:
+                save_checkpoint(_ckpt_dir(cfg), last_step, held, keep_last=t.keep_last)
+            raise EngineError(f"{e}\nrollout step {last_step + 1} stopped; the checkpoint of step {last_step} is in "
+                              f"{_ckpt_dir(cfg)}: start the engine again (or fix the cause above) and rerun the "
+                              "same command to resume") from e
         logger.write("train", step, metrics)
         logger.console(step, metrics, time.time() - t_start)
         diverged = guard.observe(metrics)
         run.health.update(streak=guard.streak, start_entropy=guard.start_entropy)
         if diverged:  # the checkpoint of this step records it (so does diverged.json below)
             run.health["diverged"] = run.health["diverged"] + [
-                {"step": step, "reason": diverged, "checkpoint": os.path.join(_ckpt_dir(cfg), f"step_{step:08d}.pt"),
+                {"step": step, "reason": diverged, "checkpoint": checkpoint_path(_ckpt_dir(cfg), step),
                  "time": time.time(), "resumed": False}]
         if step % t.save_every == 0 or last or diverged:
             save_checkpoint(_ckpt_dir(cfg), step, run.state_dict(base_eval), keep_last=t.keep_last)
-            saved = step
+            saved = on_disk = step
         if diverged:  # stop with a checkpoint instead of training on to accuracy 0 and exit 0
             record_divergence(cfg.run_dir, run.health["diverged"])
             raise TrainingDiverged(diverged_message(diverged, step=step, lr=cfg.optim.lr,

@@ -233,6 +233,66 @@ def test_sigkill_then_resume_gives_the_same_metrics_as_an_uninterrupted_run(tmp_
         json.load(open(os.path.join(full, "summary.json")))["final_accuracy"]
 
 
+def _failing_engine(monkeypatch, where: str, refits: int) -> dict:
+    """Make the engine fail once the trainer has sent ``refits`` weight updates (the first is the start's): in
+    the next generation (a step's or a validation's), the next refit, or (overlap in prompt order) while the trainer
+    waits for the round that ran during its update."""
+    from nemo_dapo.core.loop_stream import StreamingPhase
+    from nemo_dapo.engines.base import EngineError
+    from nemo_dapo.engines.client import EngineClient
+    from nemo_dapo.engines.generator import EngineGenerator
+
+    seen = {"refits": 0, "parking": False, "failed": False}
+
+    def wrap(cls, name, due, before=lambda: None):
+        orig = getattr(cls, name)
+
+        def call(*args, **kwargs):
+            before()
+            if due():
+                seen["failed"] = True
+                raise EngineError(f"engine failed in the {where} (injected)")
+            return orig(*args, **kwargs)
+        monkeypatch.setattr(cls, name, call)
+
+    wrap(EngineGenerator, "update_weights", lambda: where == "refit" and seen["refits"] == refits + 1,
+         before=lambda: seen.update(refits=seen["refits"] + 1))
+    wrap(StreamingPhase, "_park_ahead", lambda: False, before=lambda: seen.update(parking=seen["refits"] >= refits))
+    wrap(EngineClient, "next_completion", lambda: seen["refits"] >= refits and (
+        where in ("generation", "validation") or (where == "park" and seen["parking"])))
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where,mode", [
+    ("generation", PROMPT_ORDER_PARTIAL), ("refit", PROMPT_ORDER_PARTIAL), ("validation", PROMPT_ORDER_PARTIAL),
+    ("park", PROMPT_ORDER_PARTIAL + ["rollout.overlap=true", "rollout.server.sleep_level=0"])],
+    ids=["generation", "refit", "validation", "overlap-park"])
+def test_an_engine_failing_mid_step_loses_nothing_and_the_rerun_repeats_the_uninterrupted_run(
+        tmp_path, base_dir, monkeypatch, capsys, where, mode):
+    """Step 4 of 5 fails (checkpoints and validation every 2 steps): the error saves step 3 as it ended, not the
+    failed step half done (prompts drawn, suspended groups taken up, weights trained but not sent, validation not
+    logged), and the same command resumes to the uninterrupted run's metrics."""
+    args = TINY + ["trainer.max_steps=5", "trainer.save_every=2", "trainer.val_every=2", f"model.path={base_dir}",
+                   "algorithm.dynamic_sampling.enabled=true",
+                   "algorithm.dynamic_sampling.on_budget_exhausted=train_partial", *mode]
+    full, failed = str(tmp_path / "full"), str(tmp_path / "failed")
+    assert main(["train", *args, f"run_dir={full}"]) == 0
+    with monkeypatch.context() as patch:
+        # after the start's and steps 1-3's refits; the validation of step 4 follows its refit
+        seen = _failing_engine(patch, where, refits=5 if where == "validation" else 4)
+        code = main(["train", *args, f"run_dir={failed}"])
+    err = capsys.readouterr().err
+    assert code == 4 and seen["failed"], err
+    assert f"engine failed in the {where}" in err and "rollout step 4 stopped; the checkpoint of step 3" in err
+    assert [r["step"] for r in read_metrics(failed, "train")] == [1, 2, 3]
+    ckpts = sorted(os.listdir(os.path.join(failed, "checkpoints")))
+    assert ckpts == ["step_00000002.pt", "step_00000003.pt"], ckpts
+    assert main(["train", *args, f"run_dir={failed}"]) == 0
+    assert steady_records(failed) == steady_records(full)
+    assert max(r.get("partial/resumed_groups", 0) for r in steady_records(full)) > 0
+
+
 def test_rollout_batch_contract_of_the_sampler_matches_the_loop(tmp_path, base_dir):
     """The loop's payloads from the real sampler are valid RolloutBatches (left-padded prompts, EOS in mask)."""
     from nemo_dapo.local.run import LocalRun
