@@ -105,8 +105,9 @@ class EngineServer:
         self.nccl = WG.nccl_version() if hasattr(adapter, "join_weight_group") else None
         self.inflight: dict = {}  # request id -> its sample count
         self.weights_ok = True
-        # a bucket of the current update that was refused (its first tensor's name): update_weights_done is refused
-        # until an update begins again (a bucket with "begins"), since the engine holds part old, part new weights
+        # why the current update cannot be declared done (a bucket refused, named by its first tensor, or a client
+        # that left it unfinished): update_weights_done is refused until an update begins again (a bucket with
+        # "begins" that is accepted), since the engine may hold part old, part new weights
         self._refused: Optional[str] = None
         self.sleeping = False
         self.started = time.time()
@@ -171,6 +172,8 @@ class EngineServer:
         except Exception:  # noqa: BLE001 - a failing abort must not hide why the session ended
             log.exception("aborting the requests of the closed session failed")
         self.inflight.clear()
+        if not self.weights_ok:  # the next client cannot finish an update it did not send, nor generate from it
+            self._refused = self._refused or "the previous client left its update unfinished"
         self._close_buffer()
         self._group = WG.ServerSide(self.adapter)  # the next trainer forms its own group
         ch.close()
@@ -323,23 +326,27 @@ class EngineServer:
         return {"joining": True}, []
 
     def _op_update_weights(self, msg):
+        """One bucket; any refusal (of a bucket that begins an update too) leaves the update refused until a bucket
+        with ``begins`` is accepted: the engine may hold part of it."""
+        if msg.get("begins") is True:
+            self._refused = None
+        try:
+            return self._bucket(msg)
+        except Exception:
+            self._refused = self._refused or _refusal(msg.get("tensors"))
+            raise
+
+    def _bucket(self, msg):
         if self.inflight:
             raise _BadRequest(f"{len(self.inflight)} requests are still running: let them finish or abort them "
                               "before updating weights")
         self._group.raise_failed()  # a bucket that failed after its reply: the update is refused from here on
         if not isinstance(msg.get("begins", False), bool):
             raise _BadRequest(f"update_weights: begins must be true or false, got {msg.get('begins')!r:.40}")
-        if msg.get("begins"):
-            self._refused = None
-        name = _first_name(msg.get("tensors"))
         if msg.get("via", "shm") == "group":
-            try:
-                receive = self._group.receive_later(msg, self._load_checked)
-            except Exception:
-                self._refused = name
-                raise
+            receive = self._group.receive_later(msg, self._load_checked)
             self.weights_ok = False
-            self._then = lambda: self._received(receive, name)
+            self._then = lambda: self._received(receive, msg["tensors"])
             return {"receiving": len(msg["tensors"])}, []
         if msg.get("via", "shm") != "shm":
             raise _BadRequest(f"update_weights: via must be 'shm' or 'group', got {msg.get('via')!r:.40}")
@@ -349,22 +356,18 @@ class EngineServer:
             self._close_buffer()
             self._buffer = S.AttachedBuffer(msg.get("shm"))  # maps the block and removes its name
         self.weights_ok = False  # an update has begun (a refused block name above changes nothing)
+        named = self._buffer.tensors(msg["tensors"])
         try:
-            named = self._buffer.tensors(msg["tensors"])
-            try:
-                self._load_checked(named)
-            finally:
-                del named  # the adapter copied them; drop the views before the block can be closed
-        except Exception:
-            self._refused = name if msg["tensors"] else self._refused  # a block's attach loads nothing
-            raise
+            self._load_checked(named)
+        finally:
+            del named  # the adapter copied them; drop the views before the block can be closed
         return {"loaded": len(msg["tensors"])}, []
 
-    def _received(self, receive, name: str) -> None:
+    def _received(self, receive, tensors: list) -> None:
         """A group bucket, received after the reply: a failure is answered on the next weight command."""
         receive()
         if self._group.failed is not None:
-            self._refused = name
+            self._refused = _refusal(tensors)
 
     def _load_checked(self, named: list) -> None:
         for name, t in named:  # the whole bucket before any of it is loaded: a refused bucket changes nothing
@@ -375,9 +378,9 @@ class EngineServer:
     def _op_update_weights_done(self, msg):
         self._group.raise_failed()
         if self._refused is not None:
-            raise _BadRequest(f"update_weights_done refused: a bucket of this update (from {self._refused!r}) was "
-                              "refused, so the engine holds part old, part new weights and still refuses to "
-                              "generate; send the whole update again, its first bucket with begins=true")
+            raise _BadRequest(f"update_weights_done refused: {self._refused}, so the engine may hold "
+                              "part old, part new weights and still refuses to generate; send the whole update "
+                              "again, its first bucket with begins=true")
         self._close_buffer()
         self.adapter.finish_weights()
         self.weights_ok = True
@@ -420,6 +423,12 @@ class EngineServer:
         if self._buffer is not None:
             self._buffer.close()
             self._buffer = None
+
+
+def _refusal(specs) -> str:
+    """Why an update cannot be declared done, for a refused bucket with these weight specs."""
+    name = _first_name(specs)
+    return "a bucket of this update" + ("" if name == "?" else f" (from {name!r})") + " was refused"
 
 
 def _first_name(specs) -> str:

@@ -16,6 +16,7 @@ import torch
 
 from nemo_dapo.engines import protocol as P
 from nemo_dapo.engines import server as S
+from nemo_dapo.engines import shm
 from nemo_dapo.engines.base import EngineError, EngineWeightError, Request
 from nemo_dapo.engines.client import EngineBusy, EngineClient
 from nemo_dapo.engines.health import main as health_main
@@ -229,6 +230,55 @@ def test_a_weight_beyond_the_engines_dtype_is_refused_and_a_refused_update_canno
             client.submit([Request(id="after-refused", prompt_ids=[1])])
         client.update_weights([[("w", torch.zeros(4, dtype=torch.float64))]])  # the whole update again: it begins
     finally:
+        client.close()
+    assert serves(server)
+
+
+def _first_bucket(client, block) -> list:
+    """The first bucket of an update (w = 1), sent as the client sends it: attach the block, then begins=true."""
+    bucket = [("w", torch.ones(4))]
+    specs, size = shm.weight_layout(bucket)
+    client.call("update_weights", shm=block.reserve(size) or block.name, tensors=[])
+    block.fill(bucket, specs)
+    client.call("update_weights", shm=block.name, tensors=specs, begins=True)
+    return specs
+
+
+@pytest.mark.parametrize("how", ["a block that cannot be attached", "a malformed bucket that begins",
+                                 "the client leaving mid-update"])
+def test_an_update_left_partial_in_any_way_cannot_be_declared_done(server, how):
+    """After part of an update is loaded, no path lets update_weights_done through (and generation with it) but
+    the whole update sent again: a later bucket refused before it reaches the engine, a refused bucket that claims
+    to begin a new update, or a new client declaring done what an earlier one left unfinished."""
+    client = EngineClient(server[1], authkey=KEY, connect_timeout_s=30, request_timeout_s=30)
+    block = shm.WeightBuffer()
+    try:
+        specs = _first_bucket(client, block)
+        if how == "a block that cannot be attached":
+            with pytest.raises(EngineError, match="nemo_dapo_1_w_000000000000"):
+                client.call("update_weights", shm="nemo_dapo_1_w_000000000000", tensors=specs)
+            refused = "a bucket of this update \\(from 'w'\\) was refused"
+        elif how == "a malformed bucket that begins":
+            with pytest.raises(EngineError, match="NaN"):
+                block.fill([("w", torch.full((4,), float("nan")))], specs)
+                client.call("update_weights", shm=block.name, tensors=specs)
+            with pytest.raises(EngineError, match="via must be 'shm' or 'group'"):
+                client.call("update_weights", via="bogus", tensors=[], begins=True)
+            refused = "a bucket of this update was refused"
+        else:
+            block.close()
+            client.close()
+            client = EngineClient(server[1], authkey=KEY, connect_timeout_s=30, request_timeout_s=30)
+            assert client.health()["weights_ok"] is False
+            refused = "the previous client left its update unfinished"
+        with pytest.raises(EngineError, match=f"update_weights_done refused: {refused}"):
+            client.call("update_weights_done")
+        with pytest.raises(EngineError, match="mixed weights"):
+            client.submit([Request(id="after-partial", prompt_ids=[1])])
+        client.update_weights([[("w", torch.zeros(4))]])  # the whole update again
+        assert client.health()["weights_ok"] is True
+    finally:
+        block.close()
         client.close()
     assert serves(server)
 
