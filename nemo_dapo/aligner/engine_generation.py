@@ -513,7 +513,8 @@ def _connect_engine(actor, srv: dict, engine_name: str, layout: EngineLayout, ra
     client = EngineClient(address, authkey=authkey, name=f"{engine_name}@{address}",
                           connect_timeout_s=float(srv["connect_timeout_s"]),
                           request_timeout_s=float(srv["request_timeout_s"]),
-                          weight_timeout_s=float(srv["weight_timeout_s"]))
+                          weight_timeout_s=float(srv["weight_timeout_s"]),
+                          check_shared_memory=srv["weight_transport"] == "shm")  # another node's /dev/shm is not ours
     log.info("rank %d owns engine %s at %s (%s)", rank, engine_name, address, client.info)
     tok = actor.tokenizer
     top_k = int(required(actor.cfg, "dapo.sampling_params.top_k", "model"))

@@ -30,8 +30,10 @@ def probe(address: str, *, timeout_s: float) -> dict:
     ``timeout_s``; raises EngineError when it is not reachable in that time (EngineRefused: not with this key)."""
     deadline = time.monotonic() + timeout_s
     try:
+        # no /dev/shm check: the probe sends no weights, and a server it cannot share /dev/shm with (on another node,
+        # or in a container of its own) is up all the same; the trainer's client checks what its transport needs
         client = EngineClient(address, name=address, connect_timeout_s=timeout_s, request_timeout_s=timeout_s,
-                              wait_if_busy=False)
+                              wait_if_busy=False, check_shared_memory=False)
     except EngineBusy:
         return {"address": address, "busy": True}
     try:

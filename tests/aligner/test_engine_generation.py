@@ -238,8 +238,10 @@ def test_a_separate_engine_is_owned_by_the_lowest_rank_of_its_replica(monkeypatc
     assert eg._engine_owners(lay, "mp-group", True, groups=[]) == [12]
 
 
-@pytest.mark.parametrize("dtype, torch_dtype", [("bf16", "bfloat16"), ("fp16", "float16"), (None, None)])
-def test_build_engine_generator_wires_the_server_keys_into_the_owners_client(monkeypatch, dtype, torch_dtype):
+@pytest.mark.parametrize("dtype, torch_dtype, transport", [("bf16", "bfloat16", "shm"), ("fp16", "float16", "gloo"),
+                                                        (None, None, "nccl")])
+def test_build_engine_generator_wires_the_server_keys_into_the_owners_client(monkeypatch, dtype, torch_dtype,
+                                                                            transport):
     # build_engine_generator on rank 1 of a one-node world of 2 GPUs, one engine per GPU, without processes: the
     # client is a recorder, the process groups are answered here; everything between is the real wiring
     from types import SimpleNamespace
@@ -252,7 +254,8 @@ def test_build_engine_generator_wires_the_server_keys_into_the_owners_client(mon
     from nemo_dapo.engines import client as engine_client
 
     cfg = load_config(None, ["trainer.devices=2", "trainer.dapo.rollout_engine=local",
-                             f"trainer.dapo.engine_server.dtype={'null' if dtype is None else dtype}"])
+                             f"trainer.dapo.engine_server.dtype={'null' if dtype is None else dtype}",
+                             f"trainer.dapo.engine_server.weight_transport={transport}"])
     srv = cfg.trainer.dapo.engine_server
     clients = []
 
@@ -277,9 +280,11 @@ def test_build_engine_generator_wires_the_server_keys_into_the_owners_client(mon
     assert clients == [{"address": "unix:/run/e1-r1.sock", "authkey": b"s3cret", "name": "local@unix:/run/e1-r1.sock",
                         "connect_timeout_s": float(srv.connect_timeout_s),
                         "request_timeout_s": float(srv.request_timeout_s),
-                        "weight_timeout_s": float(srv.weight_timeout_s)}]
+                        "weight_timeout_s": float(srv.weight_timeout_s),
+                        # an engine on another node cannot see this node's /dev/shm, and needs not: no check
+                        "check_shared_memory": transport == "shm"}]
     assert gen.owners == [1] and gen.engine.bucket_bytes == int(srv.bucket_mb) * 2 ** 20
-    assert gen.engine.sleep_level == int(srv.sleep_level)
+    assert gen.engine.sleep_level == int(srv.sleep_level) and gen.engine.weight_transport == transport
     assert gen.engine.top_k == int(cfg.model.dapo.sampling_params.top_k)
     assert gen._weights.dtype == (None if torch_dtype is None else getattr(torch, torch_dtype))  # what the refit sends
     assert actor.valid_vocab == 300 and pushed == [gen]  # the engine's vocabulary; the first push, once

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from nemo_dapo.core import engine_registry
 from nemo_dapo.engines import protocol as P
@@ -204,7 +205,13 @@ def test_the_missing_python_message_names_install_modes_that_exist():
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a private /dev/shm (mount namespace) needs root")
-def test_a_server_that_does_not_share_dev_shm_is_refused_at_connect_naming_the_setting(tmp_path):
+def test_a_server_that_does_not_share_dev_shm_is_refused_at_connect_naming_the_setting_unless_refit_by_a_group(
+        tmp_path):
+    """What ENROOT_UNSHARE_IPC does, and what an engine on another node is: the shared-memory transport is refused at
+    connect; the health probe and a trainer refitting over a process group (which need no /dev/shm) are served."""
+    from nemo_dapo.engines.health import probe
+    from nemo_dapo.engines.weight_group import update_over_group
+
     if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
         pytest.skip("unshare -m is not permitted here")
     d = private_dir(tmp_path)
@@ -218,6 +225,20 @@ def test_a_server_that_does_not_share_dev_shm_is_refused_at_connect_naming_the_s
         with pytest.raises(EngineError, match="cannot see the trainer's shared-memory block(.|\n)*"
                                               "ENROOT_UNSHARE_IPC.*--container-unshare=ipc"):
             EngineClient(f"unix:{d}/e.sock", authkey=KEY.encode(), connect_timeout_s=120)
+        os.environ[P.AUTHKEY_ENV] = KEY
+        try:
+            assert probe(f"unix:{d}/e.sock", timeout_s=30)["weights_ok"] is True
+        finally:
+            del os.environ[P.AUTHKEY_ENV]
+        client = EngineClient(f"unix:{d}/e.sock", authkey=KEY.encode(), connect_timeout_s=30,
+                              check_shared_memory=False)
+        try:
+            stats, group = update_over_group([client], [[("w", torch.ones(4))]], host=client.local_host(),
+                                             backend="gloo")
+            group.close()
+            assert stats["transport"] == "group" and client.health()["weights_ok"] is True
+        finally:
+            client.close()
     finally:
         proc.kill()
         proc.wait()
