@@ -76,6 +76,7 @@ class EngineClient:
             self.close()
             raise
         self.engine, self.info = hello.get("engine", name), hello.get("info", {})
+        self.asleep_at_connect = hello.get("sleeping") is True  # left asleep by a client before (killed mid-step)
 
     def _key(self, authkey: Optional[bytes]) -> Optional[bytes]:
         if authkey is None and self.process is not None:

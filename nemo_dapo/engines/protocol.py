@@ -19,17 +19,20 @@ Client -> server after the handshake: every command carries ``cmd`` (a client-ch
 one ``{"op": "reply", "cmd": k, ...}`` or ``{"op": "error", "cmd": k, "type": ..., "message": ..., "name": ...}``
 (a frame that is not a JSON object with an ``op`` gets an error with ``cmd`` null).
 
-    hello            {version, shm_token}            -> {version, engine, info, shm_token}; see shm.ShmToken. info has
-                                                        sleep_releases {"1": [...], "2": [...]} (what each sleep
-                                                        level frees, of "weights", "kv_cache") and wake_tags
+    hello            {version, shm_token}            -> {version, engine, info, shm_token, sleeping}; see
+                                                        shm.ShmToken. info has sleep_releases {"1": [...], "2":
+                                                        [...]} (what each sleep level frees, of "weights",
+                                                        "kv_cache") and wake_tags; sleeping: a client before this
+                                                        one left the engine asleep
     submit           {requests: [Request]}           -> {}   queued; completions follow as they finish
     abort            {ids: [str]}                    -> {aborted: n}; the aborted requests' completions follow
     update_weights   {shm, tensors: [WeightSpec], begins?} -> {loaded: n}; one bucket, read from shared memory
     join_weights     {address, rank, world_size, ...} -> {joining}; the collective transport (weight_group.py)
     update_weights   {via: "group", size, tensors, begins?} -> {receiving: n}; one bucket, broadcast by the trainer
     update_weights_done {}                           -> {}   post-process, reset caches; generation may resume;
-                                                        refused after a refused bucket until an update begins
-                                                        again (its first bucket has begins: true)
+                                                        refused after a refused bucket, or an update a client
+                                                        before left unfinished, until an update begins again
+                                                        (its first bucket has begins: true)
     sleep            {level: 1|2}                    -> {}   level 1 frees the KV cache, 2 the weights too
     wake             {tags?: ["weights"|"kv_cache"]} -> {}   without tags: everything asleep (then submit works);
                                                              with tags: only that part (hello info's wake_tags)

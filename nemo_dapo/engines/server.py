@@ -265,7 +265,7 @@ class EngineServer:
         info["torch"] = WG.torch_version()
         if self.nccl is not None:
             info["nccl"] = self.nccl
-        reply = {"version": P.PROTOCOL_VERSION, "engine": self.name, "info": info}
+        reply = {"version": P.PROTOCOL_VERSION, "engine": self.name, "info": info, "sleeping": self.sleeping}
         if msg.get("shm_token") is not None:
             reply["shm_token"] = S.read_token(msg["shm_token"])
         return reply, []

@@ -52,6 +52,32 @@ def test_finish_policy_lets_running_groups_complete_into_the_carry_over(engine):
     assert m["timing/to_last_needed_s"] < m["timing/step_s"]
 
 
+def test_a_trainer_that_left_the_engine_asleep_is_followed_by_one_that_wakes_it(engine):
+    """A trainer killed while its engine slept (sleep_level 1: the update phase) leaves the server asleep; the rerun's
+    client learns it at hello, so its first refit and generation wake the engine instead of being refused."""
+    from nemo_dapo.engines.client import EngineClient
+
+    first = loop_over(engine)
+    first.step()
+    first.generator.sleep()  # the update phase of the next step; then the trainer dies
+    engine.close()
+    again = EngineClient(engine.address, name="rerun", connect_timeout_s=60, request_timeout_s=20,
+                         process=engine.process)
+    try:
+        assert again.asleep_at_connect and again.health()["sleeping"] is True
+        loop = loop_over(again)
+        loop.generator.update_weights(loop.policy)  # what a resumed run does first
+        assert loop.step()["filter/trained_groups"] == 4
+    finally:
+        again.close()
+    fresh = EngineClient(engine.address, name="next", connect_timeout_s=60, request_timeout_s=20,
+                         process=engine.process)
+    try:
+        assert not fresh.asleep_at_connect  # the rerun left it awake after its step's generation
+    finally:
+        fresh.close()
+
+
 def test_streaming_needs_a_stream_capable_generator():
     with pytest.raises(ValueError, match="streaming dynamic sampling needs a generator with stream"):
         make_loop(streaming=True)
