@@ -16,7 +16,10 @@ from typing import Iterable, Optional
 
 import torch
 
+from .base import EngineError
 from .protocol import ProtocolError, dtype_name, dtype_of, nbytes
+
+SHM_DIR = "/dev/shm"  # where Linux keeps POSIX shared-memory blocks
 
 
 def _shm_name(kind: str) -> str:
@@ -106,6 +109,11 @@ class WeightBuffer:
             return None
         self.close()
         self._shm = shared_memory.SharedMemory(name=_shm_name("w"), create=True, size=max(size, 1))
+        try:
+            _back_with_memory(self._shm)
+        except BaseException:
+            self.close()
+            raise
         return self._shm.name
 
     def fill(self, bucket: list, specs: list) -> None:
@@ -131,6 +139,26 @@ class WeightBuffer:
             self._shm.close()
             _unlink(self._shm)
             self._shm = None
+
+
+def _back_with_memory(shm: shared_memory.SharedMemory) -> None:
+    """Allocate the block's pages now. A new block is a sparse file on tmpfs: filling it past a full /dev/shm would
+    kill the trainer with SIGBUS (no engine error, no checkpoint); allocated here, a full /dev/shm is an error."""
+    path = os.path.join(SHM_DIR, shm.name.lstrip("/"))
+    if not hasattr(os, "posix_fallocate") or not os.path.exists(path):
+        return  # not Linux: the platform's own shared memory, not tmpfs
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, shm.size)
+    except OSError as e:
+        st = os.statvfs(SHM_DIR)
+        free, total = st.f_bavail * st.f_frsize / 2 ** 20, st.f_blocks * st.f_frsize / 2 ** 20
+        raise EngineError(f"{SHM_DIR} has no room for a weight bucket of {shm.size / 2 ** 20:.0f} MiB ({free:.0f} "
+                          f"MiB free of {total:.0f} MiB: {e.strerror}): lower the bucket size (rollout.server.bucket_mb, on the cluster "
+                          "trainer.dapo.engine_server.bucket_mb), give the container a larger /dev/shm (docker run "
+                          "--shm-size), or send the weights over a process group (weight_transport: gloo)") from e
+    finally:
+        os.close(fd)
 
 
 def _aligned(n: int, to: int = 64) -> int:
