@@ -9,7 +9,8 @@ Handshake (mutual, HMAC-SHA256 over fresh nonces; the key itself never crosses t
 
     server -> {op: challenge, nonce}      or {op: busy, message} (another client is connected), then it closes
     client -> {op: auth, mac, nonce}       mac = HMAC(key, "client" + server nonce)
-    server -> {op: welcome, mac}           mac = HMAC(key, "server" + client nonce); or {op: denied}, then it closes
+    server -> {op: welcome, mac}           mac = HMAC(key, "server" + client nonce); or {op: denied}, or {op: busy}
+                                           (another client proved the key first), then it closes
 
 The key comes from ``$NEMO_DAPO_ENGINE_AUTHKEY`` or from a chmod-600 file named by ``$NEMO_DAPO_ENGINE_AUTHKEY_FILE``
 (``read_authkey``), never from a command line. A server refuses to start without one, except on a Unix socket whose
@@ -66,7 +67,7 @@ import stat
 import struct
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -104,6 +105,9 @@ class AuthenticationError(ConnectionError):
 
 class ServerBusy(ConnectionError):
     """The server is serving another client (it serves one at a time)."""
+
+
+BUSY_MESSAGE = "the engine server is serving another client (it serves one at a time)"
 
 
 class KeyConfigError(ValueError):
@@ -431,8 +435,11 @@ def _field(msg: dict, name: str) -> str:
     return value
 
 
-def server_handshake(sock: socket.socket, key: Optional[bytes], timeout_s: float = HANDSHAKE_TIMEOUT_S) -> Channel:
-    """Authenticate a new connection within ``timeout_s``; returns its Channel or raises (the caller closes it)."""
+def server_handshake(sock: socket.socket, key: Optional[bytes], timeout_s: float = HANDSHAKE_TIMEOUT_S,
+                     admit: Callable[[], bool] = lambda: True) -> Channel:
+    """Authenticate a new connection within ``timeout_s``; returns its Channel or raises (the caller closes it).
+    ``admit()``, asked once the key is proven: False answers ``busy`` instead of ``welcome`` and raises ServerBusy
+    (two clients that prove the key at the same moment: one is served, the other told at once)."""
     ch, deadline = Channel(sock, HANDSHAKE_MAX_BYTES), time.monotonic() + timeout_s
     nonce = secrets.token_hex(32)
     ch.send({"op": "challenge", "nonce": nonce}, timeout_s)
@@ -442,6 +449,9 @@ def server_handshake(sock: socket.socket, key: Optional[bytes], timeout_s: float
     if not hmac.compare_digest(_field(msg, "mac"), _mac(key, "client", nonce)):
         ch.send({"op": "denied", "message": "wrong engine key"}, max(0.1, deadline - time.monotonic()))
         raise AuthenticationError("the client does not hold the engine key")
+    if not admit():
+        ch.send({"op": "busy", "message": BUSY_MESSAGE}, max(0.1, deadline - time.monotonic()))
+        raise ServerBusy("another client was admitted first")
     ch.send({"op": "welcome", "mac": _mac(key, "server", _field(msg, "nonce"))}, deadline - time.monotonic())
     ch.max_frame = MAX_FRAME_BYTES
     return ch
@@ -461,6 +471,8 @@ def client_handshake(sock: socket.socket, key: Optional[bytes], timeout_s: float
     reply = ch.recv(deadline - time.monotonic())
     if reply["op"] == "denied":
         raise AuthenticationError("the server refused our engine key")
+    if reply["op"] == "busy":
+        raise ServerBusy(str(reply.get("message", BUSY_MESSAGE)))
     if reply["op"] != "welcome" or not hmac.compare_digest(_field(reply, "mac"), _mac(key, "server", nonce)):
         raise AuthenticationError("the server did not prove that it holds our engine key")
     ch.max_frame = MAX_FRAME_BYTES
@@ -470,8 +482,7 @@ def client_handshake(sock: socket.socket, key: Optional[bytes], timeout_s: float
 def send_busy(sock: socket.socket) -> None:
     """Tell a connection that arrived while another client is served to come back later, then close it."""
     try:
-        Channel(sock).send({"op": "busy", "message": "the engine server is serving another client (it serves one "
-                                                     "at a time)"}, 0.2)
+        Channel(sock).send({"op": "busy", "message": BUSY_MESSAGE}, 0.2)
     except (OSError, ValueError):
         pass
     finally:

@@ -6,11 +6,11 @@
 
 One thread does everything: it reads a command when one is waiting, otherwise advances the engine (``adapter.step``)
 and streams each finished request back as a ``completion``. One client at a time (the trainer rank that owns this
-engine); a connection that arrives meanwhile is told ``busy`` and closed; when the client disconnects, its requests
-are aborted and the server waits for the next. Between clients each new connection proves the key in a thread of its
-own (at most ``MAX_HANDSHAKES`` at once), so peers that never answer hold up no one. A connection that fails the
-handshake (no key, wrong key, silence past ``--handshake-timeout-s``), a malformed frame or a refused request never
-stops the server.
+engine); a connection that arrives meanwhile is told ``busy`` and closed; when the client disconnects, its requests are
+aborted and the server waits for the next. Between clients each new connection proves the key in a thread of its own
+(at most ``MAX_HANDSHAKES`` at once), so peers that never answer hold up no one; of those that prove it together, the
+first is welcomed and the others told ``busy``. A connection that fails the handshake (no key, wrong key, silence past
+``--handshake-timeout-s``), a malformed frame or a refused request never stops the server.
 
 The key (``protocol.read_authkey``): ``$NEMO_DAPO_ENGINE_AUTHKEY``, or a chmod-600 file named by
 ``$NEMO_DAPO_ENGINE_AUTHKEY_FILE``; never an argument. Without one the server starts only on a Unix socket whose
@@ -116,6 +116,8 @@ class EngineServer:
         self._then = None  # a collective to enter once the reply is sent (join_weights, update_weights via group)
         self._authenticated: "queue.Queue[P.Channel]" = queue.Queue()  # by the handshake threads, in their order
         self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        self._admission = threading.Lock()
+        self._admitted = False  # a client proved the key and is (about to be) served: the others are told busy
         self._stop = False
 
     # ---- sessions -------------------------------------------------------------------------------------------------
@@ -157,13 +159,30 @@ class EngineServer:
         threading.Thread(target=self._handshake, args=(sock,), daemon=True, name="handshake").start()
 
     def _handshake(self, sock: socket.socket) -> None:
+        admitted = False
+
+        def admit() -> bool:
+            nonlocal admitted
+            with self._admission:
+                admitted, self._admitted = not self._admitted, True
+            return admitted
+
         try:
-            self._authenticated.put(P.server_handshake(sock, self.authkey, self.handshake_timeout_s))
+            self._authenticated.put(P.server_handshake(sock, self.authkey, self.handshake_timeout_s, admit=admit))
+        except P.ServerBusy:
+            log.info("turned away a connection: another client was admitted first")
+            sock.close()
         except Exception as e:  # noqa: BLE001 - whatever a peer does before it is authenticated, we serve on
+            if admitted:  # the welcome did not reach it: admit the next client
+                self._release_admission()
             log.warning("refused a connection: %s (%s)", e or "closed", type(e).__name__)
             sock.close()
         finally:
             self._handshakes.release()
+
+    def _release_admission(self) -> None:
+        with self._admission:
+            self._admitted = False
 
     def _end_session(self, ch: P.Channel) -> None:
         try:
@@ -177,6 +196,7 @@ class EngineServer:
         self._close_buffer()
         self._group = WG.ServerSide(self.adapter)  # the next trainer forms its own group
         ch.close()
+        self._release_admission()
 
     def _session(self, ch: P.Channel) -> None:
         poller = select.poll()

@@ -310,6 +310,36 @@ def test_a_second_client_and_the_health_probe_beside_a_connected_trainer_answer_
     assert serves(server)
 
 
+def test_two_clients_proving_the_key_at_the_same_moment_one_is_served_the_other_told_busy_at_once(server):
+    """Both handshakes end together: the one admitted first is welcomed, the other gets ``busy`` then and there (it
+    was welcomed too and waited unanswered until the first left: a health probe its whole time-out)."""
+    import threading
+
+    got, ready = {}, threading.Barrier(2)
+
+    def connect(tag):
+        ready.wait()
+        t0 = time.monotonic()
+        try:
+            got[tag] = EngineClient(server[1], authkey=KEY, name=tag, wait_if_busy=False, connect_timeout_s=20,
+                                    request_timeout_s=20)
+        except EngineBusy:
+            got[tag] = "busy"
+        got[tag + "_s"] = time.monotonic() - t0
+
+    for _ in range(10):  # overlapping handshakes, or one during the other's session: one served, one busy at once
+        threads = [threading.Thread(target=connect, args=(tag,)) for tag in ("a", "b")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        served = [got[t] for t in ("a", "b") if got[t] != "busy"]
+        assert len(served) == 1 and max(got["a_s"], got["b_s"]) < 5.0, got
+        assert served[0].health()["running"] == 0  # the admitted one is served
+        served[0].close()
+    assert serves(server)  # and the server admits the next client once that one has left
+
+
 def test_the_health_probe_with_a_wrong_key_stops_at_once_and_the_server_stays_up(server, monkeypatch, capsys):
     monkeypatch.setenv(P.AUTHKEY_ENV, "a-mistyped-key-of-enough-length")
     t0 = time.monotonic()
