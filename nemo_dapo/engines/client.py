@@ -165,6 +165,9 @@ class EngineClient:
         except (EOFError, OSError, ValueError) as e:
             self._die(f"connection to engine {self.name!r} at {self.address} lost ({e!r}): the engine process "
                       "died or was killed")
+        except (KeyError, TypeError, AttributeError) as e:  # waits would end only at their time-outs, as "stuck"
+            self._die(f"engine {self.name!r} at {self.address} sent a message this client cannot read ({e!r}): "
+                      "install the same nemo_dapo version in the trainer's and the engine's environments")
 
     def _die(self, why: str) -> None:
         with self._cv:
@@ -238,7 +241,11 @@ class EngineClient:
 
     def submit(self, requests: Sequence[Request]) -> None:
         self._in_flight(len(requests))  # before the send: a completion may come back before the reply
-        self.call("submit", requests=[r.to_wire() for r in requests])
+        try:
+            self.call("submit", requests=[r.to_wire() for r in requests])
+        except EngineError:  # a refused submit runs none of them (all or nothing): no completion will come
+            self._in_flight(-len(requests))
+            raise
 
     def _in_flight(self, delta: int) -> None:
         """Requests submitted and not yet completed (each submitted request completes once, aborted ones too)."""

@@ -191,6 +191,7 @@ class EngineServer:
         except Exception:  # noqa: BLE001 - a failing abort must not hide why the session ended
             log.exception("aborting the requests of the closed session failed")
         self.inflight.clear()
+        self._then = None  # a collective the client asked for: it is gone, and the next one forms its own group
         if not self.weights_ok:  # the next client cannot finish an update it did not send, nor generate from it
             self._refused = self._refused or "the previous client left its update unfinished"
         self._close_buffer()

@@ -188,6 +188,45 @@ def test_engine_crash_inside_step_is_reported_with_its_cause(tmp_path):
     proc.stop()
 
 
+def _misbehaving_server(address: str, key: bytes, after_hello: dict) -> threading.Thread:
+    """A server of one connection that answers hello, then sends ``after_hello`` (what no nemo_dapo server sends)."""
+    listener = P.Listener(address)
+
+    def serve():
+        sock = None
+        while sock is None:
+            sock = listener.accept(1.0)
+        ch = P.server_handshake(sock, key)
+        hello = ch.recv(10)
+        ch.send({"op": "reply", "cmd": hello["cmd"], "version": P.PROTOCOL_VERSION, "engine": "odd", "info": {}})
+        ch.send(after_hello)
+        ch.recv(30)  # until the client closes
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_completion_the_client_cannot_read_ends_its_waits_at_once_naming_the_cause(tmp_path):
+    key = P.new_authkey()
+    _misbehaving_server(f"unix:{tmp_path}/odd.sock", key, {"op": "completion", "samples": []})  # no id
+    client = EngineClient(f"unix:{tmp_path}/odd.sock", authkey=key, name="odd", connect_timeout_s=30,
+                          check_shared_memory=False)
+    t0 = time.monotonic()
+    with pytest.raises(EngineDied, match="engine 'odd' .* sent a message this client cannot read \\(KeyError\\('id'"):
+        client.next_completion(timeout_s=30)
+    assert time.monotonic() - t0 < 10  # not the 30 s time-out, reported as a stuck engine
+    client.close()
+
+
+def test_a_refused_submit_leaves_nothing_counted_in_flight(toy):
+    _, client = toy
+    idle = client.idle_seconds()
+    with pytest.raises(EngineError, match="outside the vocabulary"):
+        client.submit([Request(id="bad", prompt_ids=[1, 10 ** 6])])
+    time.sleep(0.2)
+    assert client.idle_seconds() >= idle + 0.2  # still idle: the refused request never ran
+
+
 def test_a_stuck_engine_times_out(tmp_path):
     proc, client = start(tmp_path, step_delay_s=0.5)
     try:
