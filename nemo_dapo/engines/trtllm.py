@@ -329,12 +329,18 @@ class TRTLLMEngine:
     def load_weights(self, named: Iterable[tuple]) -> None:
         self._check_alive()
         ready = []
-        for name, tensor in named:
-            if self._tied and name == HF_HEAD:
-                continue  # tied: TensorRT-LLM's HF mapper skips lm_head and shares the embedding
-            self._checked(name, tensor)
-            targets = self._devices[:1] if self._refit_copy == "shared" else self._devices
-            ready += self._hold(name, [tensor.detach().to(device=d, dtype=self._dtype, copy=True) for d in targets])
+        try:
+            for name, tensor in named:
+                if self._tied and name == HF_HEAD:
+                    continue  # tied: TensorRT-LLM's HF mapper skips lm_head and shares the embedding
+                self._checked(name, tensor)
+                targets = self._devices[:1] if self._refit_copy == "shared" else self._devices
+                ready += self._hold(name, [tensor.detach().to(device=d, dtype=self._dtype, copy=True)
+                                           for d in targets])
+        except EngineWeightError:
+            if not self._updating:  # a refused first bucket: nothing of it may complete a fused module later
+                self._pending = {}
+            raise
         self._updating = True
         if ready:
             self._send(ready)

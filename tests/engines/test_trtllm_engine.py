@@ -138,6 +138,17 @@ def test_bad_name_or_failed_bucket_refuses_generation(tmp_path):
         proc.stop(client if client.alive else None)
 
 
+def test_a_refused_first_bucket_leaves_no_fused_part_behind(engine):
+    """q of a first bucket that is refused (another tensor of it is) must not complete q/k/v in the next update:
+    one that sends k and v alone is still a partial fused module."""
+    client, weights, _ = engine
+    q = "model.layers.0.self_attn.q_proj.weight"
+    with pytest.raises(EngineWeightError, match="model.bogus"):
+        client.update_weights([[(q, torch.ones(H, H)), ("model.bogus.weight", torch.ones(2))]])
+    with pytest.raises(EngineWeightError, match="missing .*q_proj"):
+        client.update_weights([[(n, torch.ones_like(t)) for n, t in weights.items() if n != q]])
+
+
 def test_partial_fused_module_fails_at_finish(engine):
     client, weights, _ = engine
     with pytest.raises(EngineWeightError, match="k_proj"):
