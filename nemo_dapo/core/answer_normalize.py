@@ -172,7 +172,9 @@ def match_dapo(response: str, ground_truth: str) -> tuple[bool, str]:
 
 
 # Formatting that says nothing about the value; removed before the Minerva steps in tolerant mode.
-_TOLERANT_DROP = ("\\(", "\\)", "\\[", "\\]", "\\displaystyle", "\\left", "\\right", "\\,", "\\!")
+_TOLERANT_DROP = ("\\(", "\\)", "\\[", "\\]", "\\,", "\\!")
+# \left, \right and \displaystyle as whole commands: \leftarrow and \rightarrow stay apart
+_TOLERANT_COMMANDS = re.compile(r"\\(?:left|right|displaystyle)(?![A-Za-z])")
 _TOLERANT_SWAP = (("\\dfrac", "\\frac"), ("\\tfrac", "\\frac"), ("\u2212", "-"))
 _PREFIXES = ("the final answer is", "final answer is", "the answer is")
 _SUFFIXES = ("i hope it is correct.", "i hope it is correct")
@@ -220,10 +222,11 @@ def tolerant_canonical(answer: str) -> str:
     s = s.strip("*`").strip()
     for expr in _TOLERANT_DROP:
         s = s.replace(expr, "")
+    s = _TOLERANT_COMMANDS.sub("", s)
     for before, after in _TOLERANT_SWAP:
         s = s.replace(before, after)
     s = minerva_normalize(s)
-    s = s.rstrip(".,;:!").strip("*`").strip()
+    s = s.rstrip(".,;:").strip("*`").strip()  # not "!": 5! is a factorial
     value = _numeric_value(s)
     if value is None:
         return s

@@ -87,6 +87,16 @@ def test_tolerant_equal_values_in_other_forms():
     assert not verify("Answer: \\frac{1}{0}", "0", mode="tolerant").acc
 
 
+@pytest.mark.parametrize("response, gt", [("Answer: 5!", "5"), ("Answer: 10!", "10"),
+                                          ("Answer: \\leftarrow", "\\rightarrow"),
+                                          ("Answer: \\leftrightarrow", "\\rightarrow")])
+def test_tolerant_never_takes_a_different_value(response, gt):
+    """What reads as formatting only as a whole command or as sentence punctuation: 5! is a factorial, and
+    \\leftarrow is not \\rightarrow with its "left" dropped."""
+    assert not verify(response, gt, mode="tolerant").acc
+    assert verify("Answer: \\left(1, 2\\right)", "(1, 2)", mode="tolerant").acc  # the delimiters still go
+
+
 def test_unit_words_from_the_reference_table():
     for response in ["Answer: 5 cm", "Answer: 5 \\text{ inches}", "Answer: 5^\\circ", "Answer: 5 units",
                      "Answer: 5 mph", "Answer: \\$5", "Answer: 5\\text{ dollars}"]:
