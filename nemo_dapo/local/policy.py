@@ -45,12 +45,14 @@ class LocalPolicy:
     warmup_steps: linear LR warm-up, counted in optimizer updates (the reference counts rollout steps: multiply by
     the updates per rollout step). micro_batch_size: rows per forward/backward (None: the whole mini-batch);
     logprob_batch_size: rows per no-grad pass of :meth:`logprobs` (None: micro_batch_size).
-    chunk_size: tokens per chunk of the fused log-prob/entropy.
+    chunk_size: tokens per chunk of the fused log-prob/entropy. temperature: the sampling temperature of the
+    rollouts; log-probs and entropy are those of ``logits / temperature``, the distribution the samples came from
+    (as the sampler's and the engines' log-probs are).
     """
 
     def __init__(self, model, *, lr: float = 1e-3, weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8,
                  grad_clip: Optional[float] = 1.0, warmup_steps: int = 0, micro_batch_size: Optional[int] = None,
-                 logprob_batch_size: Optional[int] = None, chunk_size: int = 1024):
+                 logprob_batch_size: Optional[int] = None, chunk_size: int = 1024, temperature: float = 1.0):
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1 or None, got {micro_batch_size}")
         self.model = model
@@ -58,6 +60,7 @@ class LocalPolicy:
         self.micro_batch_size = micro_batch_size
         self.logprob_batch_size = logprob_batch_size or micro_batch_size
         self.chunk_size = chunk_size
+        self.temperature = float(temperature)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), eps=eps,
                                            weight_decay=weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, linear_warmup(warmup_steps))
@@ -76,7 +79,8 @@ class LocalPolicy:
             raise ValueError("RolloutBatch has no prompt column: the first response token needs a prompt (BOS)")
         hidden = final_hidden(self.model, ids, mask)[:, P - 1:P + R - 1]
         return fused_logprobs_entropy(hidden, self.model.lm_head.weight, batch.response_ids,
-                                      mask=batch.response_mask > 0, chunk_size=self.chunk_size)
+                                      mask=batch.response_mask > 0, chunk_size=self.chunk_size,
+                                      temperature=self.temperature)
 
     def _chunks(self, batch: RolloutBatch, size: Optional[int]) -> Iterator[RolloutBatch]:
         n = len(batch)

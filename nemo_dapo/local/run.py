@@ -98,7 +98,8 @@ class LocalRun:
         t = cfg.trainer
         self.policy = LocalPolicy(self.model, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
                                   betas=tuple(cfg.optim.betas), eps=cfg.optim.eps, grad_clip=cfg.optim.grad_clip,
-                                  warmup_steps=cfg.optim.warmup_steps, micro_batch_size=t.micro_batch_size)
+                                  warmup_steps=cfg.optim.warmup_steps, micro_batch_size=t.micro_batch_size,
+                                  temperature=cfg.rollout.temperature)
         self.engine = None
         if cfg.rollout.engine == "inprocess":
             self.sampler = ParallelSampler(self.model, eos_id=self.tokenizer.eos_token_id,

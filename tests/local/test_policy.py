@@ -49,6 +49,25 @@ def test_fused_logprobs_match_full_logits(arch, batch):
     assert logp.shape == batch.response_ids.shape and bool((logp[batch.response_mask == 0] == 0).all())
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_logprobs_are_those_of_the_distribution_the_samples_came_from(temperature):
+    """The trainer's log-probs are of logits / T, as the sampler's (and the engines') are: otherwise the importance
+    ratio, the truncated importance weight and the engine/trainer mismatch compare two distributions."""
+    from nemo_dapo.core.types import RolloutBatch
+    from nemo_dapo.local.sampler import LocalSampler
+    from tests.local.tiny_models import EOS, left_padded
+
+    model = tiny_model()
+    ids, mask = left_padded((3, 4))
+    out = LocalSampler(model, eos_id=EOS, pad_id=0).generate(ids, mask, max_new_tokens=6, temperature=temperature,
+                                                             seed=1)
+    b = RolloutBatch(prompt_ids=ids, prompt_mask=mask.float(), response_ids=out.response_ids,
+                     response_mask=out.response_mask, group_ids=torch.tensor([0, 0]), truncated=out.truncated)
+    logp, _ = LocalPolicy(model, temperature=temperature).logprobs(b)
+    m = out.response_mask.bool()
+    torch.testing.assert_close(logp[m], out.logprobs[m], atol=1e-5, rtol=0)
+
+
 def test_one_step_lowers_the_loss_on_a_fixed_batch(batch):
     policy = LocalPolicy(tiny_model(), lr=1e-2)
     n = float(batch.num_tokens())

@@ -297,12 +297,15 @@ def test_rollout_batch_contract_of_the_sampler_matches_the_loop(tmp_path, base_d
     """The loop's payloads from the real sampler are valid RolloutBatches (left-padded prompts, EOS in mask)."""
     from nemo_dapo.local.run import LocalRun
 
-    run = LocalRun(tiny_cfg(str(tmp_path), f"model.path={base_dir}"))
+    run = LocalRun(tiny_cfg(str(tmp_path), f"model.path={base_dir}", "rollout.temperature=0.6"))
     groups = run.loop._generate_groups(2, dict.fromkeys(("gen", "reward"), 0.0))
     for g in groups:
         b = g.payload
         assert isinstance(b, RolloutBatch) and len(b) == 4 and bool(b.prompt_mask[:, -1].all())
         assert torch.equal(b.lengths, b.response_mask.sum(-1).long()) and b.engine_logp.shape == b.response_ids.shape
+        # the trainer scores the samples at the temperature they were drawn at
+        m = b.response_mask.bool()
+        torch.testing.assert_close(run.policy.logprobs(b)[0][m], b.engine_logp[m], atol=1e-4, rtol=0)
 
 
 def _copy_run(smoke_run, tmp_path):
