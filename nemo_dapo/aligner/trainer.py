@@ -250,6 +250,15 @@ class TimeBudget:
         self.estimate[phase] = max(prev, float(seconds))
         self._measured.add(phase)
 
+    def state_dict(self) -> dict:
+        """The measured durations ({phase: seconds}): a resumed run starts from them. Without them a run's first
+        validation always started, whatever the time left, and an allocation ending in it lost the step it follows."""
+        return {phase: self.estimate[phase] for phase in sorted(self._measured)}
+
+    def load_state_dict(self, measured: dict) -> None:
+        for phase, seconds in measured.items():
+            self.record(phase, seconds)
+
     def fits(self, phase: str) -> bool:
         need = self.estimate.get(phase, 0.0) + (self.estimate["save"] if phase != "save" else 0.0)
         return self.agree(self.time_left() >= need)
@@ -313,6 +322,8 @@ class DAPOTrainer:
         self.checkpoint_writer = write_checkpoints_in_process(getattr(model, "_trainer", None))
         log.info("checkpoint saves: %s", self.checkpoint_writer)
         self.history: list = []  # (step, metrics) of every rollout step and validation, for callers and tests
+        self.budget: Optional[TimeBudget] = None  # fit's; its measured durations travel in the checkpoint
+        self._durations: dict = {}  # those of the checkpoint resumed from
         if getattr(model, "trainer_state", None) is not None:
             self.load_state_dict(unpack_state(model.trainer_state))
             log.info("resumed the DAPO trainer at step %d from the checkpoint's trainer state", self.step)
@@ -348,6 +359,7 @@ class DAPOTrainer:
         self.run_timer.start_time()
         budget = self.budget = TimeBudget(self._time_left, float(required(self.cfg, "save_time_s", "trainer.dapo")),
                                           agree=self._rank0_decides)
+        budget.load_state_dict(self._durations)
         self._saved_at = self.loop.counters["gen_batches"]
         while self.step < self.max_steps:
             with self.timer("step_time"):
@@ -416,10 +428,12 @@ class DAPOTrainer:
 
     def state_dict(self) -> dict:
         return {"step": self.step, "consumed_samples": self.consumed_samples, "epoch": self.epoch,
-                "dapo_optimization_step": self.loop.counters["optimizer_steps"], "loop": self.loop.state_dict()}
+                "dapo_optimization_step": self.loop.counters["optimizer_steps"], "loop": self.loop.state_dict(),
+                "time_budget": self.budget.state_dict() if self.budget is not None else dict(self._durations)}
 
     def load_state_dict(self, state: dict) -> None:
         self.loop.load_state_dict(state["loop"])
+        self._durations = dict(state.get("time_budget") or {})  # none in a checkpoint of an earlier release
         # every rank must have loaded the same checkpoint: compare the counters with rank 0's
         mine = torch.tensor([self.step, self.consumed_samples, self.loop.counters["optimizer_steps"]],
                             dtype=torch.int64).cuda()
@@ -446,7 +460,8 @@ class DAPOTrainer:
         self.model.prepare_for_training()
         dist.barrier()
         self.model.trainer_state = pack_state(self.state_dict())
-        candidates = {k: torch.tensor(v, dtype=torch.int32) for k, v in self.state_dict().items() if k != "loop"}
+        candidates = {k: torch.tensor(v, dtype=torch.int32) for k, v in self.state_dict().items()
+                      if k not in ("loop", "time_budget")}  # the counters: NeMo's checkpoint names read them
         candidates.update({k: torch.as_tensor(v) for k, v in (extra_candidates or {}).items()})
         self.ckpt_callback.custom_save(monitor_candidates=candidates, is_train_end=is_train_end)
         self.model.finish_training()

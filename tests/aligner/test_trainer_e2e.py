@@ -56,6 +56,7 @@ def test_two_steps_save_resume_identical(full_run, tok_dir, tmp_path):
     saved = unpack_state(common[CHECKPOINT_KEY])
     assert saved["step"] == 1 and saved["loop"]["counters"]["rollout_steps"] == 1
     assert saved["loop"]["filler"]["groups"], "step 1 should carry surplus groups over (see the worker's settings)"
+    assert {"generate", "update"} <= set(saved["time_budget"]) and min(saved["time_budget"].values()) > 0
 
     run_torchrun(WORKER, nproc=2, out_dir=resumed,
                  env={"TOK_DIR": tok_dir, "PHASE": "resume", "MAX_STEPS": "2", "RESUME_FROM": str(ckpts[0])})

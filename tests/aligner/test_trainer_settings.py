@@ -174,6 +174,21 @@ def test_time_budget_keeps_room_for_the_checkpoint_and_learns_durations():
     assert not b.fits("validation") and b.fits("save")  # 350 s left < 320 + 40; a save alone fits
 
 
+def test_time_budget_durations_survive_a_resume():
+    """A resumed run knows how long validation took: it skips one that would not end (with its checkpoint) before
+    the allocation does, where a fresh budget (0 s measured) would start it and lose the step before it."""
+    from nemo_dapo.aligner.trainer import TimeBudget
+
+    first = TimeBudget(lambda: 1e9, save_s=100.0)
+    first.record("validation", 300.0)
+    first.record("save", 40.0)
+    assert first.state_dict() == {"save": 40.0, "validation": 300.0}
+    fresh, resumed = (TimeBudget(lambda: 320.0, save_s=100.0) for _ in range(2))
+    resumed.load_state_dict(first.state_dict())
+    assert fresh.fits("validation") and not resumed.fits("validation")  # 320 s left < 300 + 40
+    assert resumed.fits("save") and resumed.estimate["save"] == 40.0
+
+
 def test_time_budget_takes_rank_zeros_decision():
     from nemo_dapo.aligner.trainer import TimeBudget
 

@@ -210,7 +210,7 @@ def main() -> None:
         json.dump({"start_step": start, "checkpoint_writer": dapo_trainer.checkpoint_writer,
                    "writer_cases": writer_cases, "decoder_problems": decoder_problems,
                    "records": recorder.records, "state": {
-            k: v for k, v in dapo_trainer.state_dict().items() if k != "loop"},
+            k: v for k, v in dapo_trainer.state_dict().items() if k not in ("loop", "time_budget")},  # timings vary
             "carried_groups": len(dapo_trainer.loop.filler.state_dict()["groups"]),
             "counters": dict(dapo_trainer.loop.counters)}, f, indent=1)
     torch.distributed.barrier()
