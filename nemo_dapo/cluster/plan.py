@@ -337,15 +337,17 @@ def _step_time(cfg: dict, plan: dict) -> dict:
     tokens = prompts * group * seq_len
     recompute = select(cfg, "model.activations_checkpoint_granularity") == "full"
     passes = 2 if select(cfg, "plan.reference_logprob_pass") else 1
+    epochs = int(_need(select(cfg, "trainer.dapo.ppo_epochs"), "trainer.dapo.ppo_epochs"))
     hfu = a["hfu"] or default_hfu(arch)
     logprob_hfu = a["logprob_hfu"] or LOGPROB_HFU_RATIO * hfu
     bubble = _pipeline_bubble(cfg, layout, seq_len * select(cfg, "model.global_batch_size"))
     a2a = alltoall(cfg, plan, layout, tokens)
-    a2a["sends"] = FORWARD_SENDS * passes + update_sends(recompute)
+    a2a["sends"] = FORWARD_SENDS * passes + epochs * update_sends(recompute)
     a2a["step_seconds"] = a2a["sends"] * a2a["seconds"] * (1.0 + bubble)
     t.update(training_seconds(arch, gpu, world=layout.world, tokens=tokens, seq_len=seq_len, hfu=hfu,
                               logprob_hfu=logprob_hfu, recompute=recompute, logprob_passes=passes,
-                              bubble=bubble, alltoall_s=a2a["seconds"]), hfu=hfu, logprob_hfu=logprob_hfu,
+                              bubble=bubble, alltoall_s=a2a["seconds"], epochs=epochs),
+             hfu=hfu, logprob_hfu=logprob_hfu,
              recompute=recompute, logprob_passes=passes, bubble=bubble, trained_tokens=tokens, seq_len=seq_len,
              alltoall=a2a)
     train = plan["phases"]["train"]

@@ -114,17 +114,19 @@ def server_phases(arch, layout: dict, train: dict, *, offloaded: dict, gpu, budg
                         f"{layout['max_seq']}; fix: raise {KEY}.free_gpu_memory_fraction or the engine TP")
     level = layout["sleep_level"]
     asleep = {0: {"engine_weights": weights, "kv_cache": kv}, 1: {"engine_weights": weights}, 2: {}}[level]
-    training = {**{k: v for k, v in train.items()}, **asleep,
-                **({"engine_workspace": workspace} if level < 2 else {}), "cuda_reserved": reserved}
+    # the workspace stays at every level: the engines' sleep frees the KV cache and (level 2) the weights only
+    training = {**{k: v for k, v in train.items()}, **asleep, "engine_workspace": workspace, "cuda_reserved": reserved}
     if sum(training.values()) > budget:
         fix = f"set {KEY}.sleep_level={level + 1} (frees {'the KV cache' if level == 0 else 'the engine weights'})" \
             if level < 2 else "use full recompute or a larger training TP/PP"
         raise PlanError(f"training phase with the engine at {KEY}.sleep_level={level} needs "
                         f"{sum(training.values()) / GB:.1f} GB/GPU > budget {budget / GB:.1f} GB; fix: {fix}")
-    # Refit (after the training peak is released, KV still asleep): the training state as while generating but the
-    # weights, which the gather reads, the engine's weights (restored first at sleep level 2), a bucket being
-    # gathered on the trainer's device and one being loaded on the engine's (bucket_mb each).
-    refit = {**resident, "weights": train["weights"], "engine_weights": weights, "refit_buckets": 2 * layout["bucket_mb"] * MB,
+    # Refit (after the training peak is released, KV still asleep at levels 1 and 2; level 0 never frees it): the
+    # training state as while generating but the weights, which the gather reads, the engine's weights (restored
+    # first at sleep level 2), a bucket being gathered on the trainer's device and one being loaded on the engine's
+    # (bucket_mb each).
+    refit = {**resident, "weights": train["weights"], "engine_weights": weights,
+             "refit_buckets": 2 * layout["bucket_mb"] * MB, **({"kv_cache": kv} if level == 0 else {}),
              "engine_workspace": workspace, "cuda_reserved": reserved}
     if sum(refit.values()) > budget:
         raise PlanError(f"refit phase needs {sum(refit.values()) / GB:.1f} GB/GPU > budget {budget / GB:.1f} GB "

@@ -110,9 +110,10 @@ def update_sends(recompute: bool) -> int:
 
 def training_seconds(arch: Arch, gpu: Gpu, *, world: int, tokens: float, seq_len: float, hfu: float,
                      logprob_hfu: float, recompute: bool, logprob_passes: int = 1, bubble: float = 0.0,
-                     alltoall_s: float = 0.0) -> dict:
+                     alltoall_s: float = 0.0, epochs: int = 1) -> dict:
     """Seconds of the log-prob passes and the update for ``tokens`` trained tokens of mean length ``seq_len``:
-    ``logprob_passes`` forwards (old policy, + a reference policy) at ``logprob_hfu``, the update at ``hfu``, plus
+    ``logprob_passes`` forwards (old policy, + a reference policy) at ``logprob_hfu``, the update (``epochs`` passes
+    over the tokens, trainer.dapo.ppo_epochs) at ``hfu``, plus
     the MoE all-to-all's ``alltoall_s`` (expert_alltoall's seconds of one send; FORWARD_SENDS a forward,
     update_sends an update), all stretched by the pipeline ``bubble`` fraction."""
     stretch = (1.0 + bubble) / (world * gpu.bf16_tflops * 1e12)  # seconds per FLOP at utilisation 1
@@ -120,5 +121,5 @@ def training_seconds(arch: Arch, gpu: Gpu, *, world: int, tokens: float, seq_len
     a2a = (1.0 + bubble) * alltoall_s
     return {"old_logprob": forward * stretch / logprob_hfu + FORWARD_SENDS * a2a,
             "reference_logprob": (logprob_passes - 1) * (forward * stretch / logprob_hfu + FORWARD_SENDS * a2a),
-            "training": tokens * update_flops_per_token(arch, seq_len, recompute) * stretch / hfu
-            + update_sends(recompute) * a2a}
+            "training": epochs * (tokens * update_flops_per_token(arch, seq_len, recompute) * stretch / hfu
+                                  + update_sends(recompute) * a2a)}

@@ -483,3 +483,23 @@ def test_bad_sizes_are_problems_of_the_validator_and_refused_by_make_plan(overri
     assert not any("divisible" in p for p in problems)  # no arithmetic on the bad size
     with pytest.raises(P.PlanError, match=key):
         P.make_plan(cfg)
+
+
+def test_each_ppo_epoch_is_a_pass_of_the_update_and_its_all_to_all():
+    one, two = plan_of("qwen3-30b-a3b_h100"), plan_of("qwen3-30b-a3b_h100", "trainer.dapo.ppo_epochs=2",
+                                                       "model.global_batch_size=1024")  # the same updates' size
+    assert two["time"]["training"] == pytest.approx(2 * one["time"]["training"])
+    assert two["time"]["old_logprob"] == pytest.approx(one["time"]["old_logprob"])  # once a step, whatever the epochs
+    sends = two["time"]["alltoall"]["sends"] - one["time"]["alltoall"]["sends"]
+    assert sends == P.update_sends(one["time"]["recompute"]) > 0
+
+
+def test_the_engines_sleep_frees_what_its_level_says_and_nothing_else():
+    """Level 0 frees nothing: the KV pool is there in the refit too; level 2 frees the weights and the KV cache, not
+    the engine's workspace (the engines' sleep tags name those two only)."""
+    awake = plan_of("qwen3-30b-a3b_h100", "trainer.dapo.engine_server.sleep_level=0",
+                    "trainer.dapo.engine_server.free_gpu_memory_fraction=0.15")["phases"]
+    assert awake["refit"]["kv_cache"] == awake["generate"]["kv_cache"] == awake["train"]["kv_cache"] > 0
+    deep = plan_of("qwen3-235b-a22b_h100")["phases"]  # sleep_level 2
+    assert "engine_weights" not in deep["train"] and "kv_cache" not in deep["train"]
+    assert deep["train"]["engine_workspace"] == deep["generate"]["engine_workspace"] > 0
