@@ -154,9 +154,10 @@ def _back_with_memory(shm: shared_memory.SharedMemory) -> None:
         st = os.statvfs(SHM_DIR)
         free, total = st.f_bavail * st.f_frsize / 2 ** 20, st.f_blocks * st.f_frsize / 2 ** 20
         raise EngineError(f"{SHM_DIR} has no room for a weight bucket of {shm.size / 2 ** 20:.0f} MiB ({free:.0f} "
-                          f"MiB free of {total:.0f} MiB: {e.strerror}): lower the bucket size (rollout.server.bucket_mb, on the cluster "
-                          "trainer.dapo.engine_server.bucket_mb), give the container a larger /dev/shm (docker run "
-                          "--shm-size), or send the weights over a process group (weight_transport: gloo)") from e
+                          f"MiB free of {total:.0f} MiB: {e.strerror}): lower the bucket size "
+                          "(rollout.server.bucket_mb, on the cluster trainer.dapo.engine_server.bucket_mb), give the "
+                          "container a larger /dev/shm (docker run --shm-size), or send the weights over a process "
+                          "group (weight_transport: gloo)") from e
     finally:
         os.close(fd)
 

@@ -349,6 +349,7 @@ def _fit(monkeypatch, loop, max_steps=3):
     t = object.__new__(tr.DAPOTrainer)
     t.cfg = OmegaConf.create({"save_time_s": 10.0, "val_check_interval": 0, "save_interval": 1})
     t.loop, t.max_steps, t.val_ds, t.generator, t.history = loop, max_steps, None, object(), []
+    t._durations = {}  # no checkpoint resumed from: no measured durations
     t.run_timer = type("Timer", (), {"start_time": lambda self: None,
                                      "get_time_remaining": lambda self: 0.0 if loop.out_of_time else 1e9})()
     t.timer = type("Scoped", (), {"__call__": lambda self, name: nullcontext(),
